@@ -1,0 +1,3 @@
+from gpupoor.cli import main
+
+main()

@@ -1,0 +1,127 @@
+"""The `gpupoor` command. Heavy imports (torch, transformers) happen inside commands so --help is instant."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from gpupoor import __version__
+from gpupoor.errors import EXIT_BAD_INPUT, EXIT_RESUMABLE, UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Fine-tune Hugging Face causal LMs on the hardware you have, from a YAML recipe.")
+
+SET_HELP = "Override a recipe key, e.g. --set training.max_steps=100 (value parsed as YAML). Repeatable."
+DEBUG_HELP = "Show full tracebacks."
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"gpupoor {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    pass
+
+
+def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
+    """Run a command: bad input exits 2 with a message, other failures exit 1, tracebacks only with --debug."""
+    try:
+        code = action() or 0
+    except UserError as exc:
+        if debug:
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        if debug:
+            raise
+        typer.echo(f"error: {type(exc).__name__}: {exc}\n  (run again with --debug for the traceback)", err=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def train(
+    recipe: Path = typer.Argument(..., help="The recipe YAML file."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
+    output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Run directory (overrides output_dir)."),
+    smoke: bool = typer.Option(False, "--smoke", help="Check the recipe end to end in seconds: a shrunken "
+                               "random-weight model of the same architecture, the first rows, a few CPU steps."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Train from a recipe into a new run directory."""
+
+    def action() -> int:
+        from gpupoor.preflight import preflight
+        from gpupoor.recipe import load_recipe
+
+        loaded = load_recipe(recipe, set_ or [])
+        for warning in preflight(loaded):
+            typer.echo(f"warning: {warning}", err=True)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from gpupoor.run import train_from_recipe
+
+        result = train_from_recipe(loaded, output_dir, smoke=smoke)
+        return EXIT_RESUMABLE if result.reason != "done" else 0
+
+    _guarded(debug, action)
+
+
+@app.command()
+def validate(
+    recipes: list[Path] = typer.Argument(..., help="One or more recipe files."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Check recipes without loading weights: schema, data files and their format, the model's config."""
+
+    def action() -> int:
+        from gpupoor.preflight import preflight
+        from gpupoor.recipe import load_recipe
+
+        failed = 0
+        for path in recipes:
+            try:
+                warnings = preflight(load_recipe(path, set_ or []))
+            except UserError as exc:
+                if debug:
+                    raise
+                typer.echo(f"{path}: error: {exc}", err=True)
+                failed += 1
+                continue
+            for warning in warnings:
+                typer.echo(f"{path}: warning: {warning}", err=True)
+            typer.echo(f"{path}: ok")
+        return EXIT_BAD_INPUT if failed else 0
+
+    _guarded(debug, action)
+
+
+@app.command()
+def schema() -> None:
+    """Print the recipe JSON schema (for yaml-language-server / editor autocompletion)."""
+    import json
+
+    from gpupoor.recipe import Recipe
+
+    typer.echo(json.dumps(Recipe.model_json_schema(), indent=2))
+
+
+def main() -> None:
+    app(prog_name="gpupoor")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

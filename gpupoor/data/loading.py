@@ -1,0 +1,163 @@
+"""Read raw rows from local files, saved datasets or the hub, each row tagged with where it came from."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpupoor.errors import UserError
+from gpupoor.recipe import DATA_SUFFIXES, resolve_local_path
+
+
+@dataclass
+class Row:
+    fields: dict
+    where: str  # "file:line" (or "dataset[index]") for error messages
+
+
+@dataclass
+class DataSource:
+    """A resolved data location: a local file, a `save_to_disk` directory, or a hub dataset name."""
+
+    kind: str  # "file" | "disk" | "hub"
+    location: str
+    split: str
+
+    def fingerprint(self) -> str:
+        """Identity of the data bytes, for the tokenization cache key."""
+        digest = hashlib.sha256(f"{self.kind}:{self.split}".encode())
+        if self.kind == "file":
+            _hash_file(Path(self.location), digest)
+        elif self.kind == "disk":
+            for path in sorted(Path(self.location).rglob("*")):
+                if path.is_file():
+                    digest.update(str(path.relative_to(self.location)).encode())
+                    _hash_file(path, digest)
+        else:
+            digest.update(_load_hub(self)._fingerprint.encode())
+        return digest.hexdigest()
+
+
+def _hash_file(path: Path, digest) -> None:
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+
+
+def resolve_source(value: str, base_dir: Path, split: str, key: str) -> DataSource:
+    local = resolve_local_path(value, base_dir, DATA_SUFFIXES)
+    if local is None:
+        return DataSource("hub", value, split)
+    if local.is_dir():
+        return DataSource("disk", str(local), split)
+    if not local.is_file():
+        raise UserError(f"{key}: data file not found: {local}",
+                        hint="relative paths resolve against the recipe file's directory")
+    if local.suffix.lower() not in DATA_SUFFIXES:
+        raise UserError(f"{key}: unsupported data file {local.name}; use one of {', '.join(DATA_SUFFIXES)}, "
+                        "a datasets.save_to_disk directory or a hub dataset name")
+    return DataSource("file", str(local), split)
+
+
+def read_rows(source: DataSource, limit: int | None = None) -> list[Row]:
+    """All rows (or the first `limit`) as dicts. Malformed input is a UserError naming file:line."""
+    if source.kind == "file":
+        path = Path(source.location)
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            return _read_jsonl(path, limit)
+        if suffix == ".json":
+            return _read_json(path, limit)
+        if suffix == ".csv":
+            return _read_csv(path, limit)
+        return _read_parquet(path, limit)
+    dataset = _load_disk(source) if source.kind == "disk" else _load_hub(source)
+    count = len(dataset) if limit is None else min(limit, len(dataset))
+    return [Row(dict(dataset[i]), f"{source.location}[{i}]") for i in range(count)]
+
+
+def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{line_no}: not valid JSON: {exc.msg} (column {exc.colno})",
+                                hint="each line of a .jsonl file is one JSON object") from None
+            if not isinstance(value, dict):
+                raise UserError(f"{path}:{line_no}: expected a JSON object, got {type(value).__name__}")
+            rows.append(Row(value, f"{path}:{line_no}"))
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def _read_json(path: Path, limit: int | None) -> list[Row]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), list):
+        value = next(iter(value.values()))  # {"train": [...]} or {"data": [...]}
+    if not isinstance(value, list):
+        raise UserError(f"{path}: expected a JSON list of objects")
+    rows = []
+    for index, item in enumerate(value[:limit] if limit else value):
+        if not isinstance(item, dict):
+            raise UserError(f"{path}: item {index}: expected a JSON object, got {type(item).__name__}")
+        rows.append(Row(item, f"{path}[{index}]"))
+    return rows
+
+
+def _read_csv(path: Path, limit: int | None) -> list[Row]:
+    rows = []
+    with open(path, encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle)
+        for record in reader:
+            rows.append(Row(dict(record), f"{path}:{reader.line_num}"))
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def _read_parquet(path: Path, limit: int | None) -> list[Row]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for a bad file
+        raise UserError(f"{path}: cannot read parquet: {exc}") from None
+    if limit is not None:
+        table = table.slice(0, limit)
+    return [Row(record, f"{path}[{i}]") for i, record in enumerate(table.to_pylist())]
+
+
+def _load_disk(source: DataSource):
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(source.location)
+    except Exception as exc:
+        raise UserError(f"{source.location}: not a dataset saved with save_to_disk: {exc}") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if source.split not in dataset:
+            raise UserError(f"{source.location}: no split {source.split!r}; it has {', '.join(dataset)}",
+                            hint="set data.split")
+        dataset = dataset[source.split]
+    return dataset
+
+
+def _load_hub(source: DataSource):
+    import datasets
+
+    try:
+        return datasets.load_dataset(source.location, split=source.split)
+    except Exception as exc:
+        raise UserError(f"data: cannot load hub dataset {source.location!r} (split {source.split!r}): {exc}",
+                        hint="check the name and network, or point data.path at a local file") from None

@@ -1,0 +1,172 @@
+"""Base model + tokenizer + quantization + PEFT wrapping, through the public transformers/peft APIs."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpupoor.errors import UserError
+from gpupoor.hardware import dtype_of
+from gpupoor.recipe import ModelSection, PeftSection, QuantizationSection, resolve_local_path
+
+# Dimensions of the shrunken model `--smoke` builds from the real config: small enough to step in
+# milliseconds on a CPU, same architecture class so the recipe's code path is the real one.
+SMOKE_DIMS = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2}
+
+
+@dataclass
+class ModelSummary:
+    total_params: int
+    trainable_params: int
+    weight_bytes: int
+
+    @property
+    def trainable_percent(self) -> float:
+        return 100.0 * self.trainable_params / max(self.total_params, 1)
+
+
+def model_location(model: ModelSection, base_dir: Path) -> str:
+    """A local directory (absolute) or the hub id, as transformers' from_pretrained takes it."""
+    local = resolve_local_path(model.name_or_path, base_dir)
+    return str(local) if local is not None else model.name_or_path
+
+
+def load_tokenizer(location: str, model: ModelSection):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, revision=model.revision,
+                                                  trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.name_or_path: cannot load a tokenizer from {location!r}: {exc}") from None
+    if tokenizer.pad_token_id is None:
+        # Padding positions are masked out of attention and loss, so any id works; EOS is conventional.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_config(location: str, model: ModelSection):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(location, revision=model.revision,
+                                          trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.name_or_path: cannot load a model config from {location!r}: {exc}",
+                        hint="a local directory needs config.json; a hub id needs network or a filled cache") from None
+
+
+def _set_first(config, names: tuple[str, ...], value) -> None:
+    for name in names:
+        if hasattr(config, name) and getattr(config, name) is not None:
+            setattr(config, name, value)
+            return
+
+
+def shrink_config(config):
+    """The same architecture with tiny dimensions, for `--smoke`. Vocab is kept: the real tokenizer runs."""
+    config = copy.deepcopy(config)
+    dims = SMOKE_DIMS
+    _set_first(config, ("hidden_size", "n_embd", "d_model"), dims["hidden"])
+    _set_first(config, ("intermediate_size", "n_inner", "ffn_dim"), dims["intermediate"])
+    _set_first(config, ("num_hidden_layers", "n_layer", "num_layers"), dims["layers"])
+    heads = dims["heads"]
+    _set_first(config, ("num_attention_heads", "n_head"), heads)
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv is not None:
+        config.num_key_value_heads = dims["kv_heads"] if kv < getattr(config, "num_attention_heads", heads) else heads
+    if getattr(config, "head_dim", None) is not None:
+        config.head_dim = dims["hidden"] // heads
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[: dims["layers"]]
+    if getattr(config, "max_window_layers", None) is not None:
+        config.max_window_layers = min(config.max_window_layers, dims["layers"])
+    return config
+
+
+def _quantization_config(quant: QuantizationSection, precision: str):
+    if quant.bits is None:
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken native library
+        raise UserError(f"quantization.bits = {quant.bits} needs bitsandbytes, which does not import: {exc}",
+                        hint="pip install bitsandbytes, or remove quantization.bits") from None
+    from transformers import BitsAndBytesConfig
+
+    compute = precision if quant.compute_dtype == "auto" else quant.compute_dtype
+    if quant.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant.quant_type,
+                              bnb_4bit_use_double_quant=quant.double_quant,
+                              bnb_4bit_compute_dtype=dtype_of(compute))
+
+
+def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, quant: QuantizationSection,
+                precision: str, attention: str, device: str, gradient_checkpointing: bool, seed: int,
+                smoke: bool = False):
+    """The PEFT-wrapped model on `device`, base weights frozen."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(location, model_cfg)
+    config.use_cache = False  # no KV cache in training: it costs memory and breaks packed attention
+    dtype = dtype_of(precision)
+    quantization = _quantization_config(quant, precision)
+    common = {"attn_implementation": attention, "trust_remote_code": model_cfg.trust_remote_code}
+    if smoke:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(shrink_config(config), dtype=dtype, **common)
+        if quantization is not None:
+            # Quantize the random tiny model the way from_pretrained would, by a save/load round trip.
+            model = _requantize(model, quantization, dtype, device, common)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                location, config=config, dtype=dtype, revision=model_cfg.revision, quantization_config=quantization,
+                device_map={"": device} if quantization is not None else None, **common)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"model.name_or_path: cannot load model weights from {location!r}: {exc}") from None
+    if quantization is None:
+        model.to(device)
+    else:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(seed)  # LoRA A is randomly initialized: make it a function of the seed
+    lora = LoraConfig(r=peft_cfg.rank, lora_alpha=peft_cfg.effective_alpha, lora_dropout=peft_cfg.dropout,
+                      target_modules=peft_cfg.target_modules, modules_to_save=peft_cfg.modules_to_save or None,
+                      task_type="CAUSAL_LM")
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:
+        raise UserError(f"peft.target_modules: {exc}", hint="use module names of this model, or all-linear") from None
+    model.peft_config["default"].base_model_name_or_path = model_cfg.name_or_path
+    return model
+
+
+def _requantize(model, quantization, dtype, device, common):
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, quantization_config=quantization,
+                                                    device_map={"": device}, **common)
+
+
+def summarize(model) -> ModelSummary:
+    total = trainable = weight_bytes = 0
+    for param in model.parameters():
+        count = param.numel()
+        # bitsandbytes packs two 4-bit values per uint8 element: count the logical parameters.
+        if param.dtype == torch.uint8 and hasattr(param, "quant_state"):
+            count *= 2
+        total += count
+        trainable += count if param.requires_grad else 0
+        weight_bytes += param.numel() * param.element_size()
+    return ModelSummary(total, trainable, weight_bytes)

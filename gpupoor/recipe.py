@@ -1,0 +1,425 @@
+"""The recipe: one pydantic schema, validated once at the edge, plus YAML loading with `--set` overrides.
+
+Every field is documented here, once; `gpupoor schema` and docs/recipe.md are generated from these
+descriptions. This module imports no torch, so `gpupoor validate` and `--help` stay fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gpupoor.errors import UserError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """Which base model to fine-tune and how to load it."""
+
+    name_or_path: str = Field(
+        description="Hugging Face hub id (e.g. `Qwen/Qwen2.5-1.5B`) or a local directory saved with "
+        "`save_pretrained`. Relative paths resolve against the recipe file."
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
+    trust_remote_code: bool = Field(
+        False, description="Run model code shipped in the model repository. Off unless you trust it."
+    )
+    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
+        "auto",
+        description="Attention backend. `auto` picks flash_attention_2 when flash-attn imports and the GPU "
+        "supports it (compute capability >= 8), else sdpa. The startup summary says what was chosen and why.",
+    )
+
+
+class DataSection(_Section):
+    """What to train on and how to turn rows into tokens."""
+
+    path: str = Field(
+        description="A local .jsonl/.json/.csv/.parquet file, a directory written by "
+        "`datasets.save_to_disk`, or a hub dataset name (needs network). Relative paths resolve against "
+        "the recipe file."
+    )
+    format: Literal["text", "alpaca", "chat"] = Field(
+        "text",
+        description="`text`: a `text` field trained as a completion. `alpaca`: `instruction`, optional "
+        "`input`, `output`; loss on `output`. `chat`: a `messages` list of {role, content} rendered with the "
+        "tokenizer's chat template (a ChatML template when it has none); loss on assistant turns.",
+    )
+    split: str = Field("train", description="Split to read from a hub dataset or a saved DatasetDict.")
+    text_field: str = Field("text", description="Field holding the text for `format: text`.")
+    messages_field: str = Field("messages", description="Field holding the message list for `format: chat`.")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template that replaces the tokenizer's own (for `format: chat`)."
+    )
+    max_length: int = Field(
+        2048, ge=8, description="Tokens per example; longer examples are truncated and counted."
+    )
+    sampler: Literal["random", "length_grouped"] = Field(
+        "random",
+        description="`random`: a fresh shuffle each epoch. `length_grouped`: shuffled, then examples of "
+        "similar length batched together to cut padding. Both are deterministic from (seed, epoch).",
+    )
+    train_on_prompt: bool = Field(
+        False, description="Also compute the loss on prompts / user turns, not only on completions."
+    )
+    max_rows: int | None = Field(None, ge=1, description="Use only the first N rows of the training data.")
+    eval_path: str | None = Field(
+        None, description="Evaluation data in the same format: a file, a saved dataset or a hub name."
+    )
+    eval_split: str | None = Field(
+        None, description="Evaluate on this split of `path` (hub dataset or saved DatasetDict)."
+    )
+    eval_rows: int = Field(
+        0, ge=0, description="Hold out this many rows of the training data (after a seeded shuffle) for eval."
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Where tokenized data is cached (default `$GPUPOOR_CACHE` or `~/.cache/gpupoor`). The "
+        "cache key covers the data bytes, tokenizer files, template, format and max_length.",
+    )
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> "DataSection":
+        sources = [n for n, v in (("eval_path", self.eval_path), ("eval_split", self.eval_split),
+                                  ("eval_rows", self.eval_rows)) if v]
+        if len(sources) > 1:
+            raise ValueError(f"choose one evaluation source, not {' and '.join(sources)}")
+        return self
+
+
+class PeftSection(_Section):
+    """Parameter-efficient fine-tuning: LoRA adapters on the frozen base model."""
+
+    method: Literal["lora"] = Field("lora", description="Adapter type.")
+    rank: int = Field(16, ge=1, le=4096, description="LoRA rank r.")
+    alpha: float | None = Field(
+        None, gt=0, description="LoRA alpha; the update is scaled by alpha / rank. Default: 2 x rank."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names to adapt (e.g. `[q_proj, v_proj]`), or `all-linear` for every linear "
+        "layer except the output head.",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full and saved with the adapter (e.g. `[lm_head, embed_tokens]`).",
+    )
+
+    @property
+    def effective_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
+class QuantizationSection(_Section):
+    """Load the frozen base model quantized with bitsandbytes (4-bit + LoRA = QLoRA)."""
+
+    bits: Literal[4, 8] | None = Field(None, description="4 or 8 to quantize the base weights; unset for none.")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    double_quant: bool = Field(True, description="Quantize the 4-bit quantization constants too (saves ~0.4 bit/param).")
+    compute_dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="dtype of 4-bit matmuls; `auto` follows `precision`."
+    )
+
+
+class TrainingSection(_Section):
+    """Batching, schedule and stopping."""
+
+    micro_batch_size: int = Field(1, ge=1, description="Examples per forward/backward pass.")
+    gradient_accumulation_steps: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step. The loss is normalized by the number of target "
+        "tokens in the whole accumulation window, so batch 4 x accum 1 equals batch 1 x accum 4."
+    )
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this many optimizer steps (takes precedence over `epochs`)."
+    )
+    epochs: float | None = Field(
+        None, gt=0, description="Passes over the training data (fractions allowed). Default 1 when "
+        "`max_steps` is unset."
+    )
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    optimizer: Literal["adamw"] = Field(
+        "adamw", description="Optimizer. `adamw` uses torch's fused or foreach kernel where available."
+    )
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup: cosine or linear to zero, or constant."
+    )
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps (overrides `warmup_ratio`).")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Warmup as a fraction of the total steps.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradient norm to this; unset to skip.")
+    eval_every_steps: int | None = Field(
+        None, ge=1, description="Evaluate every N optimizer steps (and at the end) when eval data is set."
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="`auto`: CUDA when available, else CPU.")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch threads on CPU. Default: the cores this process may use."
+    )
+
+
+class MemorySection(_Section):
+    """Trade compute for memory."""
+
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in backward (non-reentrant)."
+    )
+
+
+class CheckpointSection(_Section):
+    """When to save progress."""
+
+    every_steps: int | None = Field(
+        None, ge=1, description="Save a checkpoint every N optimizer steps into `checkpoints/step-NNNNNN/`."
+    )
+    time_limit: str | None = Field(
+        None, description="Wall-clock budget of the run, e.g. `11h30m`, `45m`, `90s`. gpupoor saves a "
+        "checkpoint and stops (exit 75) before it runs out, keeping one step's time in reserve."
+    )
+
+    @field_validator("time_limit")
+    @classmethod
+    def _check_time_limit(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_duration(value)
+        return value
+
+    @property
+    def time_limit_s(self) -> float | None:
+        return None if self.time_limit is None else parse_duration(self.time_limit)
+
+
+class LoggingSection(_Section):
+    """What gpupoor prints while training (metrics.jsonl always gets every step)."""
+
+    every_steps: int = Field(1, ge=1, description="Print a plain log line every N optimizer steps (non-TTY).")
+    progress: Literal["auto", "bar", "plain", "none"] = Field(
+        "auto", description="`auto`: a progress bar on a terminal, plain log lines otherwise."
+    )
+
+
+class Recipe(_Section):
+    """A gpupoor training recipe."""
+
+    model: ModelSection
+    data: DataSection
+    peft: PeftSection = Field(default_factory=PeftSection)
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="`auto`: bf16 on GPUs with compute capability >= 8, fp16 + GradScaler on older "
+        "GPUs, fp32 on CPU. An explicit bf16 on hardware without it is an error."
+    )
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    memory: MemorySection = Field(default_factory=MemorySection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+    seed: int = Field(42, description="Seeds weights init of adapters, data order and dropout.")
+    output_dir: str | None = Field(
+        None, description="Run directory. Relative paths resolve against the recipe file; default "
+        "`runs/<recipe name>` in the current directory. Must be empty or absent."
+    )
+
+
+SECTIONS = ["model", "data", "peft", "quantization", "precision", "training", "memory", "checkpoint",
+            "logging", "seed", "output_dir"]
+
+_DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """'11h30m' -> 41400.0 seconds. A bare number means seconds."""
+    text = str(text)
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    match = _DURATION.match(text)
+    if not match or not any(match.groups()):
+        raise ValueError(f"not a duration: {text!r}; use e.g. 11h30m, 45m or 90s")
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading: YAML with line numbers, --set overrides, and errors that say where.
+
+
+class LoadedRecipe:
+    """A validated recipe plus where it came from (for relative paths and error messages)."""
+
+    def __init__(self, recipe: Recipe, source: Path | None):
+        self.recipe = recipe
+        self.source = source
+
+    @property
+    def base_dir(self) -> Path:
+        return self.source.parent if self.source else Path.cwd()
+
+
+def _line_map(text: str) -> dict[str, int]:
+    """Dotted key -> 1-based line of that key in the YAML text."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                lines[key] = key_node.start_mark.line + 1
+                walk(value_node, key)
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+class _NoDuplicatesLoader(yaml.SafeLoader):
+    pass
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {seen[key]})", key_node.start_mark
+            )
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_NoDuplicatesLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> list[str]:
+    """Apply `KEY.PATH=VALUE` overrides in place (values parsed as YAML scalars). Returns the dotted keys."""
+    keys = []
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. --set training.max_steps=100")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise UserError(f"--set {key}: cannot parse value {raw!r} as YAML: {exc}") from None
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"--set {key}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+        keys.append(key)
+    return keys
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """Field names allowed at the parent of an error location."""
+    model: type[BaseModel] | None = Recipe
+    for part in loc[:-1]:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return []
+        annotation = model.model_fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return list(model.model_fields) if model else []
+
+
+def format_validation_error(exc: ValidationError, source: str, lines: dict[str, int],
+                            overridden: set[str]) -> str:
+    messages = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        dotted = ".".join(str(p) for p in loc) or "(top level)"
+        where = _where(dotted, source, lines, overridden)
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(loc)
+            guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            msg = f"{where}: unknown key '{dotted}'"
+            if guess:
+                parent = ".".join(str(p) for p in loc[:-1])
+                msg += f"; did you mean '{parent + '.' if parent else ''}{guess[0]}'?"
+            msg += f"\n    allowed here: {', '.join(allowed)}"
+        elif err["type"] == "missing":
+            msg = f"{where}: '{dotted}' is required"
+        else:
+            detail = err["msg"].removeprefix("Value error, ")
+            msg = f"{where}: '{dotted}' = {err.get('input')!r}: {detail}"
+        messages.append(msg)
+    return "invalid recipe:\n  " + "\n  ".join(messages) + \
+        "\n  see docs/recipe.md or `gpupoor schema` for every key"
+
+
+def _where(dotted: str, source: str, lines: dict[str, int], overridden: set[str]) -> str:
+    if dotted in overridden:
+        return f"--set {dotted}"
+    key = dotted
+    while key and key not in lines:  # point at the nearest enclosing key that is in the file
+        key = key.rpartition(".")[0]
+    return f"{source}:{lines[key]}" if key else source
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedRecipe:
+    """Read, override and validate a recipe file. Raises UserError with file:line on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe not found: {path}", hint="pass the path of a .yaml recipe, e.g. recipes/demo.yaml")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = yaml.load(text, Loader=_NoDuplicatesLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise UserError(f"{where}: not valid YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}:1: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
+    overridden = set(apply_overrides(data, overrides or []))
+    return LoadedRecipe(validate_recipe_data(data, str(path), _line_map(text), overridden), path.resolve())
+
+
+def validate_recipe_data(data: dict, source: str = "<recipe>", lines: dict[str, int] | None = None,
+                         overridden: set[str] | None = None) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc, source, lines or {}, overridden or set())) from None
+
+
+def recipe_to_yaml(recipe: Recipe, header: str = "") -> str:
+    body = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    return header + body
+
+
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def resolve_local_path(value: str, base_dir: Path, file_suffixes: tuple[str, ...] = ()) -> Path | None:
+    """The local path a recipe value names, or None when it names a hub id (`owner/name`).
+
+    A value is local when it exists relative to the recipe, starts like a path (., /, ~) or ends in one of
+    `file_suffixes`; a hub id never does (`Qwen/Qwen2.5-1.5B` has a dot but no data suffix).
+    """
+    expanded = Path(value).expanduser()
+    candidate = expanded if expanded.is_absolute() else base_dir / expanded
+    if candidate.exists() or value.startswith((".", "/", "~")) or value.lower().endswith(file_suffixes):
+        return candidate.resolve()
+    return None

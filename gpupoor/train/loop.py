@@ -1,0 +1,147 @@
+"""The training loop: one function, read top to bottom. No file I/O and no recipe parsing: what happens at
+each step boundary (metrics, progress, checkpoints, stopping) is decided by the hooks it is given."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from gpupoor.data import DataBundle, collate, count_targets
+from gpupoor.loss import causal_lm_loss_sum
+from gpupoor.train.state import TrainState
+
+
+@dataclass
+class LoopSettings:
+    total_steps: int  # optimizer steps to reach
+    accumulation: int  # micro-batches per optimizer step
+    max_grad_norm: float | None
+    eval_every: int | None
+    pad_id: int
+    eval_micro_batch_size: int
+    eval_in_train_mode: bool = False  # bitsandbytes 4-bit layers repack their weights in eval mode on CPU
+
+
+@dataclass
+class Hooks:
+    on_step: Callable[[dict, TrainState], None]  # after every optimizer step, with its metrics record
+    on_eval: Callable[[dict, TrainState], None]
+    should_stop: Callable[[TrainState, float], str | None]  # (state, last step seconds) -> reason to stop
+
+
+def micro_batches(data: DataBundle, epoch: int, position: int) -> Iterator[tuple[int, int, list[int]]]:
+    """(epoch, index in epoch, example indices), starting at a saved position and running across epochs."""
+    while True:
+        plan = data.plan.epoch(epoch)
+        for index in range(position, len(plan)):
+            yield epoch, index, plan[index]
+        epoch, position = epoch + 1, 0
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> float:
+    assert data.eval is not None
+    model.train(settings.eval_in_train_mode)
+    loss_sum = torch.zeros((), device=accelerator.device)
+    targets = 0
+    size = settings.eval_micro_batch_size
+    with torch.no_grad():
+        for start in range(0, len(data.eval), size):
+            batch = collate(data.eval, list(range(start, min(start + size, len(data.eval)))), settings.pad_id)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            with accelerator.autocast():
+                loss_sum += causal_lm_loss_sum(model, batch)
+            targets += count_targets(batch)
+    model.train()
+    totals = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(targets), device=loss_sum.device)]), "sum")
+    return float(totals[0] / totals[1].clamp(min=1))
+
+
+def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: TrainState,
+          settings: LoopSettings, hooks: Hooks) -> str:
+    """Run optimizer steps until `settings.total_steps` or a hook says stop. Returns why it stopped."""
+    device = accelerator.device
+    params = [p for p in model.parameters() if p.requires_grad]
+    stream = micro_batches(data, state.epoch, state.batch_in_epoch)
+    batches_per_epoch = len(data.plan)
+    model.train()
+    last_step_s = 0.0
+    while state.step < settings.total_steps:
+        reason = hooks.should_stop(state, last_step_s)
+        if reason:
+            return reason
+        started = time.perf_counter()
+
+        # One optimizer step = `accumulation` micro-batches. Collate the whole window first: the loss is
+        # normalized by the target tokens of the window (summed over all processes), not per micro-batch.
+        window = []
+        for _ in range(settings.accumulation):
+            epoch, index, indices = next(stream)
+            window.append(collate(data.train, indices, settings.pad_id))
+            state.epoch, state.batch_in_epoch = (epoch, index + 1) if index + 1 < batches_per_epoch else (epoch + 1, 0)
+            state.samples_seen += len(indices)
+        local_targets = sum(count_targets(b) for b in window)
+        real_tokens = sum(int(b["attention_mask"].sum()) for b in window)
+        global_targets = float(accelerator.reduce(torch.tensor(float(local_targets), device=device), "sum"))
+        # DDP averages gradients over processes; multiplying by their number turns that into a sum.
+        scale = accelerator.num_processes / max(global_targets, 1.0)
+
+        loss_sum = torch.zeros((), device=device)
+        for micro_step, batch in enumerate(window):
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            last = micro_step == len(window) - 1
+            # Skip the gradient all-reduce on all but the last micro-batch of the window.
+            sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
+            with sync:
+                with accelerator.autocast():
+                    micro_loss = causal_lm_loss_sum(model, batch)
+                accelerator.backward(micro_loss * scale)
+            loss_sum += micro_loss.detach()
+
+        # clip_grad_norm_ unscales fp16 gradients first; with no limit it still returns the norm we log.
+        grad_norm = accelerator.clip_grad_norm_(params, settings.max_grad_norm or math.inf)
+        loss = float(accelerator.reduce(loss_sum, "sum")) / max(global_targets, 1.0)  # CPU-GPU sync point
+        grad_norm = float(grad_norm)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            optimizer.step()
+        skipped = not finite or accelerator.optimizer_step_was_skipped  # fp16 GradScaler overflow
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()  # the schedule follows the step count, skipped steps included
+        state.step += 1
+        state.skipped_steps += int(skipped)
+        state.tokens_seen += int(accelerator.reduce(torch.tensor(real_tokens, device=device), "sum"))
+        state.target_tokens_seen += int(global_targets)
+        last_step_s = time.perf_counter() - started
+        state.elapsed_s += last_step_s
+        record = {
+            "step": state.step,
+            "epoch": round(state.epoch + state.batch_in_epoch / batches_per_epoch, 4),
+            "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens": real_tokens, "target_tokens": int(global_targets),
+            "tokens_per_s": round(real_tokens * accelerator.num_processes / max(last_step_s, 1e-9), 1),
+            "peak_mem_mb": round(peak_memory_mb(device), 1),
+            "step_s": round(last_step_s, 4), "elapsed_s": round(state.elapsed_s, 3),
+        }
+        if skipped:
+            record["skipped"] = True
+        hooks.on_step(record, state)
+        if data.eval is not None and settings.eval_every and state.step % settings.eval_every == 0 \
+                and state.step < settings.total_steps:
+            hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
+    if data.eval is not None:
+        hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
+    return "done"

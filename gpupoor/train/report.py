@@ -1,0 +1,71 @@
+"""What a run tells the world: metrics.jsonl (every step) and a progress bar or plain log lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsWriter:
+    """Appends one JSON object per line and flushes, so a killed run keeps every record it wrote."""
+
+    def __init__(self, path: Path):
+        self.handle = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.handle.write(json.dumps(record) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def _eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def format_step(record: dict, total: int, eta_s: float) -> str:
+    return (f"step {record['step']}/{total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+            f"{record['tokens_per_s']:.0f} tok/s  peak {record['peak_mem_mb']:.0f} MB  eta {_eta(eta_s)}")
+
+
+class Progress:
+    """A rich progress bar on a terminal; plain lines every `every` steps otherwise (logs, CI, notebooks)."""
+
+    def __init__(self, total: int, start_step: int, mode: str = "auto", every: int = 1):
+        self.total, self.every = total, every
+        self.mode = ("bar" if sys.stdout.isatty() else "plain") if mode == "auto" else mode
+        self.started, self.start_step = time.perf_counter(), start_step
+        self.bar = None
+        if self.mode == "bar":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
+                TimeRemainingColumn
+
+            self.bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=total, completed=start_step, info="")
+            self.bar.start()
+
+    def step(self, record: dict) -> None:
+        done = record["step"] - self.start_step
+        eta = (time.perf_counter() - self.started) / max(done, 1) * (self.total - record["step"])
+        if self.bar is not None:
+            info = (f"loss {record['loss']:.4f} lr {record['lr']:.1e} {record['tokens_per_s']:.0f} tok/s "
+                    f"{record['peak_mem_mb']:.0f} MB")
+            self.bar.update(self.task, completed=record["step"], info=info)
+        elif self.mode == "plain" and (record["step"] % self.every == 0 or record["step"] == self.total):
+            print(format_step(record, self.total, eta), flush=True)
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text)
+        elif self.mode != "none":
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
