@@ -144,7 +144,8 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
         model = get_peft_model(model, lora)
     except ValueError as exc:
         raise UserError(f"peft.target_modules: {exc}", hint="use module names of this model, or all-linear") from None
-    model.peft_config["default"].base_model_name_or_path = model_cfg.name_or_path
+    # What a user loads the adapter onto: the hub id as named, or the local directory as an absolute path.
+    model.peft_config["default"].base_model_name_or_path = location
     return model
 
 

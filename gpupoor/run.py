@@ -78,6 +78,7 @@ def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
 def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke: bool = False,
                       say=print) -> RunResult:
     import torch
+    import transformers
     from accelerate import Accelerator
 
     from gpupoor.checkpoint import write_checkpoint
@@ -89,6 +90,7 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
     from gpupoor.train.report import MetricsWriter, Progress
     from gpupoor.train.state import TrainState
 
+    transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
     recipe = smoke_recipe(loaded.recipe) if smoke else loaded.recipe
     stem = (loaded.source.stem if loaded.source else "run") + ("-smoke" if smoke else "")
     temporary_run = smoke and not output_dir

@@ -1,0 +1,106 @@
+"""Fixtures: a tokenizer trained here, tiny random-weight Llamas saved with save_pretrained, data files,
+and a helper that writes recipes. Nothing is downloaded: HF_HUB_OFFLINE makes an accidental download fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+WORDS = ("the model learns to stop when the answer is done and every token counts toward the loss "
+         "python lists sort reverse add numbers quickly small large data memory speed resume").split()
+
+
+def _sentence(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+
+def alpaca_rows(count: int, seed: int = 0) -> list[dict]:
+    """Variable-length rows: prompts and answers of different sizes, some with an input."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        row = {"instruction": _sentence(rng, 2, 12), "output": _sentence(rng, 1, 20)}
+        if index % 3 == 0:
+            row["input"] = _sentence(rng, 1, 8)
+        rows.append(row)
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUPOOR_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from gpupoor.data.formats import alpaca_prompt
+    from gpupoor.tiny import train_tokenizer
+
+    rng = random.Random(1)
+    texts = [alpaca_prompt(_sentence(rng, 2, 9), _sentence(rng, 0, 5)) + _sentence(rng, 1, 9) for _ in range(300)]
+    texts += ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"] * 20
+    return train_tokenizer(texts, vocab_size=400)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer) -> Path:
+    from gpupoor.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny", tokenizer, hidden=32, layers=2,
+                            heads=4, kv_heads=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model(tmp_path_factory, tokenizer) -> Path:
+    from gpupoor.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tied", tokenizer, hidden=32, layers=2,
+                            heads=4, kv_heads=2, seed=1, tie_embeddings=True)
+
+
+@pytest.fixture()
+def alpaca_file(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "train.jsonl", alpaca_rows(48))
+
+
+@pytest.fixture()
+def make_recipe(tmp_path, tiny_model, alpaca_file):
+    """Write a recipe for the tiny model; keyword sections are merged over sensible test defaults."""
+
+    def make(name: str = "recipe.yaml", **sections) -> Path:
+        recipe = {
+            "model": {"name_or_path": str(tiny_model)},
+            "data": {"path": str(alpaca_file), "format": "alpaca", "max_length": 128},
+            "peft": {"rank": 4},
+            "training": {"micro_batch_size": 4, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
+                         "warmup_steps": 0},
+            "logging": {"progress": "none"},
+            "seed": 0,
+        }
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(recipe.get(key), dict):
+                recipe[key] = {**recipe[key], **value}
+            else:
+                recipe[key] = value
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        return path
+
+    return make
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
