@@ -135,7 +135,9 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
     else:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant: works with frozen inputs (no enable_input_require_grads hack) and gives bitwise-equal
+        # LoRA gradients.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(seed)  # LoRA A is randomly initialized: make it a function of the seed
     lora = LoraConfig(r=peft_cfg.rank, lora_alpha=peft_cfg.effective_alpha, lora_dropout=peft_cfg.dropout,
                       target_modules=peft_cfg.target_modules, modules_to_save=peft_cfg.modules_to_save or None,

@@ -75,14 +75,23 @@ def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
     return max(1, math.ceil(epochs * batches_per_epoch / recipe.training.gradient_accumulation_steps))
 
 
+def make_accelerator(device: str, precision: str):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps one process-wide state; a second run in the same process (the demo, tests, a
+    # notebook) with another precision must start from a clean one. Launch settings (DDP etc.) survive.
+    AcceleratorState._reset_state()
+    return Accelerator(cpu=device == "cpu", mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision])
+
+
 def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke: bool = False,
                       say=print) -> RunResult:
     import torch
     import transformers
-    from accelerate import Accelerator
 
     from gpupoor.checkpoint import write_checkpoint
-    from gpupoor.data import build_data
+    from gpupoor.data.build import build_data
     from gpupoor.hardware import resolve_attention, resolve_device, resolve_precision, usable_cpu_count
     from gpupoor.model import build_model, load_tokenizer, model_location, summarize
     from gpupoor.optim import build_optimizer, build_scheduler
@@ -113,8 +122,7 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
     model = build_model(location, recipe.model, recipe.peft, recipe.quantization, precision.value,
                         attention.value, device.value, recipe.memory.gradient_checkpointing, recipe.seed, smoke)
     summary = summarize(model)
-    accelerator = Accelerator(cpu=device.value == "cpu",
-                              mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision.value])
+    accelerator = make_accelerator(device.value, precision.value)
     optimizer = build_optimizer(recipe.training, model, device.value)
     steps = total_steps(recipe, len(data.plan))
     scheduler = build_scheduler(recipe.training, optimizer, steps)

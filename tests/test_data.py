@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import alpaca_rows, write_jsonl
-from gpupoor.data import build_data, collate, count_targets
+from gpupoor.data.build import build_data, collate, count_targets
 from gpupoor.data.formats import IGNORE_INDEX, Encoder, alpaca_prompt
 from gpupoor.data.loading import read_rows, resolve_source
 from gpupoor.data.sampler import BatchPlan

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpupoor.data import DataBundle, collate, count_targets
+from gpupoor.data.build import DataBundle, collate, count_targets
 from gpupoor.loss import causal_lm_loss_sum
 from gpupoor.train.state import TrainState
 

@@ -1,0 +1,90 @@
+"""build_data: the recipe's data section -> tokenized train/eval sets and a batch plan; collate to tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpupoor.data.dataset import TokenizedDataset, cache_key, default_cache_dir, tokenize_rows
+from gpupoor.data.formats import IGNORE_INDEX, Encoder
+from gpupoor.data.loading import DataSource, read_rows, resolve_source
+from gpupoor.data.sampler import BatchPlan
+from gpupoor.errors import UserError
+from gpupoor.recipe import DataSection
+
+
+@dataclass
+class DataBundle:
+    train: TokenizedDataset
+    eval: TokenizedDataset | None
+    plan: BatchPlan
+    cache_hit: bool
+
+
+def make_encoder(data: DataSection, tokenizer) -> Encoder:
+    return Encoder(tokenizer, data.format, data.max_length, data.train_on_prompt, data.text_field,
+                   data.messages_field, data.chat_template)
+
+
+def _tokenized(source: DataSource, limit: int | None, encoder: Encoder, tokenizer,
+               cache_dir: Path | None) -> tuple[TokenizedDataset, bool]:
+    if cache_dir is None:
+        return tokenize_rows(read_rows(source, limit), encoder), False
+    key = cache_key(f"{source.fingerprint()}:{limit}", tokenizer, encoder)
+    path = cache_dir / "tokenized" / f"{key}.safetensors"
+    if path.is_file():
+        return TokenizedDataset.load(path), True
+    dataset = tokenize_rows(read_rows(source, limit), encoder)
+    dataset.save(path)
+    return dataset, False
+
+
+def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
+               use_cache: bool = True) -> DataBundle:
+    encoder = make_encoder(data, tokenizer)
+    cache_dir = (Path(data.cache_dir) if data.cache_dir else default_cache_dir()) if use_cache else None
+    if cache_dir is not None and not cache_dir.is_absolute():
+        cache_dir = base_dir / cache_dir
+    source = resolve_source(data.path, base_dir, data.split, "data.path")
+    train, hit = _tokenized(source, data.max_rows, encoder, tokenizer, cache_dir)
+    evaluation = None
+    if data.eval_path or data.eval_split:
+        eval_source = (resolve_source(data.eval_path, base_dir, "train", "data.eval_path") if data.eval_path
+                       else DataSource(source.kind, source.location, data.eval_split))
+        evaluation, _ = _tokenized(eval_source, None, encoder, tokenizer, cache_dir)
+    elif data.eval_rows:
+        if data.eval_rows >= len(train):
+            raise UserError(f"data.eval_rows = {data.eval_rows} leaves no training rows "
+                            f"(the data has {len(train)} usable examples)")
+        # Held-out rows are chosen by a seeded shuffle that does not depend on the epoch.
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+        evaluation = train.subset(sorted(order[: data.eval_rows]))
+        stats = train.stats
+        train = train.subset(sorted(order[data.eval_rows:]))
+        train.stats = stats
+    if len(train) == 0:
+        raise UserError(f"data.path: no usable training examples in {data.path} "
+                        f"({train.stats.dropped_no_target} had no target tokens within max_length)")
+    plan = BatchPlan(train.lengths, micro_batch_size, seed, data.sampler)
+    return DataBundle(train, evaluation, plan, hit)
+
+
+def collate(dataset: TokenizedDataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, labels (-100 on padding and prompts)."""
+    examples = [dataset[i] for i in indices]
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, (ids, lab) in enumerate(examples):
+        input_ids[row, : len(ids)] = ids
+        labels[row, : len(ids)] = lab
+        attention_mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def count_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Target tokens the loss will use: labels after the causal shift that are not ignored."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
