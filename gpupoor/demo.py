@@ -65,13 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    import transformers
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    transformers.utils.logging.disable_progress_bar()
+    from gpupoor.run import quiet_libraries, train_from_recipe
+
+    quiet_libraries()
     from gpupoor.recipe import load_recipe
-    from gpupoor.run import train_from_recipe
 
     loaded = load_recipe(args.recipe)
     recipe = loaded.recipe

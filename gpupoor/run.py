@@ -75,6 +75,20 @@ def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
     return max(1, math.ceil(epochs * batches_per_epoch / recipe.training.gradient_accumulation_steps))
 
 
+def quiet_libraries() -> None:
+    """Silence library noise that says nothing to a user of gpupoor."""
+    import logging
+    import warnings
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
+    # peft still asks for the pre-5.x name of the checkpointing flag.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    # bitsandbytes tries to fetch an optional CPU kernel from the hub and warns when it can't; it falls back.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def make_accelerator(device: str, precision: str):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -88,7 +102,6 @@ def make_accelerator(device: str, precision: str):
 def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke: bool = False,
                       say=print) -> RunResult:
     import torch
-    import transformers
 
     from gpupoor.checkpoint import write_checkpoint
     from gpupoor.data.build import build_data
@@ -99,7 +112,7 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
     from gpupoor.train.report import MetricsWriter, Progress
     from gpupoor.train.state import TrainState
 
-    transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
+    quiet_libraries()
     recipe = smoke_recipe(loaded.recipe) if smoke else loaded.recipe
     stem = (loaded.source.stem if loaded.source else "run") + ("-smoke" if smoke else "")
     temporary_run = smoke and not output_dir

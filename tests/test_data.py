@@ -163,3 +163,18 @@ def test_length_grouped_cuts_padding():
                    for b in BatchPlan(lengths, 8, 0, kind).epoch(0))
 
     assert padding("length_grouped") < 0.2 * padding("random")
+
+
+def test_eval_split_of_a_saved_dataset(tmp_path, tokenizer):
+    import datasets
+
+    rows = alpaca_rows(12)
+    for row in rows:
+        row.setdefault("input", "")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:8]),
+                          "test": datasets.Dataset.from_list(rows[8:])}).save_to_disk(tmp_path / "saved")
+    section = DataSection(path="saved", format="alpaca", max_length=256, eval_split="test")
+    bundle = build_data(section, tokenizer, 4, 0, tmp_path)
+    assert len(bundle.train) == 8 and len(bundle.eval) == 4
+    with pytest.raises(UserError, match="no split 'validation'"):
+        build_data(section.model_copy(update={"eval_split": "validation"}), tokenizer, 4, 0, tmp_path)
