@@ -215,8 +215,8 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
             f"with checkpoint checkpoints/{name}")
     else:
         save(run_dir / "final", False)
-        say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {last_loss[0]:.4f}; "
-            f"adapter in {run_dir / 'final'}")
+        where = "smoke test passed, temporary run removed" if temporary_run else f"adapter in {run_dir / 'final'}"
+        say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {last_loss[0]:.4f}; {where}")
     if temporary_run:
         shutil.rmtree(run_dir, ignore_errors=True)
     return RunResult(run_dir, reason, last_loss[0], state.step)
