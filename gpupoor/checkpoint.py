@@ -1,21 +1,36 @@
-"""Checkpoints written atomically: into a temporary directory beside the target, every file fsynced, a
-manifest written last, then one rename. A reader sees no checkpoint or a whole one, never half of one."""
+"""Checkpoints that survive any crash.
+
+Commit protocol: write into a temporary directory beside the target (same filesystem), fsync every file,
+write the manifest last (step, size and sha256 of each file, recipe hash, data fingerprint, versions), rename
+into place, fsync the parent. A reader sees no checkpoint or a whole one. Checkpoints are chosen by the
+manifest's step after verifying it, never by mtime or name; rotation runs only after a commit and never
+removes the newest valid checkpoint.
+"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from gpupoor.train.state import TrainState, capture_rng
+from gpupoor import faults
+from gpupoor.errors import UserError
 
 MANIFEST = "manifest.json"
 STATE = "train_state.json"
+ADAPTER = "adapter_model.safetensors"
+TMP_PREFIX = ".tmp-"
+# Stages of the commit protocol, in order; fault injection (GPUPOOR_FAULT=kill@STAGE) can stop at each.
+STAGES = ("start", "weights", "optimizer", "state", "manifest", "rename", "rotate")
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written; the previous one is intact."""
 
 
 def _fsync_file(path: Path) -> None:
@@ -31,7 +46,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -39,35 +54,141 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_checkpoint(target: Path, model, tokenizer, state: TrainState, optimizer=None, scheduler=None,
-                     extra_manifest: dict | None = None) -> float:
-    """Write a checkpoint directory at `target` atomically. Returns the seconds it took."""
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    manifest: dict
+
+
+def write_checkpoint(target: Path, save_files, step: int, manifest_extra: dict, expected_bytes: int) -> float:
+    """Atomically create `target` with what `save_files(tmp_dir)` writes. Returns the seconds it took.
+
+    Raises CheckpointError (disk full, before or during the write) with the previous checkpoint untouched.
+    """
     started = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+    free = shutil.disk_usage(target.parent).free
+    if free < expected_bytes:
+        raise CheckpointError(f"not enough disk space for checkpoint {target.name}: needs about "
+                              f"{_mb(expected_bytes)}, {_mb(free)} free on {target.parent}")
+    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)  # adapter_config.json + adapter_model.safetensors
-        tokenizer.save_pretrained(tmp)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        state.rng = capture_rng()
-        (tmp / STATE).write_text(json.dumps(state.to_dict()))
+        faults.at_stage("start", step)
+        tmp.mkdir()
+        save_files(tmp)  # calls faults.at_stage for weights / optimizer / state
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             _fsync_file(path)
-            files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-        manifest = {"step": state.step, "files": files, **(extra_manifest or {})}
+            files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        faults.at_stage("manifest", step)
+        manifest = {"step": step, "files": files, "created": time.time(), **manifest_extra}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: its presence means complete
         _fsync_file(tmp / MANIFEST)
-        if target.exists():
+        faults.at_stage("rename", step)
+        if target.exists():  # an invalid leftover with the same step (a verified one is never rewritten)
             shutil.rmtree(target)
         os.rename(tmp, target)
         _fsync_dir(target.parent)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise CheckpointError(f"disk full while writing checkpoint {target.name}: it needs about "
+                                  f"{_mb(expected_bytes)} on {target.parent}; the partial checkpoint was removed "
+                                  "and the previous one is intact") from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written checkpoint behind
         raise
     return time.perf_counter() - started
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def verify(path: Path) -> str | None:
+    """None when the checkpoint is complete and intact, else why not."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return "no manifest (incomplete write)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+        int(manifest["step"])
+    except (ValueError, KeyError, TypeError):
+        return "unreadable manifest"
+    for name, meta in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != meta["size"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {meta['size']}"
+        if sha256_file(file) != meta["sha256"]:
+            return f"{name} is corrupt (sha256 mismatch)"
+    return None
+
+
+def scan(checkpoints_dir: Path) -> list[tuple[Path, int | None, str | None]]:
+    """Every checkpoint directory as (path, step or None, problem or None), newest step first."""
+    found = []
+    if checkpoints_dir.is_dir():
+        for path in checkpoints_dir.iterdir():
+            if not path.is_dir() or path.name.startswith(TMP_PREFIX):
+                continue
+            problem = verify(path)
+            step = json.loads((path / MANIFEST).read_text())["step"] if problem is None else None
+            found.append((path, step, problem))
+    return sorted(found, key=lambda item: (item[1] is not None, item[1] or 0), reverse=True)
+
+
+def latest_valid(checkpoints_dir: Path, warn=print) -> Checkpoint | None:
+    """The verified checkpoint with the highest manifest step; invalid ones are skipped with a warning."""
+    best = None
+    for path, step, problem in scan(checkpoints_dir):
+        if problem is not None:
+            warn(f"warning: skipping checkpoint {path.name}: {problem}")
+        elif best is None or step > best.step:
+            best = Checkpoint(path, step, json.loads((path / MANIFEST).read_text()))
+    return best
+
+
+def sweep_temporary(checkpoints_dir: Path) -> list[str]:
+    """Remove temporary directories left by a crash mid-write. Returns their names."""
+    removed = []
+    for parent in (checkpoints_dir, checkpoints_dir.parent):
+        if parent.is_dir():
+            for path in parent.glob(f"{TMP_PREFIX}*"):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+    return removed
+
+
+def rotate(checkpoints_dir: Path, keep_last: int, step: int | None = None) -> list[str]:
+    """Keep the `keep_last` newest valid checkpoints (by manifest step) and remove older valid ones. Never
+    removes the newest valid checkpoint; leaves invalid ones for the user to inspect (resume skips them)."""
+    faults.at_stage("rotate", step)
+    valid = [path for path, step, problem in scan(checkpoints_dir) if problem is None]
+    removed = []
+    for path in valid[max(1, keep_last):]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return removed
+
+
+def load_torch(path: Path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def require_checkpoint_files(checkpoint: Checkpoint, names: list[str]) -> None:
+    missing = [name for name in names if name not in checkpoint.manifest["files"]]
+    if missing:
+        raise UserError(f"checkpoint {checkpoint.path} lacks {', '.join(missing)}; it cannot be resumed from")

@@ -18,6 +18,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 SET_HELP = "Override a recipe key, e.g. --set training.max_steps=100 (value parsed as YAML). Repeatable."
 DEBUG_HELP = "Show full tracebacks."
+TIME_LIMIT_HELP = ("Stop with a checkpoint (exit 75) before this much wall-clock time has passed, e.g. 11h30m "
+                   "(sets checkpoint.time_limit).")
 
 
 def _version(value: bool) -> None:
@@ -45,8 +47,13 @@ def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as exc:
+        from gpupoor.run import RunFailed
+
         if debug:
             raise
+        if isinstance(exc, RunFailed):
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
         typer.echo(f"error: {type(exc).__name__}: {exc}\n  (run again with --debug for the traceback)", err=True)
         raise typer.Exit(1) from None
     raise typer.Exit(code)
@@ -59,6 +66,7 @@ def train(
     output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Run directory (overrides output_dir)."),
     smoke: bool = typer.Option(False, "--smoke", help="Check the recipe end to end in seconds: a shrunken "
                                "random-weight model of the same architecture, the first rows, a few CPU steps."),
+    time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Train from a recipe into a new run directory."""
@@ -67,7 +75,8 @@ def train(
         from gpupoor.preflight import preflight
         from gpupoor.recipe import load_recipe
 
-        loaded = load_recipe(recipe, set_ or [])
+        overrides = (set_ or []) + ([f"checkpoint.time_limit={time_limit}"] if time_limit else [])
+        loaded = load_recipe(recipe, overrides)
         for warning in preflight(loaded):
             typer.echo(f"warning: {warning}", err=True)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -75,6 +84,47 @@ def train(
 
         result = train_from_recipe(loaded, output_dir, smoke=smoke)
         return EXIT_RESUMABLE if result.reason != "done" else 0
+
+    _guarded(debug, action)
+
+
+@app.command()
+def resume(
+    run_dir: Path = typer.Argument(..., help="The run directory `gpupoor train` wrote."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP + " Changes that alter the training "
+                                             "trajectory are refused unless --force."),
+    force: bool = typer.Option(False, "--force", help="Resume even with trajectory-changing recipe changes "
+                               "or changed data."),
+    time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Continue a run exactly from its newest valid checkpoint."""
+
+    def action() -> int:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from gpupoor.run import resume_run
+
+        overrides = (set_ or []) + ([f"checkpoint.time_limit={time_limit}"] if time_limit else [])
+        result = resume_run(run_dir, overrides, force=force)
+        return EXIT_RESUMABLE if result.reason not in ("done", "already_done") else 0
+
+    _guarded(debug, action)
+
+
+@app.command()
+def status(
+    run_dir: Path = typer.Argument(..., help="A run directory."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Show a run's progress, its checkpoints (valid or why not) and how to continue."""
+
+    def action() -> int:
+        from gpupoor.resume import status_report
+
+        if not (run_dir / "recipe.yaml").is_file():
+            raise UserError(f"{run_dir} is not a gpupoor run directory (no recipe.yaml)")
+        typer.echo(status_report(run_dir.resolve()))
+        return 0
 
     _guarded(debug, action)
 

@@ -6,15 +6,28 @@ import math
 
 import torch
 
+from gpupoor.errors import UserError
 from gpupoor.recipe import TrainingSection
+
+
+BNB_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
+                  "paged_adamw_32bit": "PagedAdamW32bit"}
 
 
 def build_optimizer(training: TrainingSection, model: torch.nn.Module, device: str) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
+    common = {"lr": training.learning_rate, "betas": tuple(training.adam_betas), "eps": training.adam_eps,
+              "weight_decay": training.weight_decay}
+    if training.optimizer in BNB_OPTIMIZERS:
+        try:
+            import bitsandbytes.optim as bnb_optim
+        except Exception as exc:
+            raise UserError(f"training.optimizer = {training.optimizer!r} needs bitsandbytes, which does not "
+                            f"import: {exc}", hint="pip install bitsandbytes, or use optimizer: adamw") from None
+        return getattr(bnb_optim, BNB_OPTIMIZERS[training.optimizer])(params, **common)
     # The fused kernel is one launch per step on CUDA; foreach is the fast path on CPU.
     kernel = {"fused": True} if device == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(params, lr=training.learning_rate, betas=tuple(training.adam_betas),
-                             eps=training.adam_eps, weight_decay=training.weight_decay, **kernel)
+    return torch.optim.AdamW(params, **common, **kernel)
 
 
 def warmup_steps(training: TrainingSection, total_steps: int) -> int:

@@ -149,8 +149,14 @@ class TrainingSection(_Section):
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    optimizer: Literal["adamw"] = Field(
-        "adamw", description="Optimizer. `adamw` uses torch's fused or foreach kernel where available."
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = Field(
+        "adamw", description="`adamw`: torch AdamW (fused kernel on CUDA, foreach on CPU). `adamw_8bit`: "
+        "bitsandbytes 8-bit state (about 4x less optimizer memory). `paged_adamw_8bit` / `paged_adamw_32bit`: "
+        "state in paged memory that spills to the CPU under GPU memory pressure."
+    )
+    max_consecutive_skips: int = Field(
+        10, ge=1, description="Steps with a non-finite loss or gradient norm are skipped and counted; after this "
+        "many in a row the run stops with an error, keeping its last good checkpoint."
     )
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="Decay after warmup: cosine or linear to zero, or constant."
@@ -176,10 +182,18 @@ class MemorySection(_Section):
 
 
 class CheckpointSection(_Section):
-    """When to save progress."""
+    """When to save progress. With neither `every_steps` nor `every_minutes` set, a checkpoint is written at
+    least every 30 minutes of training, so a user who sets nothing loses at most half an hour."""
 
     every_steps: int | None = Field(
         None, ge=1, description="Save a checkpoint every N optimizer steps into `checkpoints/step-NNNNNN/`."
+    )
+    every_minutes: float | None = Field(
+        None, gt=0, description="Save a checkpoint when this many minutes have passed since the last one "
+        "(checked at optimizer step boundaries). Combines with `every_steps`."
+    )
+    keep_last: int = Field(
+        2, ge=1, description="Valid checkpoints kept; older ones are removed after each new one is committed."
     )
     time_limit: str | None = Field(
         None, description="Wall-clock budget of the run, e.g. `11h30m`, `45m`, `90s`. gpupoor saves a "
@@ -196,6 +210,13 @@ class CheckpointSection(_Section):
     @property
     def time_limit_s(self) -> float | None:
         return None if self.time_limit is None else parse_duration(self.time_limit)
+
+    @property
+    def interval_minutes(self) -> float | None:
+        """The time-based cadence in force: the recipe's, or the 30-minute default when nothing is set."""
+        if self.every_minutes is None and self.every_steps is None:
+            return DEFAULT_CHECKPOINT_MINUTES
+        return self.every_minutes
 
 
 class LoggingSection(_Section):
@@ -228,6 +249,8 @@ class Recipe(_Section):
         "`runs/<recipe name>` in the current directory. Must be empty or absent."
     )
 
+
+DEFAULT_CHECKPOINT_MINUTES = 30.0
 
 SECTIONS = ["model", "data", "peft", "quantization", "precision", "training", "memory", "checkpoint",
             "logging", "seed", "output_dir"]

@@ -1,9 +1,14 @@
-"""Orchestration of `gpupoor train`: the one place that knows every part. Recipe -> builders -> loop, with
-hooks for metrics, progress, checkpoints and time limits."""
+"""Orchestration of `gpupoor train` and `gpupoor resume`: the one place that knows every part.
+
+Recipe -> builders -> (checkpoint state loaded into what the builders made) -> loop, with hooks for metrics,
+progress, checkpoints, signals and time limits.
+"""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -11,19 +16,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.recipe import LoadedRecipe, Recipe, recipe_to_yaml
+from gpupoor.recipe import LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
 
 SMOKE_ROWS = 16
 SMOKE_STEPS = 3
 SMOKE_MAX_LENGTH = 256
+ASSUMED_WRITE_BYTES_PER_S = 100 * 2**20  # save-time guess until the first checkpoint is measured
+SESSION = "session.json"  # pid, start time and time limit of the process training in this run dir
 
 
 @dataclass
 class RunResult:
     run_dir: Path
-    reason: str  # "done" | "time_limit"
+    reason: str  # "done" | "already_done" | "time_limit" | a signal name
     final_loss: float | None
     steps: int
+
+
+class RunFailed(Exception):
+    """Training cannot go on (diverged, disk full); the last committed checkpoint is intact."""
 
 
 def library_versions() -> dict[str, str]:
@@ -36,43 +47,6 @@ def library_versions() -> dict[str, str]:
         except PackageNotFoundError:
             versions[name] = "not installed"
     return versions
-
-
-def smoke_recipe(recipe: Recipe) -> Recipe:
-    """The same recipe shrunk for `--smoke`: a few rows, a few steps, CPU, fp32, no checkpoints."""
-    data = recipe.data.model_copy(update={
-        "max_rows": min(recipe.data.max_rows or SMOKE_ROWS, SMOKE_ROWS),
-        "max_length": min(recipe.data.max_length, SMOKE_MAX_LENGTH),
-        "eval_rows": min(recipe.data.eval_rows, 4)})
-    training = recipe.training.model_copy(update={
-        "max_steps": SMOKE_STEPS, "epochs": None, "device": "cpu",
-        "micro_batch_size": min(recipe.training.micro_batch_size, 2),
-        "gradient_accumulation_steps": min(recipe.training.gradient_accumulation_steps, 2),
-        "eval_every_steps": None})
-    return recipe.model_copy(update={"data": data, "training": training, "precision": "fp32",
-                                     "checkpoint": recipe.checkpoint.model_copy(update={"every_steps": None})})
-
-
-def resolve_run_dir(loaded: LoadedRecipe, output_dir: str | None, stem: str) -> Path:
-    if output_dir:  # from the command line: relative to where the user is
-        return Path(output_dir).expanduser().resolve()
-    if loaded.recipe.output_dir:
-        path = Path(loaded.recipe.output_dir).expanduser()
-        return path if path.is_absolute() else (loaded.base_dir / path).resolve()
-    return (Path.cwd() / "runs" / stem).resolve()
-
-
-def check_run_dir(run_dir: Path) -> None:
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-        raise UserError(f"run directory {run_dir} is not empty; gpupoor never trains over an earlier run",
-                        hint="pass --output-dir NEW_DIR (or set output_dir), or delete the old run")
-
-
-def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
-    if recipe.training.max_steps is not None:
-        return recipe.training.max_steps
-    epochs = recipe.training.epochs if recipe.training.epochs is not None else 1.0
-    return max(1, math.ceil(epochs * batches_per_epoch / recipe.training.gradient_accumulation_steps))
 
 
 def quiet_libraries() -> None:
@@ -99,27 +73,174 @@ def make_accelerator(device: str, precision: str):
     return Accelerator(cpu=device == "cpu", mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision])
 
 
+def smoke_recipe(recipe: Recipe) -> Recipe:
+    """The same recipe shrunk for `--smoke`: a few rows, a few steps, CPU, fp32, no checkpoints."""
+    data = recipe.data.model_copy(update={
+        "max_rows": min(recipe.data.max_rows or SMOKE_ROWS, SMOKE_ROWS),
+        "max_length": min(recipe.data.max_length, SMOKE_MAX_LENGTH),
+        "eval_rows": min(recipe.data.eval_rows, 4)})
+    training = recipe.training.model_copy(update={
+        "max_steps": SMOKE_STEPS, "epochs": None, "device": "cpu",
+        "micro_batch_size": min(recipe.training.micro_batch_size, 2),
+        "gradient_accumulation_steps": min(recipe.training.gradient_accumulation_steps, 2),
+        "eval_every_steps": None})
+    checkpoint = recipe.checkpoint.model_copy(update={"every_steps": None, "every_minutes": None, "time_limit": None})
+    return recipe.model_copy(update={"data": data, "training": training, "precision": "fp32", "checkpoint": checkpoint})
+
+
+def portable_recipe(loaded: LoadedRecipe) -> Recipe:
+    """The recipe as stored in the run dir: local paths made absolute (they no longer resolve against the
+    recipe's folder) and no output_dir (the run dir is wherever it is now: copy or move it freely)."""
+    recipe = loaded.recipe
+    model = recipe.model
+    local_model = resolve_local_path(model.name_or_path, loaded.base_dir)
+    if local_model is not None:
+        model = model.model_copy(update={"name_or_path": str(local_model)})
+    data_updates = {}
+    for key in ("path", "eval_path", "cache_dir"):
+        value = getattr(recipe.data, key)
+        local = resolve_local_path(value, loaded.base_dir, (".jsonl", ".json", ".csv", ".parquet")) if value else None
+        if local is not None:
+            data_updates[key] = str(local)
+    return recipe.model_copy(update={"model": model, "data": recipe.data.model_copy(update=data_updates),
+                                     "output_dir": None})
+
+
+def resolve_run_dir(loaded: LoadedRecipe, output_dir: str | None, stem: str) -> Path:
+    if output_dir:  # from the command line: relative to where the user is
+        return Path(output_dir).expanduser().resolve()
+    if loaded.recipe.output_dir:
+        path = Path(loaded.recipe.output_dir).expanduser()
+        return path if path.is_absolute() else (loaded.base_dir / path).resolve()
+    return (Path.cwd() / "runs" / stem).resolve()
+
+
+def check_run_dir(run_dir: Path) -> None:
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        hint = (f"to continue it: gpupoor resume {run_dir}" if (run_dir / "recipe.yaml").is_file()
+                else "pass --output-dir NEW_DIR (or set output_dir), or delete the old run")
+        raise UserError(f"run directory {run_dir} is not empty; gpupoor never trains over an earlier run",
+                        hint=hint)
+
+
+def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
+    if recipe.training.max_steps is not None:
+        return recipe.training.max_steps
+    epochs = recipe.training.epochs if recipe.training.epochs is not None else 1.0
+    return max(1, math.ceil(epochs * batches_per_epoch / recipe.training.gradient_accumulation_steps))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def store_recipe(run_dir: Path, recipe: Recipe) -> None:
+    header = "# resolved recipe written by gpupoor\n" + "".join(f"# {k} {v}\n" for k, v in library_versions().items())
+    write_text_atomic(run_dir / "recipe.yaml", recipe_to_yaml(recipe, header))
+
+
 def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke: bool = False,
                       say=print) -> RunResult:
-    import torch
+    started = time.monotonic()
+    recipe = portable_recipe(loaded)
+    if smoke:
+        recipe = smoke_recipe(recipe)
+    stem = (loaded.source.stem if loaded.source else "run") + ("-smoke" if smoke else "")
+    temporary = smoke and not output_dir
+    run_dir = Path(tempfile.mkdtemp(prefix="gpupoor-smoke-")) if temporary else resolve_run_dir(loaded, output_dir, stem)
+    check_run_dir(run_dir)
+    try:
+        return _execute(recipe, run_dir, None, smoke, say, started)
+    finally:
+        if temporary:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
-    from gpupoor.checkpoint import write_checkpoint
+
+def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=print) -> RunResult:
+    from gpupoor.checkpoint import latest_valid, sweep_temporary
+    from gpupoor.resume import diff_recipes, format_changes
+
+    started = time.monotonic()
+    run_dir = run_dir.expanduser().resolve()
+    if not (run_dir / "recipe.yaml").is_file():
+        raise UserError(f"{run_dir} is not a gpupoor run directory (no recipe.yaml)",
+                        hint="pass the directory `gpupoor train` wrote, e.g. runs/my-recipe")
+    stored = load_recipe(run_dir / "recipe.yaml").recipe
+    recipe = load_recipe(run_dir / "recipe.yaml", overrides).recipe
+    trajectory, safe = diff_recipes(stored, recipe)
+    if trajectory and not force:
+        raise UserError("these changes alter the training trajectory, so the result would no longer be the "
+                        f"run that was started:\n{format_changes(trajectory)}",
+                        hint="start a new run with gpupoor train, or pass --force to resume with them anyway")
+    if trajectory:
+        say(f"warning: --force: resuming with trajectory changes:\n{format_changes(trajectory)}")
+    if safe:
+        say(f"applying recipe changes:\n{format_changes(safe)}")
+    for name in sweep_temporary(run_dir / "checkpoints"):
+        say(f"removed an incomplete checkpoint write: {name}")
+    checkpoint = latest_valid(run_dir / "checkpoints", warn=say)
+    finished = (run_dir / "final" / "adapter_model.safetensors").is_file()
+    if checkpoint is None:
+        if finished:
+            say(f"the run in {run_dir} finished but has no checkpoint to continue from")
+            return RunResult(run_dir, "already_done", None, 0)
+        say("warning: no valid checkpoint: starting this run again from step 0")
+    elif finished and checkpoint.step >= _planned_steps(recipe, safe, checkpoint):
+        say(f"the run already finished at step {checkpoint.step}: the adapter is in {run_dir / 'final'}\n"
+            "  (to train further: gpupoor resume RUN_DIR --set training.max_steps=N)")
+        return RunResult(run_dir, "already_done", checkpoint.manifest.get("loss"), checkpoint.step)
+    store_recipe(run_dir, recipe)
+    return _execute(recipe, run_dir, checkpoint, False, say, started, force=force)
+
+
+def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
+    """The step count the resumed run aims for, when it can be told without loading data."""
+    if recipe.training.max_steps is not None:
+        return recipe.training.max_steps
+    if any(key in ("training.max_steps", "training.epochs") for key, _, _ in safe_changes):
+        return math.inf  # a new epoch count: _execute works out the steps (and does nothing if already there)
+    return checkpoint.manifest.get("total_steps", math.inf)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after the checkpoint: they will be trained (and logged) again."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    write_text_atomic(path, "".join(kept))
+
+
+def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: float,
+             force: bool = False) -> RunResult:
+    import torch
+    from safetensors.torch import load_file
+
+    from gpupoor import faults
+    from gpupoor.checkpoint import (ADAPTER, STATE, CheckpointError, dir_size, load_torch,
+                                    require_checkpoint_files, rotate, write_checkpoint)
     from gpupoor.data.build import build_data
     from gpupoor.hardware import resolve_attention, resolve_device, resolve_precision, usable_cpu_count
-    from gpupoor.model import build_model, load_tokenizer, model_location, summarize
+    from gpupoor.loss import causal_lm_loss_sum
+    from gpupoor.model import build_model, load_tokenizer, summarize
     from gpupoor.optim import build_optimizer, build_scheduler
-    from gpupoor.train.loop import Hooks, LoopSettings, train
+    from gpupoor.resume import trajectory_hash
+    from gpupoor.signals import StopRequest
+    from gpupoor.train.loop import Hooks, LoopSettings, TooManySkippedSteps, train
     from gpupoor.train.report import MetricsWriter, Progress
-    from gpupoor.train.state import TrainState
+    from gpupoor.train.state import TrainState, restore_rng
 
     quiet_libraries()
-    recipe = smoke_recipe(loaded.recipe) if smoke else loaded.recipe
-    stem = (loaded.source.stem if loaded.source else "run") + ("-smoke" if smoke else "")
-    temporary_run = smoke and not output_dir
-    run_dir = Path(tempfile.mkdtemp(prefix="gpupoor-smoke-")) if temporary_run \
-        else resolve_run_dir(loaded, output_dir, stem)
-    check_run_dir(run_dir)
-
     device = resolve_device(recipe.training.device)
     precision = resolve_precision(recipe.precision, device.value)
     attention = resolve_attention(recipe.model.attention, device.value)
@@ -128,9 +249,14 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
         torch.set_num_threads(recipe.training.cpu_threads or usable_cpu_count())
     torch.manual_seed(recipe.seed)
 
-    location = model_location(recipe.model, loaded.base_dir)
+    base_dir = Path.cwd()  # the portable recipe holds absolute local paths; hub ids need no base
+    location = recipe.model.name_or_path
     tokenizer = load_tokenizer(location, recipe.model)
-    data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, loaded.base_dir)
+    data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, base_dir)
+    if resume is not None and resume.manifest.get("data_fingerprint") not in (None, data.fingerprint) and not force:
+        raise UserError("the training data (or tokenizer, format or max_length) is not what this run was "
+                        f"trained on: its fingerprint changed since checkpoint {resume.path.name}",
+                        hint="restore the original data, or pass --force to continue on the new data")
     stats = data.train.stats
     model = build_model(location, recipe.model, recipe.peft, recipe.quantization, precision.value,
                         attention.value, device.value, recipe.memory.gradient_checkpointing, recipe.seed, smoke)
@@ -140,9 +266,28 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
     steps = total_steps(recipe, len(data.plan))
     scheduler = build_scheduler(recipe.training, optimizer, steps)
     model, optimizer = accelerator.prepare(model, optimizer)
+    unwrapped = accelerator.unwrap_model(model)
 
-    say(f"gpupoor {'smoke test' if smoke else 'train'}: {recipe.model.name_or_path}"
-        + (" (shrunken random-weight copy)" if smoke else ""))
+    state = TrainState()
+    if resume is not None:
+        from peft import set_peft_model_state_dict
+
+        require_checkpoint_files(resume, [ADAPTER, "optimizer.pt", "scheduler.pt", STATE])
+        result = set_peft_model_state_dict(unwrapped, load_file(resume.path / ADAPTER, device=str(accelerator.device)))
+        if getattr(result, "unexpected_keys", None):
+            raise UserError(f"checkpoint {resume.path.name} does not fit this model: unexpected "
+                            f"{result.unexpected_keys[:3]}")
+        optimizer.load_state_dict(load_torch(resume.path / "optimizer.pt"))
+        scheduler.load_state_dict(load_torch(resume.path / "scheduler.pt"))
+        if accelerator.scaler is not None and (resume.path / "scaler.pt").is_file():
+            accelerator.scaler.load_state_dict(load_torch(resume.path / "scaler.pt"))
+        state = TrainState.from_dict(json.loads((resume.path / STATE).read_text()))
+        _truncate_metrics(run_dir / "metrics.jsonl", state.step)
+    elif run_dir.exists():
+        _truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
+
+    verb = "smoke test" if smoke else ("resume" if resume is not None else "train")
+    say(f"gpupoor {verb}: {recipe.model.name_or_path}" + (" (shrunken random-weight copy)" if smoke else ""))
     say(f"  device {device.value} ({device.reason}); precision {precision.value} ({precision.reason}); "
         f"attention {attention.value} ({attention.reason})")
     say(f"  parameters {summary.total_params:,}; trainable {summary.trainable_params:,} "
@@ -154,70 +299,136 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
         + (f"; eval {len(data.eval)} examples" if data.eval is not None else ""))
     say(f"  {steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x "
         f"{recipe.training.micro_batch_size} examples; {len(data.plan)} micro-batches per epoch")
+    if resume is not None:
+        say(f"  resuming from {resume.path.name}: step {state.step}, epoch {state.epoch}, "
+            f"micro-batch {state.batch_in_epoch} of the epoch")
     say(f"  run directory {run_dir}")
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    versions = library_versions()
-    header = "# resolved recipe written by gpupoor\n" + "".join(f"# {k} {v}\n" for k, v in versions.items())
-    (run_dir / "recipe.yaml").write_text(recipe_to_yaml(recipe, header))
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")
-    progress = Progress(steps, 0, recipe.logging.progress, recipe.logging.every_steps)
-    state = TrainState()
-    unwrapped = accelerator.unwrap_model(model)
-    manifest_extra = {"versions": versions}
-    save_seconds = [0.0]
-    process_started = time.monotonic()
+    if resume is None:
+        store_recipe(run_dir, recipe)
+    limit_s = recipe.checkpoint.time_limit_s
+    write_text_atomic(run_dir / SESSION, json.dumps({"pid": os.getpid(), "started": time.time() - (time.monotonic() - started),
+                                                     "time_limit_s": limit_s}))
+    checkpoints_dir = run_dir / "checkpoints"
+    manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": data.fingerprint,
+                     "total_steps": steps, "versions": library_versions()}
+    trainable_bytes = sum(p.numel() * p.element_size() for p in unwrapped.parameters() if p.requires_grad)
+    saving = {"seconds": 0.0, "bytes": 3 * trainable_bytes + 2**20, "last_time": time.monotonic(),
+              "last_step": state.step}
     last_loss: list[float | None] = [None]
 
-    def save(target: Path, with_optimizer: bool) -> None:
+    def save_files(tmp: Path) -> None:
+        unwrapped.save_pretrained(tmp, safe_serialization=True)  # adapter_config.json + adapter_model.safetensors
+        tokenizer.save_pretrained(tmp)
+        faults.at_stage("weights", state.step)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if accelerator.scaler is not None:
+            torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
+        faults.at_stage("optimizer", state.step)
+        from gpupoor.train.state import capture_rng
+
+        state.rng = capture_rng()
+        (tmp / STATE).write_text(json.dumps(state.to_dict()))
+        faults.at_stage("state", state.step)
+
+    def save_checkpoint() -> str:
+        """Commit checkpoints/step-N for the current state; rotate older ones. Returns its name."""
+        name = f"step-{state.step:06d}"
+        if not all(torch.isfinite(p).all() for p in unwrapped.parameters() if p.requires_grad):
+            raise RunFailed(f"refusing to save {name}: the trainable weights are not finite")
         if accelerator.is_main_process:
-            save_seconds[0] = write_checkpoint(target, unwrapped, tokenizer, state,
-                                               optimizer if with_optimizer else None,
-                                               scheduler if with_optimizer else None, manifest_extra)
+            try:
+                saving["seconds"] = write_checkpoint(checkpoints_dir / name, save_files, state.step,
+                                                     {**manifest_base, "loss": last_loss[0]},
+                                                     int(saving["bytes"] * 1.1))
+            except CheckpointError as exc:
+                raise RunFailed(f"{exc}\n  free some space, then continue with: gpupoor resume {run_dir}") from None
+            saving["bytes"] = dir_size(checkpoints_dir / name)
+            rotate(checkpoints_dir, recipe.checkpoint.keep_last, state.step)
+        saving["last_time"], saving["last_step"] = time.monotonic(), state.step
+        metrics.write({"step": state.step, "checkpoint": name, "save_s": round(saving["seconds"], 3)})
+        return name
 
     def on_step(record: dict, current: TrainState) -> None:
         last_loss[0] = record["loss"]
         metrics.write(record)
         progress.step(record)
-        every = recipe.checkpoint.every_steps
-        if every and current.step % every == 0 and current.step < steps:
-            save(run_dir / "checkpoints" / f"step-{current.step:06d}", True)
-            metrics.write({"step": current.step, "checkpoint": f"step-{current.step:06d}",
-                           "save_s": round(save_seconds[0], 3)})
+        every_steps = recipe.checkpoint.every_steps
+        minutes = recipe.checkpoint.interval_minutes
+        due = (every_steps and current.step % every_steps == 0) or \
+              (minutes and time.monotonic() - saving["last_time"] >= 60 * minutes)
+        if due and current.step < steps:
+            save_checkpoint()
+        faults.after_step(current.step)
 
     def on_eval(record: dict, current: TrainState) -> None:
         metrics.write(record)
         progress.message(f"step {record['step']}: eval_loss {record['eval_loss']:.4f}")
 
     def should_stop(current: TrainState, last_step_s: float) -> str | None:
-        limit = recipe.checkpoint.time_limit_s
-        if limit is None:
+        if stop.requested:
+            return stop.name
+        if limit_s is None:
             return None
-        # Keep twice the last save time plus one step in reserve, so the checkpoint lands before the deadline.
-        reserve = 2 * save_seconds[0] + last_step_s
-        return "time_limit" if time.monotonic() - process_started + reserve >= limit else None
+        # Keep twice the save time plus one step in reserve, so the checkpoint lands before the deadline.
+        save_s = max(saving["seconds"], saving["bytes"] / ASSUMED_WRITE_BYTES_PER_S)
+        return "time_limit" if time.monotonic() - started + 2 * save_s + last_step_s >= limit_s else None
+
+    nan_steps = faults.steps_for("nan")
+
+    def loss_fn(model_, batch):
+        loss = causal_lm_loss_sum(model_, batch)
+        return loss * float("nan") if state.step + 1 in nan_steps else loss
 
     settings = LoopSettings(total_steps=steps, accumulation=recipe.training.gradient_accumulation_steps,
                             max_grad_norm=recipe.training.max_grad_norm,
                             eval_every=recipe.training.eval_every_steps, pad_id=tokenizer.pad_token_id,
                             eval_micro_batch_size=recipe.training.micro_batch_size,
-                            eval_in_train_mode=recipe.quantization.bits is not None)
+                            eval_in_train_mode=recipe.quantization.bits is not None,
+                            max_consecutive_skips=recipe.training.max_consecutive_skips,
+                            loss_fn=loss_fn if nan_steps else causal_lm_loss_sum)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    progress = Progress(steps, state.step, recipe.logging.progress, recipe.logging.every_steps)
+    stop = StopRequest().install()
+    if resume is not None:
+        restore_rng(state.rng)  # last, so nothing above consumes the restored stream
     try:
-        reason = train(model, optimizer, scheduler, accelerator, data, state, settings,
-                       Hooks(on_step=on_step, on_eval=on_eval, should_stop=should_stop))
+        try:
+            reason = train(model, optimizer, scheduler, accelerator, data, state, settings,
+                           Hooks(on_step=on_step, on_eval=on_eval, should_stop=should_stop))
+        except TooManySkippedSteps as exc:
+            raise RunFailed(f"{exc}. The last good checkpoint is kept; lower training.learning_rate or check the "
+                            f"data, then continue with: gpupoor resume {run_dir}") from None
+        finally:
+            progress.close()
+        if saving["last_step"] != state.step or not (checkpoints_dir / f"step-{state.step:06d}").is_dir():
+            name = save_checkpoint()  # also at the end, so `resume --set training.max_steps=N` can extend
+        else:
+            name = f"step-{state.step:06d}"
     finally:
-        progress.close()
+        stop.uninstall()
         metrics.close()
-    if reason == "time_limit":
-        name = f"step-{state.step:06d}"
-        save(run_dir / "checkpoints" / name, True)
-        say(f"time limit {recipe.checkpoint.time_limit} nearly reached: stopped after step {state.step} "
-            f"with checkpoint checkpoints/{name}")
-    else:
-        save(run_dir / "final", False)
-        where = "smoke test passed, temporary run removed" if temporary_run else f"adapter in {run_dir / 'final'}"
-        say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {last_loss[0]:.4f}; {where}")
-    if temporary_run:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    return RunResult(run_dir, reason, last_loss[0], state.step)
+        (run_dir / SESSION).unlink(missing_ok=True)
+    if reason != "done":
+        why = f"time limit {recipe.checkpoint.time_limit} nearly reached" if reason == "time_limit" else reason
+        say(f"{why}: stopped after step {state.step} with checkpoint checkpoints/{name}\n"
+            f"continue with: gpupoor resume {run_dir}")
+        return RunResult(run_dir, reason, last_loss[0], state.step)
+    if accelerator.is_main_process:
+        final = run_dir / "final"
+        write_checkpoint(final, _final_files(unwrapped, tokenizer), state.step,
+                         {**manifest_base, "loss": last_loss[0]}, 0)
+    loss_text = f"{last_loss[0]:.4f}" if last_loss[0] is not None else "-"
+    where = "smoke test passed" if smoke else f"adapter in {run_dir / 'final'}"
+    say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {loss_text}; {where}")
+    return RunResult(run_dir, "done", last_loss[0], state.step)
 
+
+def _final_files(model, tokenizer):
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return save

@@ -21,7 +21,7 @@ def train(*args: str):
 
 def test_train_loss_falls_and_writes_a_complete_run_dir(make_recipe, tmp_path):
     recipe = make_recipe(training={"max_steps": 12, "learning_rate": 2e-2}, data={"eval_rows": 8},
-                         checkpoint={"every_steps": 5})
+                         checkpoint={"every_steps": 5, "keep_last": 3})
     result = train(recipe, "--output-dir", tmp_path / "run")
     assert result.exit_code == 0, result.output
     run = tmp_path / "run"
@@ -35,7 +35,8 @@ def test_train_loss_falls_and_writes_a_complete_run_dir(make_recipe, tmp_path):
     assert evals and evals[-1]["step"] == 12 and math.isfinite(evals[-1]["eval_loss"])
     saved = yaml_load(run / "recipe.yaml")
     assert saved["training"]["max_steps"] == 12 and "# torch " in (run / "recipe.yaml").read_text()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000005", "step-000010"]
+    # Every 5 steps plus one at the end (so the run can be extended), the 3 newest kept.
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000005", "step-000010", "step-000012"]
     manifest = json.loads((run / "checkpoints" / "step-000010" / "manifest.json").read_text())
     assert manifest["step"] == 10 and "adapter_model.safetensors" in manifest["files"]
     assert (run / "final" / "adapter_model.safetensors").is_file()

@@ -21,6 +21,7 @@ class DataBundle:
     eval: TokenizedDataset | None
     plan: BatchPlan
     cache_hit: bool
+    fingerprint: str  # identity of the tokenized training data (data bytes, tokenizer, format settings)
 
 
 def make_encoder(data: DataSection, tokenizer) -> Encoder:
@@ -29,16 +30,16 @@ def make_encoder(data: DataSection, tokenizer) -> Encoder:
 
 
 def _tokenized(source: DataSource, limit: int | None, encoder: Encoder, tokenizer,
-               cache_dir: Path | None) -> tuple[TokenizedDataset, bool]:
-    if cache_dir is None:
-        return tokenize_rows(read_rows(source, limit), encoder), False
+               cache_dir: Path | None) -> tuple[TokenizedDataset, bool, str]:
     key = cache_key(f"{source.fingerprint()}:{limit}", tokenizer, encoder)
+    if cache_dir is None:
+        return tokenize_rows(read_rows(source, limit), encoder), False, key
     path = cache_dir / "tokenized" / f"{key}.safetensors"
     if path.is_file():
-        return TokenizedDataset.load(path), True
+        return TokenizedDataset.load(path), True, key
     dataset = tokenize_rows(read_rows(source, limit), encoder)
     dataset.save(path)
-    return dataset, False
+    return dataset, False, key
 
 
 def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
@@ -48,12 +49,12 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     if cache_dir is not None and not cache_dir.is_absolute():
         cache_dir = base_dir / cache_dir
     source = resolve_source(data.path, base_dir, data.split, "data.path")
-    train, hit = _tokenized(source, data.max_rows, encoder, tokenizer, cache_dir)
+    train, hit, fingerprint = _tokenized(source, data.max_rows, encoder, tokenizer, cache_dir)
     evaluation = None
     if data.eval_path or data.eval_split:
         eval_source = (resolve_source(data.eval_path, base_dir, "train", "data.eval_path") if data.eval_path
                        else DataSource(source.kind, source.location, data.eval_split))
-        evaluation, _ = _tokenized(eval_source, None, encoder, tokenizer, cache_dir)
+        evaluation, _, _ = _tokenized(eval_source, None, encoder, tokenizer, cache_dir)
     elif data.eval_rows:
         if data.eval_rows >= len(train):
             raise UserError(f"data.eval_rows = {data.eval_rows} leaves no training rows "
@@ -68,7 +69,9 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
         raise UserError(f"data.path: no usable training examples in {data.path} "
                         f"({train.stats.dropped_no_target} had no target tokens within max_length)")
     plan = BatchPlan(train.lengths, micro_batch_size, seed, data.sampler)
-    return DataBundle(train, evaluation, plan, hit)
+    if data.eval_rows:  # the held-out rows change what is trained on
+        fingerprint = f"{fingerprint}-holdout{data.eval_rows}"
+    return DataBundle(train, evaluation, plan, hit, fingerprint)
 
 
 def collate(dataset: TokenizedDataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:

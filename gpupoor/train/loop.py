@@ -25,6 +25,12 @@ class LoopSettings:
     pad_id: int
     eval_micro_batch_size: int
     eval_in_train_mode: bool = False  # bitsandbytes 4-bit layers repack their weights in eval mode on CPU
+    max_consecutive_skips: int = 10
+    loss_fn: Callable = causal_lm_loss_sum  # (model, batch) -> summed loss over target tokens
+
+
+class TooManySkippedSteps(RuntimeError):
+    """The loss or gradient norm was non-finite for too many optimizer steps in a row."""
 
 
 @dataclass
@@ -53,6 +59,14 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> float:
     assert data.eval is not None
+    # Evaluation must not move the training RNG (dropout in train-mode eval would), or a run that evaluated
+    # at step k and one resumed from step k would diverge.
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return _evaluate(model, accelerator, data, settings)
+
+
+def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> float:
     model.train(settings.eval_in_train_mode)
     loss_sum = torch.zeros((), device=accelerator.device)
     targets = 0
@@ -62,7 +76,7 @@ def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> fl
             batch = collate(data.eval, list(range(start, min(start + size, len(data.eval)))), settings.pad_id)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.autocast():
-                loss_sum += causal_lm_loss_sum(model, batch)
+                loss_sum += settings.loss_fn(model, batch)
             targets += count_targets(batch)
     model.train()
     totals = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(targets), device=loss_sum.device)]), "sum")
@@ -78,6 +92,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
     batches_per_epoch = len(data.plan)
     model.train()
     last_step_s = 0.0
+    skips_in_a_row = 0
     while state.step < settings.total_steps:
         reason = hooks.should_stop(state, last_step_s)
         if reason:
@@ -106,7 +121,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
             sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
             with sync:
                 with accelerator.autocast():
-                    micro_loss = causal_lm_loss_sum(model, batch)
+                    micro_loss = settings.loss_fn(model, batch)
                 accelerator.backward(micro_loss * scale)
             loss_sum += micro_loss.detach()
 
@@ -114,10 +129,17 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
         grad_norm = accelerator.clip_grad_norm_(params, settings.max_grad_norm or math.inf)
         loss = float(accelerator.reduce(loss_sum, "sum")) / max(global_targets, 1.0)  # CPU-GPU sync point
         grad_norm = float(grad_norm)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
+        if accelerator.scaler is not None:
+            # fp16: the GradScaler itself skips a step with inf/nan gradients and lowers its scale. Those
+            # skips are normal while it calibrates; only a non-finite loss counts as going wrong.
             optimizer.step()
-        skipped = not finite or accelerator.optimizer_step_was_skipped  # fp16 GradScaler overflow
+            skipped = accelerator.optimizer_step_was_skipped
+            diverging = not math.isfinite(loss)
+        else:
+            diverging = not (math.isfinite(loss) and math.isfinite(grad_norm))
+            if not diverging:
+                optimizer.step()
+            skipped = diverging
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()  # the schedule follows the step count, skipped steps included
@@ -138,7 +160,11 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
         }
         if skipped:
             record["skipped"] = True
+        skips_in_a_row = skips_in_a_row + 1 if diverging else 0
         hooks.on_step(record, state)
+        if skips_in_a_row >= settings.max_consecutive_skips:
+            raise TooManySkippedSteps(f"{skips_in_a_row} optimizer steps in a row had a non-finite loss or "
+                                      f"gradient norm (last at step {state.step})")
         if data.eval is not None and settings.eval_every and state.step % settings.eval_every == 0 \
                 and state.step < settings.total_steps:
             hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)

@@ -1,0 +1,104 @@
+"""What a resume may change, and `gpupoor status`. Imports no torch.
+
+A recipe change on resume is either safe (how long to train, when to save, what to print, where to evaluate)
+or changes the trajectory (everything else): those are refused with a field-by-field diff unless --force.
+The list of safe keys is explicit; any key not on it is treated as changing the trajectory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from gpupoor.recipe import Recipe
+
+SAFE_KEYS = (
+    "training.max_steps", "training.epochs", "training.eval_every_steps", "training.device",
+    "training.cpu_threads", "training.max_consecutive_skips", "memory.gradient_checkpointing",
+    "data.eval_path", "data.eval_split", "data.cache_dir", "checkpoint.", "logging.", "output_dir",
+)
+
+
+def _flatten(value, prefix: str = "") -> dict[str, object]:
+    if isinstance(value, dict):
+        flat: dict[str, object] = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): value}
+
+
+def is_safe(key: str) -> bool:
+    return any(key == safe or (safe.endswith(".") and key.startswith(safe)) for safe in SAFE_KEYS)
+
+
+def diff_recipes(old: Recipe, new: Recipe) -> tuple[list[tuple[str, object, object]], list[tuple[str, object, object]]]:
+    """(trajectory changes, safe changes), each as (dotted key, old value, new value)."""
+    before, after = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    changes = [(key, before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
+               if before.get(key) != after.get(key)]
+    return [c for c in changes if not is_safe(c[0])], [c for c in changes if is_safe(c[0])]
+
+
+def format_changes(changes: list[tuple[str, object, object]]) -> str:
+    return "\n".join(f"    {key}: {json.dumps(old)} -> {json.dumps(new)}" for key, old, new in changes)
+
+
+def trajectory_hash(recipe: Recipe) -> str:
+    """Hash of every field that shapes the training trajectory (recorded in each checkpoint's manifest)."""
+    fields = {k: v for k, v in _flatten(recipe.model_dump(mode="json")).items() if not is_safe(k)}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _age(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def status_report(run_dir: Path) -> str:
+    """Progress, each checkpoint (step, loss, age, valid or why not), time limit, and how to continue."""
+    from gpupoor.checkpoint import scan
+    from gpupoor.recipe import load_recipe
+
+    recipe = load_recipe(run_dir / "recipe.yaml").recipe
+    records = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+    steps = {r["step"]: r for r in records if "loss" in r}
+    last = max(steps) if steps else 0
+    planned = recipe.training.max_steps
+    lines = [f"run {run_dir}", f"  model {recipe.model.name_or_path}; data {recipe.data.path}"]
+    total = f"/{planned}" if planned else ""
+    elapsed = steps[last]["elapsed_s"] if steps else 0.0
+    lines.append(f"  progress: step {last}{total} logged; {elapsed / 60:.1f} min of training")
+    finished = (run_dir / "final" / "adapter_model.safetensors").is_file()
+    checkpoints = scan(run_dir / "checkpoints")
+    lines.append("  checkpoints:" if checkpoints else "  checkpoints: none yet")
+    now = time.time()
+    for path, step, problem in checkpoints:
+        if problem is None:
+            manifest = json.loads((path / "manifest.json").read_text())
+            loss = manifest.get("loss")
+            loss_text = f"loss {loss:.4f}" if isinstance(loss, float) else "loss -"
+            lines.append(f"    {path.name}  step {step}  {loss_text}  age {_age(now - manifest['created'])}  valid")
+        else:
+            lines.append(f"    {path.name}  INVALID: {problem} (resume skips it)")
+    limit = recipe.checkpoint.time_limit
+    if limit:
+        lines.append(f"  time limit: {limit} per invocation (each `gpupoor resume` starts a fresh budget)")
+    if finished:
+        lines.append("  finished: the adapter is in final/")
+    else:
+        lines.append(f"  continue with: gpupoor resume {run_dir}")
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""Preemption: SIGTERM, SIGINT and SIGUSR1 ask for a checkpoint and a clean stop at the next optimizer step
+boundary. A second signal during the save is noted and ignored (the save completes); a third aborts at once,
+leaving the last committed checkpoint valid (the commit protocol guarantees it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+EXIT_ABORTED = 130
+
+
+class StopRequest:
+    def __init__(self):
+        self.count = 0
+        self.name: str | None = None
+        self._previous: dict = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        self.name = self.name or signal.Signals(signum).name
+        if self.count == 1:
+            print(f"\n{self.name}: saving a checkpoint at the end of this step, then stopping "
+                  "(send again twice to abort at once)", file=sys.stderr, flush=True)
+        elif self.count == 2:
+            print("still saving; one more signal aborts (the last committed checkpoint stays valid)",
+                  file=sys.stderr, flush=True)
+        else:
+            print("aborting", file=sys.stderr, flush=True)
+            os._exit(EXIT_ABORTED)
+
+    def install(self) -> "StopRequest":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

@@ -1,0 +1,271 @@
+"""Exact resume, the checkpoint commit protocol under crashes, preemption, time limits, recipe changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import read_metrics
+from gpupoor.checkpoint import STAGES
+from gpupoor.cli import app
+
+runner = CliRunner()
+
+# 48 rows, micro batch 4, accumulation 2: 12 micro-batches and 6 optimizer steps per epoch, 9 steps in all.
+# Dropout is on, so the restored RNG matters too.
+EXACT = {"training": {"max_steps": 9, "gradient_accumulation_steps": 2}, "peft": {"rank": 4, "dropout": 0.1}}
+
+
+def invoke(*args, fault: str | None = None, monkeypatch=None):
+    if monkeypatch is not None:
+        if fault:
+            monkeypatch.setenv("GPUPOOR_FAULT", fault)
+        else:
+            monkeypatch.delenv("GPUPOOR_FAULT", raising=False)
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
+
+
+def adapter(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "final" / "adapter_model.safetensors")
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    assert losses(a) == losses(b)  # bitwise: floats compared exactly
+    first, second = adapter(a), adapter(b)
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.fixture()
+def straight(make_recipe, tmp_path, monkeypatch):
+    """A recipe and its uninterrupted run, for comparison."""
+
+    def run(fault: str | None = None, **sections) -> tuple[Path, Path]:
+        recipe = make_recipe("exact.yaml", **{**EXACT, **sections})
+        out = tmp_path / f"straight-{fault or 'plain'}".replace("@", "-").replace(",", "_")
+        result = invoke("train", recipe, "--output-dir", out, fault=fault, monkeypatch=monkeypatch)
+        assert result.exit_code == 0, result.output
+        return recipe, out
+
+    return run
+
+
+@pytest.mark.parametrize("stops, nan", [
+    ([3], None),        # mid-epoch
+    ([6], None),        # at the epoch boundary
+    ([4], 4),           # right after a skipped (non-finite) step
+    ([2, 5], None),     # resumed twice
+])
+def test_resume_is_bitwise_exact(straight, tmp_path, monkeypatch, stops, nan):
+    nan_fault = f"nan@{nan}" if nan else None
+    recipe, reference = straight(nan_fault)
+    run = tmp_path / "interrupted"
+    faults = ",".join(filter(None, [nan_fault, f"sigterm@{stops[0]}"]))
+    result = invoke("train", recipe, "--output-dir", run, fault=faults, monkeypatch=monkeypatch)
+    assert result.exit_code == 75, result.output
+    assert f"continue with: gpupoor resume {run}" in result.output
+    for index, stop in enumerate(stops):
+        assert losses(run)[-1][0] == stop
+        later = stops[index + 1] if index + 1 < len(stops) else None
+        faults = ",".join(filter(None, [nan_fault, f"sigterm@{later}" if later else None]))
+        result = invoke("resume", run, fault=faults, monkeypatch=monkeypatch)
+        assert result.exit_code == (75 if later else 0), result.output
+    if nan:
+        assert any(r.get("skipped") for r in read_metrics(run))
+    assert_same_run(reference, run)
+
+
+def test_resume_after_time_limit_finishes_the_same_run(straight, make_recipe, tmp_path, monkeypatch):
+    recipe, reference = straight()
+    run = tmp_path / "limited"
+    # A limit used up before the first step: it stops at step 0 with a checkpoint; a new budget finishes.
+    result = invoke("train", recipe, "--output-dir", run, "--time-limit", "0.001s", monkeypatch=monkeypatch)
+    assert result.exit_code == 75 and "time limit" in result.output
+    assert (run / "checkpoints" / "step-000000" / "manifest.json").is_file()
+    resumed = invoke("resume", run, "--time-limit", "10m", monkeypatch=monkeypatch)
+    assert resumed.exit_code == 0 and "checkpoint.time_limit: \"0.001s\" -> \"10m\"" in resumed.output
+    assert_same_run(reference, run)
+
+
+def test_resuming_a_finished_run_says_so(straight, monkeypatch):
+    _, run = straight()
+    before = (run / "metrics.jsonl").read_text()
+    result = invoke("resume", run, monkeypatch=monkeypatch)
+    assert result.exit_code == 0 and "already finished at step 9" in result.output
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_extending_a_finished_run_continues_it(straight, make_recipe, tmp_path, monkeypatch):
+    _, run = straight()
+    result = invoke("resume", run, "--set", "training.max_steps=11", monkeypatch=monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert "training.max_steps: 9 -> 11" in result.output
+    assert [s for s, _ in losses(run)] == list(range(1, 12))
+
+
+def test_trajectory_change_is_refused_with_a_diff_and_forced(straight, monkeypatch):
+    recipe, run = straight()
+    shutil.rmtree(run / "final")  # pretend it was interrupted at the end
+    result = invoke("resume", run, "--set", "training.learning_rate=0.5", "--set", "seed=3", monkeypatch=monkeypatch)
+    assert result.exit_code == 2
+    assert "training.learning_rate: 0.01 -> 0.5" in result.output and "seed: 0 -> 3" in result.output
+    assert "--force" in result.output
+    forced = invoke("resume", run, "--set", "training.learning_rate=0.5", "--force", monkeypatch=monkeypatch)
+    assert forced.exit_code == 0 and "--force: resuming with trajectory changes" in forced.output
+
+
+def test_changed_data_is_refused(straight, alpaca_file, monkeypatch):
+    _, run = straight()
+    shutil.rmtree(run / "final")
+    alpaca_file.write_text(alpaca_file.read_text() + json.dumps({"instruction": "x", "output": "y"}) + "\n")
+    result = invoke("resume", run, monkeypatch=monkeypatch)
+    assert result.exit_code == 2 and "fingerprint changed" in result.output
+
+
+def test_a_moved_run_dir_still_resumes(straight, tmp_path, monkeypatch):
+    recipe, reference = straight()
+    run = tmp_path / "before-move"
+    assert invoke("train", recipe, "--output-dir", run, fault="sigterm@4", monkeypatch=monkeypatch).exit_code == 75
+    moved = tmp_path / "elsewhere" / "after-move"
+    moved.parent.mkdir()
+    shutil.move(run, moved)
+    assert str(run) not in (moved / "recipe.yaml").read_text()
+    assert invoke("resume", moved, monkeypatch=monkeypatch).exit_code == 0
+    assert_same_run(reference, moved)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "no-manifest"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(straight, tmp_path, monkeypatch, damage):
+    recipe, reference = straight()
+    run = tmp_path / "damaged"
+    result = invoke("train", recipe, "--output-dir", run, "--set", "checkpoint.every_steps=2",
+                    fault="sigterm@5", monkeypatch=monkeypatch)
+    assert result.exit_code == 75
+    newest = run / "checkpoints" / "step-000005"
+    target = newest / ("manifest.json" if damage == "no-manifest" else "adapter_model.safetensors")
+    data = bytearray(target.read_bytes())
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "bitflip":
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+    else:
+        target.unlink()
+    status = invoke("status", run, monkeypatch=monkeypatch)
+    assert "step-000005  INVALID" in status.output and "step-000004  step 4" in status.output
+    result = invoke("resume", run, "--set", "checkpoint.every_steps=2", monkeypatch=monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert "skipping checkpoint step-000005" in result.output and "resuming from step-000004" in result.output
+    assert_same_run(reference, run)
+
+
+def test_disk_full_keeps_the_previous_checkpoint(straight, tmp_path, monkeypatch):
+    recipe, reference = straight()
+    run = tmp_path / "full"
+    result = invoke("train", recipe, "--output-dir", run, "--set", "checkpoint.every_steps=2",
+                    fault="enospc@optimizer:4", monkeypatch=monkeypatch)
+    assert result.exit_code == 1 and "disk full" in result.output and "needs about" in result.output
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]  # no partial left
+    assert invoke("resume", run, "--set", "checkpoint.every_steps=2", monkeypatch=monkeypatch).exit_code == 0
+    assert_same_run(reference, run)
+
+
+def test_too_little_free_space_is_refused_before_writing(make_recipe, tmp_path, monkeypatch):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+    result = invoke("train", make_recipe(checkpoint={"every_steps": 2}), "--output-dir", tmp_path / "run",
+                    monkeypatch=monkeypatch)
+    assert result.exit_code == 1 and "not enough disk space" in result.output and "needs about" in result.output
+
+
+def test_diverging_run_stops_after_consecutive_skips(make_recipe, tmp_path, monkeypatch):
+    recipe = make_recipe(training={"max_steps": 9, "max_consecutive_skips": 3}, checkpoint={"every_steps": 1})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run", fault="nan@3,nan@4,nan@5",
+                    monkeypatch=monkeypatch)
+    assert result.exit_code == 1 and "3 optimizer steps in a row" in result.output
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if r.get("skipped")] == [3, 4, 5]
+    # the weights never went non-finite (skipped steps do not update), so checkpoints stay usable
+    assert (tmp_path / "run" / "checkpoints" / "step-000005").is_dir()
+
+
+def test_paged_8bit_optimizer_resumes_bitwise(straight, tmp_path, monkeypatch):
+    pytest.importorskip("bitsandbytes")
+    recipe, reference = straight(training={**EXACT["training"], "optimizer": "paged_adamw_8bit"})
+    run = tmp_path / "paged"
+    assert invoke("train", recipe, "--output-dir", run, fault="sigterm@4", monkeypatch=monkeypatch).exit_code == 75
+    assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0
+    assert_same_run(reference, run)
+
+
+def test_status_shows_progress_checkpoints_and_the_command(straight, tmp_path, monkeypatch):
+    recipe, _ = straight()
+    run = tmp_path / "s"
+    invoke("train", recipe, "--output-dir", run, "--set", "checkpoint.every_steps=3", fault="sigterm@4",
+           monkeypatch=monkeypatch)
+    out = invoke("status", run, monkeypatch=monkeypatch).output
+    assert "progress: step 4/9" in out and "step-000004  step 4  loss" in out and "valid" in out
+    assert f"continue with: gpupoor resume {run}" in out
+
+
+# ---- subprocesses: what only a real process shows ----------------------------------------------------------
+
+def run_cli(args: list, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "gpupoor", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=120, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_sigkill_at_every_commit_stage_leaves_a_resumable_run(straight, tmp_path, monkeypatch, stage):
+    recipe, reference = straight()
+    run = tmp_path / "killed"
+    killed = run_cli(["train", recipe, "--output-dir", run, "--set", "checkpoint.every_steps=2"],
+                     {"GPUPOOR_FAULT": f"kill@{stage}:4"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = run_cli(["resume", run, "--set", "checkpoint.every_steps=2"])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    resumed_from = "step-000004" if stage == "rotate" else "step-000002"  # rotate runs after the commit
+    assert f"resuming from {resumed_from}" in resumed.stdout
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    assert_same_run(reference, run)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_75_and_resume_finishes(make_recipe, tmp_path):
+    recipe = make_recipe(training={"max_steps": 100000})
+    run = tmp_path / "term"
+    process = subprocess.Popen([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size):
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 75, err
+    assert "SIGTERM" in err and f"continue with: gpupoor resume {run}" in out
+    step = losses(run)[-1][0]
+    assert (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").is_file()
+    resumed = run_cli(["resume", run, "--set", f"training.max_steps={step + 2}"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert [s for s, _ in losses(run)] == list(range(1, step + 3))
