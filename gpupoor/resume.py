@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -61,6 +62,34 @@ def _age(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _session_line(run_dir: Path, time_limit: str | None) -> str:
+    path = run_dir / "session.json"
+    budget = f"time limit {time_limit} per invocation" if time_limit else "no time limit"
+    if not path.is_file():
+        return f"  not running; {budget}"
+    try:
+        session = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return f"  not running; {budget}"
+    if not pid_alive(session["pid"]):
+        return f"  not running (pid {session['pid']} ended without finishing: killed?); {budget}"
+    line = f"  running: pid {session['pid']}"
+    if session.get("time_limit_s"):
+        left = session["started"] + session["time_limit_s"] - time.time()
+        line += f", time limit left {_age(max(0.0, left))}"
+    return line
+
+
 def status_report(run_dir: Path) -> str:
     """Progress, each checkpoint (step, loss, age, valid or why not), time limit, and how to continue."""
     from gpupoor.checkpoint import scan
@@ -94,9 +123,7 @@ def status_report(run_dir: Path) -> str:
             lines.append(f"    {path.name}  step {step}  {loss_text}  age {_age(now - manifest['created'])}  valid")
         else:
             lines.append(f"    {path.name}  INVALID: {problem} (resume skips it)")
-    limit = recipe.checkpoint.time_limit
-    if limit:
-        lines.append(f"  time limit: {limit} per invocation (each `gpupoor resume` starts a fresh budget)")
+    lines.append(_session_line(run_dir, recipe.checkpoint.time_limit))
     if finished:
         lines.append("  finished: the adapter is in final/")
     else:

@@ -169,6 +169,10 @@ def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=pri
     if not (run_dir / "recipe.yaml").is_file():
         raise UserError(f"{run_dir} is not a gpupoor run directory (no recipe.yaml)",
                         hint="pass the directory `gpupoor train` wrote, e.g. runs/my-recipe")
+    owner = _live_owner(run_dir)
+    if owner is not None:
+        raise UserError(f"another gpupoor process (pid {owner}) is training in {run_dir}",
+                        hint="wait for it to stop, or stop it with: kill -TERM " + str(owner))
     stored = load_recipe(run_dir / "recipe.yaml").recipe
     recipe = load_recipe(run_dir / "recipe.yaml", overrides).recipe
     trajectory, safe = diff_recipes(stored, recipe)
@@ -195,6 +199,21 @@ def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=pri
         return RunResult(run_dir, "already_done", checkpoint.manifest.get("loss"), checkpoint.step)
     store_recipe(run_dir, recipe)
     return _execute(recipe, run_dir, checkpoint, False, say, started, force=force)
+
+
+def _live_owner(run_dir: Path) -> int | None:
+    """The pid of a live process on this machine that is training in run_dir, if any."""
+    import socket
+
+    from gpupoor.resume import pid_alive
+
+    try:
+        session = json.loads((run_dir / SESSION).read_text())
+    except (OSError, ValueError):
+        return None
+    same_host = session.get("host") == socket.gethostname()
+    pid = session.get("pid")
+    return pid if same_host and pid != os.getpid() and pid_alive(pid) else None
 
 
 def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
@@ -308,8 +327,11 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     if resume is None:
         store_recipe(run_dir, recipe)
     limit_s = recipe.checkpoint.time_limit_s
-    write_text_atomic(run_dir / SESSION, json.dumps({"pid": os.getpid(), "started": time.time() - (time.monotonic() - started),
-                                                     "time_limit_s": limit_s}))
+    import socket
+
+    write_text_atomic(run_dir / SESSION, json.dumps({
+        "pid": os.getpid(), "host": socket.gethostname(), "time_limit_s": limit_s,
+        "started": time.time() - (time.monotonic() - started)}))
     checkpoints_dir = run_dir / "checkpoints"
     manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": data.fingerprint,
                      "total_steps": steps, "versions": library_versions()}

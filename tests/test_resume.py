@@ -269,3 +269,22 @@ def test_sigterm_saves_exits_75_and_resume_finishes(make_recipe, tmp_path):
     resumed = run_cli(["resume", run, "--set", f"training.max_steps={step + 2}"])
     assert resumed.returncode == 0, resumed.stderr
     assert [s for s, _ in losses(run)] == list(range(1, step + 3))
+
+
+def test_a_run_dir_in_use_is_not_resumed_twice(straight, monkeypatch):
+    import socket
+
+    _, run = straight()
+    shutil.rmtree(run / "final")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / "session.json").write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(),
+                                                      "started": time.time() - 90, "time_limit_s": 3600}))
+        assert f"running: pid {other.pid}, time limit left 58m" in invoke("status", run, monkeypatch=monkeypatch).output
+        result = invoke("resume", run, monkeypatch=monkeypatch)
+        assert result.exit_code == 2 and f"another gpupoor process (pid {other.pid})" in result.output
+    finally:
+        other.kill()
+        other.wait()
+    assert "ended without finishing" in invoke("status", run, monkeypatch=monkeypatch).output
+    assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0
