@@ -129,6 +129,86 @@ def status(
     _guarded(debug, action)
 
 
+@app.command("merge-lora")
+def merge_lora(
+    source: Path = typer.Argument(..., help="A run directory or a PEFT adapter directory."),
+    output: Path = typer.Option(..., "--output", help="New directory for the merged model (must not exist)."),
+    checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the base's dtype) | fp16 | bf16 | fp32."),
+    base: Optional[str] = typer.Option(None, "--base", help="Base model (hub id or directory); default: the "
+                                       "one the adapter names."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest safetensors shard written."),
+    qlora_base: str = typer.Option("dequantized", "--qlora-base", help="For QLoRA runs: dequantized (the base "
+                                   "as trained, default) | original (the full-precision weights)."),
+    verify: bool = typer.Option(False, "--verify", help="Report the max logit difference between the merged "
+                                "model and base + adapter as trained (loads both)."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Merge a LoRA adapter into its base, shard by shard, into a standard model directory."""
+
+    def action() -> int:
+        from gpupoor.merge import DTYPES, merge_lora as merge, parse_size, resolve_adapter, verify_merge
+
+        if dtype != "auto" and dtype not in DTYPES:
+            raise UserError(f"--dtype {dtype!r}: use auto, fp16, bf16 or fp32")
+        if qlora_base not in ("dequantized", "original"):
+            raise UserError(f"--qlora-base {qlora_base!r}: use dequantized or original")
+        from gpupoor.run import quiet_libraries
+
+        quiet_libraries()
+        adapter = resolve_adapter(source, checkpoint)
+        merged = merge(adapter, output, dtype, base, parse_size(max_shard_size), qlora_base, say=typer.echo)
+        typer.echo(f"merged model written to {merged}")
+        if verify:
+            gap = verify_merge(adapter, merged, base)
+            typer.echo(f"verify: max |logit difference| merged vs base + adapter as trained = {gap:.2e}")
+        return 0
+
+    _guarded(debug, action)
+
+
+@app.command()
+def generate(
+    source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (the instruction, user turn or text)."),
+    file: Optional[Path] = typer.Option(None, "--file", help="A JSONL file of prompts: rows in the run's format, "
+                                        "or {\"prompt\": ...}. Prints one JSON line per row."),
+    checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (reproducible)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="Prompt format (text | alpaca | chat); default: "
+                                      "the run's, or chat for a model with a chat template."),
+    base: Optional[str] = typer.Option(None, "--base", help="Base model for an adapter (default: the one it names)."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Sample from a trained model with the prompt format its run trained on (greedy by default)."""
+
+    def action() -> int:
+        import json
+
+        if (prompt is None) == (file is None):
+            raise UserError("give exactly one of --prompt TEXT or --file PROMPTS.jsonl")
+        if fmt is not None and fmt not in ("text", "alpaca", "chat"):
+            raise UserError(f"--format {fmt!r}: use text, alpaca or chat")
+        from gpupoor.generate import complete, load_generator, prompt_row, rows_from_file
+        from gpupoor.run import quiet_libraries
+
+        quiet_libraries()
+        generator = load_generator(source, checkpoint, base, fmt)
+        encoder = generator.encoder
+        rows = [(prompt_row(prompt, encoder.fmt), "--prompt")] if prompt is not None else rows_from_file(file, encoder.fmt)
+        prompts = [encoder.encode_prompt(row, where) for row, where in rows]
+        answers = complete(generator.model, generator.tokenizer, prompts, max_new_tokens, temperature)
+        if prompt is not None:
+            typer.echo(answers[0])
+        else:
+            for (row, _), answer in zip(rows, answers):
+                typer.echo(json.dumps({**row, "completion": answer}))
+        return 0
+
+    _guarded(debug, action)
+
+
 @app.command()
 def validate(
     recipes: list[Path] = typer.Argument(..., help="One or more recipe files."),

@@ -50,9 +50,11 @@ def build_demo_model(target: Path, train_rows: list[dict]) -> Path:
 
 
 def accuracy(model, tokenizer, rows: list[dict]) -> tuple[float, list[str]]:
+    from gpupoor.data.formats import Encoder
     from gpupoor.generate import complete
 
-    prompts = [alpaca_prompt(r["instruction"], r["input"]) for r in rows]
+    encoder = Encoder(tokenizer, "alpaca", max_length=128)  # the prompts exactly as training tokenized them
+    prompts = [encoder.encode_prompt(row, f"eval[{i}]") for i, row in enumerate(rows)]
     answers = complete(model, tokenizer, prompts, max_new_tokens=12)
     correct = sum(answer == row["output"] for answer, row in zip(answers, rows))
     return correct / len(rows), answers

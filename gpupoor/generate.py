@@ -1,25 +1,109 @@
-"""Greedy generation from a trained model in the prompt format it was trained on."""
+"""`gpupoor generate`: try a trained model in one command, with the prompt format the run trained on."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
+
+from gpupoor.errors import UserError
+
+
+@dataclass
+class Generator:
+    model: object
+    tokenizer: object
+    encoder: object  # gpupoor.data.formats.Encoder: renders and tokenizes prompts exactly as training did
+
+
+def load_generator(path: Path, checkpoint: str = "final", base: str | None = None, fmt: str | None = None,
+                   device: str = "auto") -> Generator:
+    """A run dir or adapter (base + adapter, quantized as trained) or a plain model directory."""
+    from transformers import AutoModelForCausalLM
+
+    from gpupoor.data.build import make_encoder
+    from gpupoor.hardware import resolve_device
+    from gpupoor.merge import resolve_adapter
+    from gpupoor.model import _quantization_config, load_tokenizer
+    from gpupoor.recipe import DataSection, ModelSection, QuantizationSection, load_recipe
+
+    target = resolve_device(device).value
+    if (path / "recipe.yaml").is_file() or (path / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        source = resolve_adapter(path, checkpoint)
+        recipe = load_recipe(source.run_dir / "recipe.yaml").recipe if source.run_dir else None
+        adapter_config = json.loads((source.adapter_dir / "adapter_config.json").read_text())
+        base_name = base or adapter_config["base_model_name_or_path"]
+        quant = recipe.quantization if recipe else QuantizationSection()
+        quantization = _quantization_config(quant, "fp32" if target == "cpu" else "bf16") if quant.bits else None
+        model = AutoModelForCausalLM.from_pretrained(
+            base_name, dtype=torch.float32 if target == "cpu" else "auto", quantization_config=quantization,
+            device_map={"": target} if quantization else None)
+        model = PeftModel.from_pretrained(model, source.adapter_dir)
+        tokenizer = load_tokenizer(str(source.adapter_dir), ModelSection(name_or_path=str(source.adapter_dir)))
+        data = recipe.data if recipe else DataSection(path="-", format=fmt or "text")
+    elif (path / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if target == "cpu" else "auto")
+        tokenizer = load_tokenizer(str(path), ModelSection(name_or_path=str(path)))
+        data = DataSection(path="-", format=fmt or ("chat" if tokenizer.chat_template else "text"))
+    else:
+        raise UserError(f"{path} is not a run directory, an adapter or a model directory",
+                        hint="pass the run dir gpupoor train wrote, its final/ adapter, or a merged model")
+    if fmt:
+        data = data.model_copy(update={"format": fmt})
+    if getattr(model, "hf_device_map", None) is None:
+        model.to(target)
+    model.eval()
+    return Generator(model, tokenizer, make_encoder(data, tokenizer))
+
+
+def prompt_row(text: str, fmt: str) -> dict:
+    """A row of the run's format holding one user prompt."""
+    if fmt == "alpaca":
+        return {"instruction": text}
+    if fmt == "chat":
+        return {"messages": [{"role": "user", "content": text}]}
+    return {"text": text}
+
+
+def rows_from_file(path: Path, fmt: str) -> list[tuple[dict, str]]:
+    """(row, where) per JSONL line: rows in the run's format, or {"prompt": "..."}. A chat row's trailing
+    assistant turn (the expected answer) is dropped so the model writes its own."""
+    from gpupoor.data.loading import read_rows, resolve_source
+
+    rows = []
+    for row in read_rows(resolve_source(str(path), Path.cwd(), "train", "--file")):
+        fields = dict(row.fields)
+        if "prompt" in fields and isinstance(fields["prompt"], str):
+            fields = prompt_row(fields["prompt"], fmt)
+        elif fmt == "chat" and isinstance(fields.get("messages"), list):
+            messages = list(fields["messages"])
+            while messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+                messages.pop()
+            fields["messages"] = messages
+        rows.append((fields, row.where))
+    return rows
 
 
 @torch.no_grad()
-def complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 32, batch_size: int = 32) -> list[str]:
-    """Greedy completions (deterministic) of each prompt, decoded without special tokens."""
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # decoder-only models continue from the last position
-    model.eval()
+def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+             batch_size: int = 16, seed: int = 0) -> list[str]:
+    """Completions of tokenized prompts: greedy (deterministic) unless temperature > 0."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(seed)
     outputs = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True)
-            batch = {k: v.to(model.device) for k, v in batch.items()}
-            generated = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            new_tokens = generated[:, batch["input_ids"].shape[1]:]
-            outputs += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-    finally:
-        tokenizer.padding_side = side
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        width = max(len(p) for p in chunk)
+        # Left padding: a decoder-only model continues from the last position of every row.
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                   pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **sampling)
+        outputs += tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
     return [text.strip() for text in outputs]

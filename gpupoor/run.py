@@ -334,7 +334,8 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         "started": time.time() - (time.monotonic() - started)}))
     checkpoints_dir = run_dir / "checkpoints"
     manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": data.fingerprint,
-                     "total_steps": steps, "versions": library_versions()}
+                     "total_steps": steps, "precision": precision.value, "device": device.value,
+                     "versions": library_versions()}
     trainable_bytes = sum(p.numel() * p.element_size() for p in unwrapped.parameters() if p.requires_grad)
     saving = {"seconds": 0.0, "bytes": 3 * trainable_bytes + 2**20, "last_time": time.monotonic(),
               "last_step": state.step}

@@ -133,8 +133,22 @@ class Encoder:
                             hint="set data.chat_template to a template whose output only grows, or "
                             "data.train_on_prompt: true")
 
-    def encode(self, row: dict, where: str) -> Encoded:
-        segments = self.segments(row, where)
+    def prompt_segments(self, row: dict, where: str) -> list[tuple[str, bool]]:
+        """The prompt of a row as training rendered it, ending where the model's answer starts."""
+        if self.fmt == "text":
+            return [(_field(row, self.text_field, where, "text"), False)]
+        if self.fmt == "alpaca":
+            return [(alpaca_prompt(_field(row, "instruction", where, "alpaca"),
+                                   _field(row, "input", where, "alpaca", required=False)), False)]
+        check_row(row, where, "chat", messages_field=self.messages_field)
+        return [(self._render(row[self.messages_field], generation_prompt=True), False)]
+
+    def encode_prompt(self, row: dict, where: str) -> list[int]:
+        """Token ids of the prompt, tokenized exactly as in training (same BOS rule, same segments)."""
+        return self._tokenize(self.prompt_segments(row, where))[0]
+
+    def _tokenize(self, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int], list[int]]:
+        """(ids, labels, ids of the last trainable segment)."""
         ids: list[int] = list(self.bos)
         labels: list[int] = [IGNORE_INDEX] * len(ids)
         last_completion: list[int] = []
@@ -146,6 +160,11 @@ class Encoder:
             labels += piece if (trainable or self.train_on_prompt) else [IGNORE_INDEX] * len(piece)
             if trainable:
                 last_completion = piece
+        return ids, labels, last_completion
+
+    def encode(self, row: dict, where: str) -> Encoded:
+        segments = self.segments(row, where)
+        ids, labels, last_completion = self._tokenize(segments)
         # A chat template may end each turn with EOS itself (Qwen's <|im_end|>); otherwise append it.
         if self.eos not in last_completion:
             ids.append(self.eos)

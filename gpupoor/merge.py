@@ -1,0 +1,376 @@
+"""`gpupoor merge-lora`: a standalone model directory from base + adapter, merged shard by shard.
+
+Peak RAM is about one output shard plus the adapter, not the whole model: tensors are read one at a time from
+the base's safetensors shards, the LoRA delta (B @ A * alpha / r, in fp32) is added to the tensors it targets,
+and output shards are written as they fill up. For QLoRA runs the base is first put through the same 4-bit
+(or 8-bit) quantization the run trained against, so the merged model reproduces the trained one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpupoor.errors import UserError
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+PEFT_PREFIX = "base_model.model."
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+
+
+@dataclass
+class AdapterSource:
+    adapter_dir: Path
+    run_dir: Path | None  # set when given a run directory: its recipe and metrics describe the adapter
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", text.upper())
+    if not match:
+        raise UserError(f"--max-shard-size {text!r}: use a size like 2GB, 500MB or 4GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B")
+    powers = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    return int(number * powers[unit])
+
+
+def resolve_adapter(path: Path, checkpoint: str) -> AdapterSource:
+    """A run dir (with --checkpoint final | step-N) or an adapter directory."""
+    if (path / "recipe.yaml").is_file():
+        adapter = path / "final" if checkpoint == "final" else path / "checkpoints" / checkpoint
+        if not (adapter / "adapter_config.json").is_file():
+            available = sorted(p.name for p in (path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() else []
+            raise UserError(f"{path} has no adapter at {adapter.relative_to(path)}"
+                            + (" (the run has not finished)" if checkpoint == "final" else ""),
+                            hint="pick one with --checkpoint: " + ", ".join(available) if available
+                            else "train the run to the end first (gpupoor resume)")
+        return AdapterSource(adapter, path)
+    if (path / "adapter_config.json").is_file():
+        return AdapterSource(path, None)
+    raise UserError(f"{path} is neither a gpupoor run directory nor a PEFT adapter directory "
+                    "(no recipe.yaml, no adapter_config.json)")
+
+
+def base_files(base: str, revision: str | None = None) -> Path:
+    """A directory with the base's config and safetensors weights: local, or downloaded from the hub."""
+    local = Path(base).expanduser()
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(base, revision=revision, allow_patterns=[
+            "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as exc:
+        raise UserError(f"base model {base!r}: not a local directory and not downloadable: {exc}",
+                        hint="pass --base with a local directory of the base model") from None
+
+
+def weight_shards(base_dir: Path) -> list[Path]:
+    index = base_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [base_dir / name for name in names]
+    if (base_dir / "model.safetensors").is_file():
+        return [base_dir / "model.safetensors"]
+    raise UserError(f"{base_dir} has no safetensors weights (model.safetensors or an index of shards)",
+                    hint="gpupoor reads only safetensors (no pickle); convert the base with save_pretrained")
+
+
+class LoraDeltas:
+    """The adapter's tensors keyed by base weight name, and what it replaces outright (modules_to_save)."""
+
+    def __init__(self, adapter_dir: Path):
+        from safetensors.torch import load_file
+
+        self.config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        if self.config.get("peft_type") != "LORA":
+            raise UserError(f"{adapter_dir}: only LoRA adapters can be merged (this is {self.config.get('peft_type')})")
+        if self.config.get("use_dora"):
+            raise UserError(f"{adapter_dir}: DoRA adapters are not supported by the streaming merge")
+        tensors = load_file(adapter_dir / "adapter_model.safetensors")
+        self.pairs: dict[str, dict[str, torch.Tensor]] = {}
+        self.replacements: dict[str, torch.Tensor] = {}
+        for key, tensor in tensors.items():
+            name = key.removeprefix(PEFT_PREFIX)
+            match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
+            if match:
+                self.pairs.setdefault(f"{match.group(1)}.weight", {})[match.group(2)] = tensor
+            elif ".lora_" in name:
+                raise UserError(f"{adapter_dir}: unsupported adapter tensor {key} (LoRA on embeddings or biases)")
+            else:
+                self.replacements[name] = tensor  # modules_to_save: trained in full
+        self.fan_in_fan_out = bool(self.config.get("fan_in_fan_out"))
+
+    def scale(self, weight_name: str, rank: int) -> float:
+        module = weight_name.removesuffix(".weight")
+        alpha = self.config["lora_alpha"]
+        for pattern, value in (self.config.get("alpha_pattern") or {}).items():
+            if re.search(rf"(^|\.){pattern}$", module):
+                alpha = value
+        return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
+
+    def delta(self, weight_name: str) -> torch.Tensor:
+        pair = self.pairs[weight_name]
+        a, b = pair["A"].float(), pair["B"].float()
+        delta = (b @ a) * self.scale(weight_name, a.shape[0])
+        return delta.T if self.fan_in_fan_out else delta
+
+
+def quantized_modules(config, quantization: dict) -> set[str]:
+    """Weight names transformers quantizes with bitsandbytes for this architecture: every nn.Linear except
+    the output embedding and tied/last modules (transformers' own rule, applied to a weightless model)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    skip = set(get_keys_to_not_convert(model)) | set(quantization.get("skip_modules") or [])
+    return {f"{name}.weight" for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and not any(name == s or name.endswith("." + s) for s in skip)}
+
+
+def _explicit_precision(recipe: dict) -> str:
+    precision = recipe.get("precision", "auto")
+    if precision == "auto":
+        raise UserError("the adapter's run does not record which precision `auto` resolved to",
+                        hint="pass --qlora-base original, or merge an adapter written by this gpupoor version")
+    return precision
+
+
+def quantize_roundtrip(weight: torch.Tensor, quantization: dict, load_dtype: torch.dtype) -> torch.Tensor:
+    """What a bitsandbytes layer computes with: the weight quantized as at load time, then dequantized."""
+    import bitsandbytes.functional as bnbf
+
+    weight = weight.to(load_dtype)
+    if quantization["bits"] == 4:
+        packed, state = bnbf.quantize_4bit(weight, blocksize=64, compress_statistics=quantization["double_quant"],
+                                           quant_type=quantization["quant_type"])
+        return bnbf.dequantize_4bit(packed, state).float()
+    codes, row_stats, _ = bnbf.int8_vectorwise_quant(weight.to(torch.float16))
+    return bnbf.int8_vectorwise_dequant(codes, row_stats).float()
+
+
+class ShardWriter:
+    """Collects tensors into safetensors shards of at most `max_bytes`, writing each as soon as it is full."""
+
+    def __init__(self, out_dir: Path, max_bytes: int):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.shards: list[dict[str, torch.Tensor] | list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + size > self.max_bytes:
+            self._flush()
+        self.current[name] = tensor.contiguous()
+        self.current_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        index = len(self.shards)
+        save_file(self.current, self.out_dir / f"part-{index:05d}.safetensors", metadata={"format": "pt"})
+        self.shards.append(list(self.current))
+        self.current, self.current_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.current:
+            self._flush()
+        count = len(self.shards)
+        if count == 1:
+            os.replace(self.out_dir / "part-00000.safetensors", self.out_dir / "model.safetensors")
+            return
+        weight_map = {}
+        for index, names in enumerate(self.shards):
+            final = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.out_dir / f"part-{index:05d}.safetensors", self.out_dir / final)
+            weight_map.update({name: final for name in names})
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2))
+
+
+def _run_summary(run_dir: Path | None) -> tuple[dict, dict]:
+    """(recipe as a dict, last metrics) of the run that trained the adapter, when known."""
+    if run_dir is None:
+        return {}, {}
+    import yaml
+
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+    last: dict = {}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "loss" in record:
+                last.update(step=record["step"], loss=record["loss"])
+            if "eval_loss" in record:
+                last["eval_loss"] = record["eval_loss"]
+    return recipe, last
+
+
+def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: str | None) -> str:
+    lines = ["---", f"base_model: {base}", "library_name: transformers", "tags: [gpupoor, lora, merged]", "---", "",
+             f"# LoRA fine-tune of {base}, merged", "",
+             f"Base model `{base}` with a LoRA adapter trained by gpupoor merged into its weights ({dtype}). "
+             "Load it with `AutoModelForCausalLM.from_pretrained` of this directory; gpupoor is not needed.", ""]
+    if qlora_base:
+        lines += [f"The adapter was trained on a {recipe.get('quantization', {}).get('bits')}-bit base (QLoRA); "
+                  + ("it was merged into the dequantized quantized base, which reproduces the trained model."
+                     if qlora_base == "dequantized" else "it was merged into the original full-precision base."), ""]
+    if recipe:
+        data, peft, training = recipe.get("data", {}), recipe.get("peft", {}), recipe.get("training", {})
+        lines += ["## Training recipe", "", "| setting | value |", "|---|---|",
+                  f"| data | `{data.get('path')}` ({data.get('format')}, max_length {data.get('max_length')}) |",
+                  f"| LoRA | rank {peft.get('rank')}, alpha {peft.get('alpha') or 2 * (peft.get('rank') or 0)}, "
+                  f"targets {peft.get('target_modules')} |",
+                  f"| precision | {recipe.get('precision')} |",
+                  f"| quantization | {recipe.get('quantization', {}).get('bits') or 'none'} |",
+                  f"| batch | {training.get('micro_batch_size')} x {training.get('gradient_accumulation_steps')} "
+                  "accumulation |",
+                  f"| learning rate | {training.get('learning_rate')} ({training.get('lr_scheduler')}) |", ""]
+    if metrics:
+        lines += ["## Final metrics", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {key} | {value:.4f} |" if isinstance(value, float) else f"| {key} | {value} |"
+                  for key, value in metrics.items()] + [""]
+    return "\n".join(lines)
+
+
+def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: str | None = None,
+               max_shard_bytes: int = 2 * 10**9, qlora_base: str = "dequantized", say=print) -> Path:
+    from transformers import AutoConfig, GenerationConfig
+
+    output = output.expanduser().resolve()
+    if output.exists():
+        raise UserError(f"output directory {output} already exists", hint="choose a new --output, or delete it")
+    deltas = LoraDeltas(source.adapter_dir)
+    base_name = base or deltas.config.get("base_model_name_or_path")
+    if not base_name:
+        raise UserError("the adapter does not name its base model", hint="pass --base MODEL")
+    base_dir = base_files(base_name)
+    config = AutoConfig.from_pretrained(base_dir)
+    recipe, metrics = _run_summary(source.run_dir)
+    quantization = {k: v for k, v in (recipe.get("quantization") or {}).items()}
+    quantized = bool(quantization.get("bits")) and qlora_base == "dequantized"
+    base_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
+    target_dtype = base_dtype if dtype == "auto" else DTYPES[dtype]
+    quantize = set()
+    if quantized:
+        quantize = quantized_modules(config, quantization)
+        # The dtype the base was loaded in before quantizing: the run's resolved precision (in the manifest).
+        manifest_path = source.adapter_dir / "manifest.json"
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+        load_dtype = DTYPES[manifest.get("precision") or _explicit_precision(recipe)]
+        say(f"QLoRA run: merging into the base as the run saw it ({quantization['bits']}-bit, dequantized); "
+            "--qlora-base original merges into the full-precision weights instead")
+
+    pending_lora = set(deltas.pairs)
+    pending_replace = set(deltas.replacements)
+    tmp = output.parent / f".tmp-{output.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        from safetensors import safe_open
+
+        writer = ShardWriter(tmp, max_shard_bytes)
+        for shard in weight_shards(base_dir):
+            with safe_open(shard, framework="pt") as handle:
+                for name in handle.keys():
+                    tensor = handle.get_tensor(name)
+                    if name in pending_replace:
+                        replacement = deltas.replacements[name]
+                        if replacement.shape != tensor.shape:
+                            raise UserError(f"the adapter's {name} has shape {tuple(replacement.shape)} but the base "
+                                            f"{base_name} has {tuple(tensor.shape)}: it was trained on another model",
+                                            hint="pass --base with the model the run trained on")
+                        tensor = replacement
+                        pending_replace.discard(name)
+                    elif tensor.is_floating_point() and name in quantize:
+                        tensor = quantize_roundtrip(tensor, quantization, load_dtype)
+                    if name in pending_lora:
+                        delta = deltas.delta(name)
+                        if delta.shape != tensor.shape:
+                            raise UserError(f"the adapter's update for {name} has shape {tuple(delta.shape)} but the "
+                                            f"base {base_name} has {tuple(tensor.shape)}: it was trained on another "
+                                            "model", hint="pass --base with the model the run trained on")
+                        tensor = tensor.float() + delta  # in fp32, then cast once
+                        pending_lora.discard(name)
+                    writer.add(name, tensor.to(target_dtype) if tensor.is_floating_point() else tensor)
+        if pending_lora:
+            raise UserError(f"the adapter targets weights the base {base_name} does not have, e.g. "
+                            f"{sorted(pending_lora)[0]}: it was trained on another architecture",
+                            hint="pass --base with the model the run trained on")
+        untied = False
+        for name in sorted(pending_replace):
+            # A tied output head trained in full (modules_to_save: [lm_head]) is not in the base's files:
+            # write it and untie, or loading would tie it back to the embeddings.
+            writer.add(name, deltas.replacements[name].to(target_dtype))
+            untied = True
+        writer.close()
+        if untied:
+            config.tie_word_embeddings = False
+        config.dtype = target_dtype
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        if (base_dir / "generation_config.json").is_file():
+            shutil.copy(base_dir / "generation_config.json", tmp / "generation_config.json")
+        else:
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tokenizer_source = source.adapter_dir if (source.adapter_dir / "tokenizer_config.json").is_file() else base_dir
+        for name in TOKENIZER_FILES:
+            if (tokenizer_source / name).is_file():
+                shutil.copy(tokenizer_source / name, tmp / name)
+        (tmp / "README.md").write_text(model_card(base_name, recipe, metrics, str(target_dtype).removeprefix("torch."),
+                                                  qlora_base if quantization.get("bits") else None))
+        os.rename(tmp, output)  # the output appears whole or not at all
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -> float:
+    """Max absolute logit difference between the merged model and base + adapter as trained (probe batch)."""
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpupoor.model import _quantization_config
+    from gpupoor.recipe import QuantizationSection
+
+    recipe, _ = _run_summary(source.run_dir)
+    lora = LoraConfig.from_pretrained(source.adapter_dir)
+    lora.lora_dropout = 0.0  # the trained model runs in train mode below (see the 4-bit note): no dropout
+    base_name = base or lora.base_model_name_or_path
+    quant = QuantizationSection(**(recipe.get("quantization") or {}))
+    quantization = _quantization_config(quant, "fp32") if quant.bits else None
+    trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32, quantization_config=quantization,
+                                                   device_map={"": "cpu"} if quantization else None)
+    trained = PeftModel.from_pretrained(trained, source.adapter_dir, config=lora)
+    merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    probe = tokenizer(["The quick brown fox jumps over the lazy dog.", "Below is an instruction"],
+                      return_tensors="pt", padding=True)
+    with torch.no_grad():
+        # bitsandbytes 4-bit layers in eval mode repack their weights on some CPUs: keep train mode.
+        trained.train(bool(quantization))
+        merged_model.eval()
+        reference = trained(**probe).logits
+        logits = merged_model(**probe).logits
+    mask = probe["attention_mask"].bool()
+    return float((reference - logits).abs()[mask].max())
