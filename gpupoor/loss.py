@@ -1,18 +1,129 @@
 """The causal-LM loss as a sum over target tokens; the caller divides by the token count of the whole
-accumulation window, so every target token weighs the same however the batch was split."""
+accumulation window, so every target token weighs the same however the batch was split.
+
+Two ways to compute it:
+- `plain_loss_sum`: the model's logits for every position, then cross-entropy. Simple; the logits tensor
+  (batch x length x vocab, in fp32 for the loss) dominates memory at large vocabularies.
+- `fused_loss_sum` (default): the decoder's last hidden states for the *target* positions only go through
+  the output head chunk by chunk; each chunk's logits give its loss and, in the same pass, the gradient
+  with respect to the hidden states (softmax - one-hot) @ W, so the full logits never exist and backward
+  needs no recomputation. Prompt and padding positions never reach the head at all.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from gpupoor.data.formats import IGNORE_INDEX
 
+# Logit elements computed at once by the fused loss: 2^24 fp32 values = 64 MiB, e.g. 512 tokens at a 32k
+# vocabulary or 110 at Qwen's 152k. Big enough for efficient matmuls, small next to the model.
+CHUNK_ELEMENTS = 2**24
 
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+
+def plain_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     # Position t predicts token t+1. Compute in fp32: a bf16 log-softmax over a large vocab loses precision.
     shifted = logits[:, :-1, :].float()
     targets = batch["labels"][:, 1:]
     return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(hidden_i @ weight.T, target_i), with gradients computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        want_hidden = ctx.needs_input_grad[0]
+        want_weight = ctx.needs_input_grad[1]
+        # Softmax statistics in fp32 at least: a bf16 log-sum-exp over a large vocabulary loses precision.
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_weight else None
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start:start + chunk]
+            t = targets[start:start + chunk]
+            logits = (h @ weight.t()).to(acc)
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if want_hidden or want_weight:
+                # d(sum CE)/d logits = softmax - one_hot, computed in place over the logits buffer.
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(len(t), device=t.device), t] -= 1.0
+                if want_hidden:
+                    grad_hidden[start:start + chunk] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+                if want_weight:
+                    grad_weight += probs.t() @ h.to(acc)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None,
+                (grad_weight * grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None,
+                None, None)
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of `hidden @ weight.T` against `targets`, never holding all the logits."""
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0 + weight.sum() * 0.0  # keeps the graph connected for an empty batch
+    chunk = max(16, CHUNK_ELEMENTS // weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
+
+
+@dataclass
+class FusedHead:
+    """Where the fused loss reads from: the decoder (hooked for its last hidden state) and the head weight."""
+
+    decoder: torch.nn.Module
+    head: torch.nn.Module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+
+def find_fused_head(model: torch.nn.Module) -> tuple[FusedHead | None, str]:
+    """The decoder and output head to fuse, or None and why the plain loss must be used."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = causal_lm.config
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            return None, f"the model post-processes its logits ({attr})"
+    head = causal_lm.get_output_embeddings()
+    if hasattr(head, "modules_to_save"):  # peft trains a copy of the head: use the active copy
+        head = head.modules_to_save[head.active_adapter if isinstance(head.active_adapter, str) else head.active_adapter[0]]
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None, "the output head is adapted or has a bias"
+    decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else None
+    if decoder is None:
+        return None, "the model has no separate decoder"
+    return FusedHead(decoder, head), "output head fused with the loss"
+
+
+def fused_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: FusedHead) -> torch.Tensor:
+    captured = {}
+
+    def keep_hidden(module, args, output):
+        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    # The model's own forward runs (so DDP/FSDP wrappers and peft hooks do their part); it is asked for the
+    # logits of one position only, and the decoder's output is taken from a hook.
+    handle = fused.decoder.register_forward_hook(keep_hidden)
+    try:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+              logits_to_keep=1)
+    finally:
+        handle.remove()
+    labels = batch["labels"][:, 1:]
+    mask = labels != IGNORE_INDEX
+    hidden = captured["hidden"][:, :-1][mask]  # only positions whose next token is a target
+    return linear_cross_entropy_sum(hidden, fused.weight, labels[mask])

@@ -87,7 +87,7 @@ def shrink_config(config):
     return config
 
 
-def _quantization_config(quant: QuantizationSection, precision: str):
+def _quantization_config(quant: QuantizationSection, precision: str, cpu_offload: bool = False):
     if quant.bits is None:
         return None
     try:
@@ -98,24 +98,28 @@ def _quantization_config(quant: QuantizationSection, precision: str):
     from transformers import BitsAndBytesConfig
 
     compute = precision if quant.compute_dtype == "auto" else quant.compute_dtype
+    # With part of the model kept on the CPU, those layers stay unquantized in fp32.
+    offload = {"llm_int8_enable_fp32_cpu_offload": True} if cpu_offload else {}
     if quant.bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **offload)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant.quant_type,
                               bnb_4bit_use_double_quant=quant.double_quant,
-                              bnb_4bit_compute_dtype=dtype_of(compute))
+                              bnb_4bit_compute_dtype=dtype_of(compute), **offload)
 
 
 def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, quant: QuantizationSection,
-                precision: str, attention: str, device: str, gradient_checkpointing: bool, seed: int,
-                smoke: bool = False):
-    """The PEFT-wrapped model on `device`, base weights frozen."""
+                precision: str, attention: str, device: str, gradient_checkpointing: bool | str, seed: int,
+                smoke: bool = False, max_gpu_memory: str | None = None):
+    """The PEFT-wrapped model on `device`, base weights frozen. With `max_gpu_memory` on a GPU, accelerate's
+    device map keeps what does not fit in CPU memory."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
     config = load_config(location, model_cfg)
     config.use_cache = False  # no KV cache in training: it costs memory and breaks packed attention
     dtype = dtype_of(precision)
-    quantization = _quantization_config(quant, precision)
+    cpu_offload = bool(max_gpu_memory) and device == "cuda"
+    quantization = _quantization_config(quant, precision, cpu_offload)
     common = {"attn_implementation": attention, "trust_remote_code": model_cfg.trust_remote_code}
     if smoke:
         torch.manual_seed(seed)
@@ -125,19 +129,25 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
             model = _requantize(model, quantization, dtype, device, common)
     else:
         try:
+            placement = {}
+            if cpu_offload:
+                placement = {"device_map": "auto", "max_memory": {0: max_gpu_memory.replace(" ", ""), "cpu": "1024GiB"}}
+            elif quantization is not None:
+                placement = {"device_map": {"": device}}
             model = AutoModelForCausalLM.from_pretrained(
                 location, config=config, dtype=dtype, revision=model_cfg.revision, quantization_config=quantization,
-                device_map={"": device} if quantization is not None else None, **common)
+                **placement, **common)
         except (OSError, ValueError) as exc:
             raise UserError(f"model.name_or_path: cannot load model weights from {location!r}: {exc}") from None
-    if quantization is None:
+    if quantization is None and not cpu_offload:
         model.to(device)
-    else:
+    elif quantization is not None:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if gradient_checkpointing:
-        # Non-reentrant: works with frozen inputs (no enable_input_require_grads hack) and gives bitwise-equal
-        # LoRA gradients.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant: gives bitwise-equal LoRA gradients. Offloading the saved layer inputs to the host
+        # only means something when they live on a GPU.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              offload=gradient_checkpointing == "offload" and device == "cuda")
     torch.manual_seed(seed)  # LoRA A is randomly initialized: make it a function of the seed
     lora = LoraConfig(r=peft_cfg.rank, lora_alpha=peft_cfg.effective_alpha, lora_dropout=peft_cfg.dropout,
                       target_modules=peft_cfg.target_modules, modules_to_save=peft_cfg.modules_to_save or None,

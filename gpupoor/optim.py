@@ -14,17 +14,36 @@ BNB_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit
                   "paged_adamw_32bit": "PagedAdamW32bit"}
 
 
+def _bitsandbytes_optim(name: str):
+    try:
+        import bitsandbytes.optim as bnb_optim
+    except Exception as exc:  # ImportError, or a native library that fails to load
+        raise UserError(f"training.optimizer = {name!r} needs bitsandbytes, which does not import: {exc}",
+                        hint="pip install bitsandbytes, or use optimizer: adamw") from None
+    return bnb_optim
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held in optimizer state tensors (after the first step has created them)."""
+    return sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for value in state.values() if torch.is_tensor(value))
+
+
 def build_optimizer(training: TrainingSection, model: torch.nn.Module, device: str) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     common = {"lr": training.learning_rate, "betas": tuple(training.adam_betas), "eps": training.adam_eps,
               "weight_decay": training.weight_decay}
+    if training.optimizer == "adafactor":
+        # Factored second moments: optimizer state ~ rows + columns per matrix instead of their product.
+        return torch.optim.Adafactor(params, lr=training.learning_rate, weight_decay=training.weight_decay)
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=training.learning_rate, momentum=training.momentum,
+                               weight_decay=training.weight_decay)
+    if training.optimizer == "lion_8bit":
+        bnb_optim = _bitsandbytes_optim(training.optimizer)
+        return bnb_optim.Lion8bit(params, lr=training.learning_rate, weight_decay=training.weight_decay)
     if training.optimizer in BNB_OPTIMIZERS:
-        try:
-            import bitsandbytes.optim as bnb_optim
-        except Exception as exc:
-            raise UserError(f"training.optimizer = {training.optimizer!r} needs bitsandbytes, which does not "
-                            f"import: {exc}", hint="pip install bitsandbytes, or use optimizer: adamw") from None
-        return getattr(bnb_optim, BNB_OPTIMIZERS[training.optimizer])(params, **common)
+        return getattr(_bitsandbytes_optim(training.optimizer), BNB_OPTIMIZERS[training.optimizer])(params, **common)
     # The fused kernel is one launch per step on CUDA; foreach is the fast path on CPU.
     kernel = {"fused": True} if device == "cuda" else {"foreach": True}
     return torch.optim.AdamW(params, **common, **kernel)

@@ -149,11 +149,15 @@ class TrainingSection(_Section):
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = Field(
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd",
+                       "lion_8bit"] = Field(
         "adamw", description="`adamw`: torch AdamW (fused kernel on CUDA, foreach on CPU). `adamw_8bit`: "
         "bitsandbytes 8-bit state (about 4x less optimizer memory). `paged_adamw_8bit` / `paged_adamw_32bit`: "
-        "state in paged memory that spills to the CPU under GPU memory pressure."
+        "state in paged memory that spills to the CPU under GPU memory pressure. `adafactor`: factored second "
+        "moments (torch). `sgd`: with `momentum`. `lion_8bit`: bitsandbytes Lion (use a 3-10x lower learning "
+        "rate than AdamW)."
     )
+    momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of `optimizer: sgd`.")
     max_consecutive_skips: int = Field(
         10, ge=1, description="Steps with a non-finite loss or gradient norm are skipped and counted; after this "
         "many in a row the run stops with an error, keeping its last good checkpoint."
@@ -176,8 +180,27 @@ class TrainingSection(_Section):
 class MemorySection(_Section):
     """Trade compute for memory."""
 
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute each decoder layer's activations in backward (non-reentrant)."
+    @field_validator("max_gpu_memory")
+    @classmethod
+    def _check_memory(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"\s*\d+(\.\d+)?\s*([KMGT]i?B)\s*", value):
+            raise ValueError("use a size like 10GiB, 12GB or 8000MiB")
+        return value
+
+    gradient_checkpointing: bool | Literal["offload"] = Field(
+        False, description="`true`: recompute each decoder layer's activations in backward (non-reentrant; "
+        "LoRA gradients are bitwise those without it). `offload`: also keep each checkpointed layer input in "
+        "pinned CPU memory until backward (long contexts on a small GPU; on a CPU it is the same as `true`)."
+    )
+    max_gpu_memory: str | None = Field(
+        None, description="On a GPU, load at most this much of the base model's weights onto it (e.g. "
+        "`10GiB`); the rest stays in CPU memory and is streamed in by accelerate's device map (slower, but it "
+        "runs). Ignored on a CPU."
+    )
+    fused_cross_entropy: bool = Field(
+        True, description="Compute the output head and the loss together, chunk by chunk over the target "
+        "tokens only, with the gradient in the same pass: the full logits never exist. Falls back to the plain "
+        "loss (and says why) for models that post-process logits or adapt the output head with LoRA."
     )
 
 

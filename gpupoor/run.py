@@ -6,6 +6,7 @@ progress, checkpoints, signals and time limits.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -250,9 +251,9 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
                                     require_checkpoint_files, rotate, write_checkpoint)
     from gpupoor.data.build import build_data
     from gpupoor.hardware import resolve_attention, resolve_device, resolve_precision, usable_cpu_count
-    from gpupoor.loss import causal_lm_loss_sum
+    from gpupoor.loss import find_fused_head, fused_loss_sum, plain_loss_sum
     from gpupoor.model import build_model, load_tokenizer, summarize
-    from gpupoor.optim import build_optimizer, build_scheduler
+    from gpupoor.optim import build_optimizer, build_scheduler, optimizer_state_bytes
     from gpupoor.resume import trajectory_hash
     from gpupoor.signals import StopRequest
     from gpupoor.train.loop import Hooks, LoopSettings, TooManySkippedSteps, train
@@ -278,7 +279,8 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
                         hint="restore the original data, or pass --force to continue on the new data")
     stats = data.train.stats
     model = build_model(location, recipe.model, recipe.peft, recipe.quantization, precision.value,
-                        attention.value, device.value, recipe.memory.gradient_checkpointing, recipe.seed, smoke)
+                        attention.value, device.value, recipe.memory.gradient_checkpointing, recipe.seed, smoke,
+                        recipe.memory.max_gpu_memory)
     summary = summarize(model)
     accelerator = make_accelerator(device.value, precision.value)
     optimizer = build_optimizer(recipe.training, model, device.value)
@@ -305,10 +307,18 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     elif run_dir.exists():
         _truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
 
+    checkpointing = {False: "off", True: "on (non-reentrant)",
+                     "offload": "on, layer inputs offloaded to CPU" if device.value == "cuda"
+                     else "on (offload has no effect on a CPU)"}[recipe.memory.gradient_checkpointing]
+    fused, loss_reason = find_fused_head(unwrapped) if recipe.memory.fused_cross_entropy else (None, "memory.fused_cross_entropy: false")
+    base_loss = functools.partial(fused_loss_sum, fused=fused) if fused is not None else plain_loss_sum
+
     verb = "smoke test" if smoke else ("resume" if resume is not None else "train")
     say(f"gpupoor {verb}: {recipe.model.name_or_path}" + (" (shrunken random-weight copy)" if smoke else ""))
     say(f"  device {device.value} ({device.reason}); precision {precision.value} ({precision.reason}); "
         f"attention {attention.value} ({attention.reason})")
+    say(f"  loss: {'fused chunked cross-entropy' if fused is not None else 'plain cross-entropy'} ({loss_reason}); "
+        f"gradient checkpointing: {checkpointing}")
     say(f"  parameters {summary.total_params:,}; trainable {summary.trainable_params:,} "
         f"({summary.trainable_percent:.2f}%); weights {summary.weight_bytes / 2**20:.1f} MiB")
     say(f"  data {stats.kept} examples ({stats.rows} rows; {stats.truncated} truncated to "
@@ -375,6 +385,10 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         return name
 
     def on_step(record: dict, current: TrainState) -> None:
+        if last_loss[0] is None:  # the first step of this process: optimizer state now exists
+            record["optimizer_state_mb"] = round(optimizer_state_bytes(optimizer) / 2**20, 2)
+            progress.message(f"  optimizer state {record['optimizer_state_mb']:.1f} MiB; "
+                             f"peak memory after the first step {record['peak_mem_mb']:.0f} MB", always=True)
         last_loss[0] = record["loss"]
         metrics.write(record)
         progress.step(record)
@@ -402,7 +416,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     nan_steps = faults.steps_for("nan")
 
     def loss_fn(model_, batch):
-        loss = causal_lm_loss_sum(model_, batch)
+        loss = base_loss(model_, batch)
         return loss * float("nan") if state.step + 1 in nan_steps else loss
 
     settings = LoopSettings(total_steps=steps, accumulation=recipe.training.gradient_accumulation_steps,
@@ -411,7 +425,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
                             eval_micro_batch_size=recipe.training.micro_batch_size,
                             eval_in_train_mode=recipe.quantization.bits is not None,
                             max_consecutive_skips=recipe.training.max_consecutive_skips,
-                            loss_fn=loss_fn if nan_steps else causal_lm_loss_sum)
+                            loss_fn=loss_fn if nan_steps else base_loss)
     metrics = MetricsWriter(run_dir / "metrics.jsonl")
     progress = Progress(steps, state.step, recipe.logging.progress, recipe.logging.every_steps)
     stop = StopRequest().install()

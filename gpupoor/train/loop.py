@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from gpupoor.data.build import DataBundle, collate, count_targets
-from gpupoor.loss import causal_lm_loss_sum
+from gpupoor.loss import plain_loss_sum
 from gpupoor.train.state import TrainState
 
 
@@ -26,7 +26,7 @@ class LoopSettings:
     eval_micro_batch_size: int
     eval_in_train_mode: bool = False  # bitsandbytes 4-bit layers repack their weights in eval mode on CPU
     max_consecutive_skips: int = 10
-    loss_fn: Callable = causal_lm_loss_sum  # (model, batch) -> summed loss over target tokens
+    loss_fn: Callable = plain_loss_sum  # (model, batch) -> summed loss over target tokens
 
 
 class TooManySkippedSteps(RuntimeError):

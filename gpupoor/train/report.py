@@ -60,10 +60,12 @@ class Progress:
         elif self.mode == "plain" and (record["step"] % self.every == 0 or record["step"] == self.total):
             print(format_step(record, self.total, eta), flush=True)
 
-    def message(self, text: str) -> None:
+    def message(self, text: str, always: bool = False) -> None:
+        """Print beside the progress (through the bar's console when there is one); `always` prints even
+        with progress off, for what belongs to the startup summary."""
         if self.bar is not None:
             self.bar.console.print(text)
-        elif self.mode != "none":
+        elif self.mode != "none" or always:
             print(text, flush=True)
 
     def close(self) -> None:

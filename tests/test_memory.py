@@ -1,0 +1,194 @@
+"""The memory stack: fused chunked cross-entropy, activation checkpointing, optimizers and their resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+import gpupoor.loss as loss_module
+from conftest import read_metrics
+from gpupoor.cli import app
+from gpupoor.loss import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+def test_linear_cross_entropy_matches_the_plain_loss(monkeypatch, weight_grad):
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 7 * 50)  # 7 tokens per chunk: many chunks, a ragged last
+    torch.manual_seed(0)
+    hidden = torch.randn(45, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=weight_grad)
+    targets = torch.randint(0, 50, (45,))
+    ours = linear_cross_entropy_sum(hidden, weight, targets)
+    (ours * 0.5).backward()  # an upstream scale, as the loop applies 1 / target tokens
+    grads = (hidden.grad.clone(), weight.grad.clone() if weight_grad else None)
+    hidden.grad = None
+    weight.grad = None
+    plain = F.cross_entropy(hidden @ weight.t(), targets, reduction="sum")
+    (plain * 0.5).backward()
+    assert torch.allclose(ours, plain, rtol=1e-12, atol=0)
+    assert torch.allclose(grads[0], hidden.grad, rtol=1e-10, atol=1e-12)
+    if weight_grad:
+        assert torch.allclose(grads[1], weight.grad, rtol=1e-10, atol=1e-12)
+
+
+def _peft(model_dir, **lora):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False, **lora))
+    return model.train()
+
+
+def _batch(tokenizer):
+    from gpupoor.data.formats import IGNORE_INDEX
+
+    ids = torch.randint(5, len(tokenizer), (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # padding
+    labels = ids.clone()
+    labels[:, :4] = IGNORE_INDEX  # a prompt
+    labels[mask == 0] = IGNORE_INDEX
+    labels[2, 6] = IGNORE_INDEX  # a hole in the middle
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _loss_and_grads(model, batch, fused: bool):
+    model.zero_grad(set_to_none=True)
+    if fused:
+        head, why = find_fused_head(model)
+        assert head is not None, why
+        loss = fused_loss_sum(model, batch, head)
+    else:
+        loss = plain_loss_sum(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("case", ["lora", "trained_head", "tied_embeddings"])
+def test_fused_loss_equals_plain_loss_on_a_model(case, tiny_model, tiny_tied_model, tokenizer):
+    model_dir = tiny_tied_model if case == "tied_embeddings" else tiny_model
+    extra = {"modules_to_save": ["lm_head"]} if case == "trained_head" else {}
+    model = _peft(model_dir, **extra)
+    batch = _batch(tokenizer)
+    plain_loss, plain_grads = _loss_and_grads(model, batch, fused=False)
+    fused_loss, fused_grads = _loss_and_grads(model, batch, fused=True)
+    assert torch.allclose(fused_loss, plain_loss, rtol=1e-6)
+    if case == "trained_head":
+        assert any("lm_head" in name for name in fused_grads)
+    for name, grad in plain_grads.items():
+        assert torch.allclose(fused_grads[name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_fused_loss_falls_back_when_the_head_is_adapted(tiny_model):
+    model = _peft(tiny_model, exclude_modules=None)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapted_head = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                                  LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    assert find_fused_head(model)[0] is not None
+    head, why = find_fused_head(adapted_head)
+    assert head is None and "adapted" in why
+
+
+def _run(make_recipe, tmp_path, name, **sections):
+    result = runner.invoke(app, ["train", str(make_recipe(f"{name}.yaml", **sections)), "--output-dir",
+                                 str(tmp_path / name)])
+    assert result.exit_code == 0, result.output
+    return [r for r in read_metrics(tmp_path / name) if "loss" in r], result.output
+
+
+def test_fused_and_plain_training_agree_with_accumulation(make_recipe, tmp_path):
+    training = {"max_steps": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 2}
+    fused, output = _run(make_recipe, tmp_path, "fused", training=training)
+    plain, _ = _run(make_recipe, tmp_path, "plain", training=training, memory={"fused_cross_entropy": False})
+    assert "loss: fused chunked cross-entropy" in output
+    for a, b in zip(fused, plain):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("mode", [True, "offload"])
+def test_activation_checkpointing_gives_bitwise_equal_lora_gradients(tiny_model, tokenizer, mode):
+    from gpupoor.model import build_model
+    from gpupoor.recipe import ModelSection, PeftSection, QuantizationSection
+
+    def grads(checkpointing):
+        model = build_model(str(tiny_model), ModelSection(name_or_path=str(tiny_model)), PeftSection(rank=4),
+                            QuantizationSection(), "fp32", "sdpa", "cpu", checkpointing, seed=0)
+        for name, param in model.named_parameters():  # B starts at zero: give it values so A's grads are real
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, generator=torch.Generator().manual_seed(2))
+        head, _ = find_fused_head(model)
+        fused_loss_sum(model, _batch(tokenizer), head).backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    plain, checkpointed = grads(False), grads(mode)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 0
+    for name in plain:
+        assert torch.equal(plain[name], checkpointed[name]), name
+
+
+OPTIMIZERS = ["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd", "lion_8bit"]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_every_optimizer_trains_and_resumes_bitwise(make_recipe, tmp_path, monkeypatch, optimizer):
+    if optimizer != "adamw" and optimizer not in ("adafactor", "sgd"):
+        pytest.importorskip("bitsandbytes")
+    lr = {"sgd": 0.5, "lion_8bit": 1e-3, "adafactor": 0.1}.get(optimizer, 1e-2)
+    sections = {"training": {"max_steps": 6, "optimizer": optimizer, "learning_rate": lr}}
+    monkeypatch.delenv("GPUPOOR_FAULT", raising=False)
+    straight, output = _run(make_recipe, tmp_path, "straight", **sections)
+    assert "optimizer state" in output
+    assert straight[-1]["loss"] < straight[0]["loss"]
+    recipe = make_recipe("again.yaml", **sections)
+    monkeypatch.setenv("GPUPOOR_FAULT", "sigterm@3")
+    assert runner.invoke(app, ["train", str(recipe), "--output-dir", str(tmp_path / "cut")]).exit_code == 75
+    monkeypatch.delenv("GPUPOOR_FAULT")
+    assert runner.invoke(app, ["resume", str(tmp_path / "cut")]).exit_code == 0
+    resumed = [r for r in read_metrics(tmp_path / "cut") if "loss" in r]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "cut" / "final" / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_8bit_optimizer_state_is_smaller(make_recipe, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    sizes = {}
+    for optimizer in ("adamw", "adamw_8bit"):
+        steps, _ = _run(make_recipe, tmp_path, optimizer, training={"max_steps": 1, "optimizer": optimizer},
+                        peft={"rank": 256})  # bnb keeps tensors under 4096 values in 32 bits
+        sizes[optimizer] = steps[0]["optimizer_state_mb"]
+    assert sizes["adamw_8bit"] < 0.5 * sizes["adamw"]
+
+
+def test_missing_bitsandbytes_is_a_clear_error_before_loading(make_recipe, tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_bnb(name, *args, **kwargs):
+        if name.startswith("bitsandbytes"):
+            raise ImportError("No module named 'bitsandbytes'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_bnb)
+    result = runner.invoke(app, ["train", str(make_recipe(quantization={"bits": 4})), "--output-dir",
+                                 str(tmp_path / "run")])
+    assert result.exit_code == 2 and "quantization.bits = 4 needs bitsandbytes" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_max_gpu_memory_must_be_a_size(make_recipe):
+    result = runner.invoke(app, ["validate", str(make_recipe(memory={"max_gpu_memory": "lots"}))])
+    assert result.exit_code == 2 and "memory.max_gpu_memory" in result.output and "10GiB" in result.output
