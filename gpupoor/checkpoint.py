@@ -91,14 +91,19 @@ def write_checkpoint(target: Path, save_files, step: int, manifest_extra: dict, 
         manifest = {"step": step, "files": files, "created": time.time(), **manifest_extra}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: its presence means complete
         _fsync_file(tmp / MANIFEST)
+        _fsync_dir(tmp)  # the directory entries too, before the rename publishes them
         faults.at_stage("rename", step)
-        if target.exists():  # an invalid leftover with the same step (a verified one is never rewritten)
-            shutil.rmtree(target)
+        old = None
+        if target.exists():  # e.g. final/ of a run that is being extended: swap, then delete the old one
+            old = target.parent / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}"
+            os.rename(target, old)
         os.rename(tmp, target)
         _fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno == errno.ENOSPC:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CheckpointError(f"disk full while writing checkpoint {target.name}: it needs about "
                                   f"{_mb(expected_bytes)} on {target.parent}; the partial checkpoint was removed "
                                   "and the previous one is intact") from None
@@ -122,7 +127,10 @@ def verify(path: Path) -> str | None:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
         int(manifest["step"])
-    except (ValueError, KeyError, TypeError):
+        if not all(isinstance(meta, dict) and isinstance(meta.get("size"), int) and isinstance(meta.get("sha256"), str)
+                   for meta in files.values()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, AttributeError):
         return "unreadable manifest"
     for name, meta in files.items():
         file = path / name
@@ -135,17 +143,26 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def scan(checkpoints_dir: Path) -> list[tuple[Path, int | None, str | None]]:
-    """Every checkpoint directory as (path, step or None, problem or None), newest step first."""
+def scan(checkpoints_dir: Path, check_files: bool = True) -> list[tuple[Path, int | None, str | None]]:
+    """Every checkpoint directory as (path, step or None, problem or None), newest step first. With
+    check_files=False only the manifest is read (no hashing): enough to order committed checkpoints."""
     found = []
     if checkpoints_dir.is_dir():
         for path in checkpoints_dir.iterdir():
             if not path.is_dir() or path.name.startswith(TMP_PREFIX):
                 continue
-            problem = verify(path)
+            problem = verify(path) if check_files else _manifest_problem(path)
             step = json.loads((path / MANIFEST).read_text())["step"] if problem is None else None
             found.append((path, step, problem))
     return sorted(found, key=lambda item: (item[1] is not None, item[1] or 0), reverse=True)
+
+
+def _manifest_problem(path: Path) -> str | None:
+    try:
+        int(json.loads((path / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no readable manifest"
+    return None
 
 
 def latest_valid(checkpoints_dir: Path, warn=print) -> Checkpoint | None:
@@ -174,7 +191,9 @@ def rotate(checkpoints_dir: Path, keep_last: int, step: int | None = None) -> li
     """Keep the `keep_last` newest valid checkpoints (by manifest step) and remove older valid ones. Never
     removes the newest valid checkpoint; leaves invalid ones for the user to inspect (resume skips them)."""
     faults.at_stage("rotate", step)
-    valid = [path for path, step, problem in scan(checkpoints_dir) if problem is None]
+    # Manifests only: the newest was verified as it was written, and rehashing every kept checkpoint on
+    # every save would cost more than the save.
+    valid = [path for path, _, problem in scan(checkpoints_dir, check_files=False) if problem is None]
     removed = []
     for path in valid[max(1, keep_last):]:
         shutil.rmtree(path, ignore_errors=True)

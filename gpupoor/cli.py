@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
@@ -71,18 +72,20 @@ def train(
 ) -> None:
     """Train from a recipe into a new run directory."""
 
+    started = time.monotonic()  # a time limit counts from here
+
     def action() -> int:
         from gpupoor.preflight import preflight
         from gpupoor.recipe import load_recipe
 
-        overrides = (set_ or []) + ([f"checkpoint.time_limit={time_limit}"] if time_limit else [])
+        overrides = (set_ or []) + ([f"checkpoint.time_limit='{time_limit}'"] if time_limit else [])
         loaded = load_recipe(recipe, overrides)
         for warning in preflight(loaded):
             typer.echo(f"warning: {warning}", err=True)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.run import train_from_recipe
 
-        result = train_from_recipe(loaded, output_dir, smoke=smoke)
+        result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started)
         return EXIT_RESUMABLE if result.reason != "done" else 0
 
     _guarded(debug, action)
@@ -99,13 +102,14 @@ def resume(
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Continue a run exactly from its newest valid checkpoint."""
+    started = time.monotonic()
 
     def action() -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.run import resume_run
 
-        overrides = (set_ or []) + ([f"checkpoint.time_limit={time_limit}"] if time_limit else [])
-        result = resume_run(run_dir, overrides, force=force)
+        overrides = (set_ or []) + ([f"checkpoint.time_limit='{time_limit}'"] if time_limit else [])
+        result = resume_run(run_dir, overrides, force=force, started=started)
         return EXIT_RESUMABLE if result.reason not in ("done", "already_done") else 0
 
     _guarded(debug, action)
@@ -176,7 +180,7 @@ def generate(
     checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (reproducible)."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="Prompt format (text | alpaca | chat); default: "
+    fmt: Optional[str] = typer.Option(None, "--format", help="Prompt format (text | alpaca | chat | completion); default: "
                                       "the run's, or chat for a model with a chat template."),
     base: Optional[str] = typer.Option(None, "--base", help="Base model for an adapter (default: the one it names)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
@@ -188,8 +192,8 @@ def generate(
 
         if (prompt is None) == (file is None):
             raise UserError("give exactly one of --prompt TEXT or --file PROMPTS.jsonl")
-        if fmt is not None and fmt not in ("text", "alpaca", "chat"):
-            raise UserError(f"--format {fmt!r}: use text, alpaca or chat")
+        if fmt is not None and fmt not in ("text", "alpaca", "chat", "completion"):
+            raise UserError(f"--format {fmt!r}: use text, alpaca, chat or completion")
         from gpupoor.generate import complete, load_generator, prompt_row, rows_from_file
         from gpupoor.run import quiet_libraries
 

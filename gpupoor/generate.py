@@ -24,7 +24,7 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
     from transformers import AutoModelForCausalLM
 
     from gpupoor.data.build import make_encoder
-    from gpupoor.hardware import resolve_device
+    from gpupoor.hardware import dtype_of, resolve_device
     from gpupoor.merge import resolve_adapter
     from gpupoor.model import _quantization_config, load_tokenizer
     from gpupoor.recipe import DataSection, ModelSection, QuantizationSection, load_recipe
@@ -38,9 +38,14 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
         adapter_config = json.loads((source.adapter_dir / "adapter_config.json").read_text())
         base_name = base or adapter_config["base_model_name_or_path"]
         quant = recipe.quantization if recipe else QuantizationSection()
-        quantization = _quantization_config(quant, "fp32" if target == "cpu" else "bf16") if quant.bits else None
+        # Compute in the precision the run trained in, where this device has it (the manifest records it).
+        manifest_path = source.adapter_dir / "manifest.json"
+        trained_precision = (json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}).get("precision")
+        precision = "fp32" if target == "cpu" else (trained_precision or "bf16")
+        quantization = _quantization_config(quant, precision) if quant.bits else None
         model = AutoModelForCausalLM.from_pretrained(
-            base_name, dtype=torch.float32 if target == "cpu" else "auto", quantization_config=quantization,
+            base_name, dtype=dtype_of(precision), quantization_config=quantization,
+            revision=None if base else adapter_config.get("revision"),
             device_map={"": target} if quantization else None)
         model = PeftModel.from_pretrained(model, source.adapter_dir)
         tokenizer = load_tokenizer(str(source.adapter_dir), ModelSection(name_or_path=str(source.adapter_dir)))
@@ -66,6 +71,8 @@ def prompt_row(text: str, fmt: str) -> dict:
         return {"instruction": text}
     if fmt == "chat":
         return {"messages": [{"role": "user", "content": text}]}
+    if fmt == "completion":
+        return {"prompt": text}
     return {"text": text}
 
 

@@ -133,7 +133,7 @@ def quantized_modules(config, quantization: dict) -> set[str]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    skip = set(get_keys_to_not_convert(model)) | set(quantization.get("skip_modules") or [])
+    skip = set(get_keys_to_not_convert(model)) | set(getattr(model, "_keep_in_fp32_modules", None) or [])
     return {f"{name}.weight" for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and not any(name == s or name.endswith("." + s) for s in skip)}
 
@@ -261,7 +261,8 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
     base_name = base or deltas.config.get("base_model_name_or_path")
     if not base_name:
         raise UserError("the adapter does not name its base model", hint="pass --base MODEL")
-    base_dir = base_files(base_name)
+    # The hub revision the run trained on (recorded in the adapter config), unless another base was given.
+    base_dir = base_files(base_name, None if base else deltas.config.get("revision"))
     config = AutoConfig.from_pretrained(base_dir)
     recipe, metrics = _run_summary(source.run_dir)
     quantization = {k: v for k, v in (recipe.get("quantization") or {}).items()}
@@ -358,8 +359,12 @@ def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -
     lora.lora_dropout = 0.0  # the trained model runs in train mode below (see the 4-bit note): no dropout
     base_name = base or lora.base_model_name_or_path
     quant = QuantizationSection(**(recipe.get("quantization") or {}))
-    quantization = _quantization_config(quant, "fp32") if quant.bits else None
+    # 4-bit matmuls in the precision the run trained with (the reference is what training computed).
+    manifest_path = source.adapter_dir / "manifest.json"
+    precision = (json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}).get("precision", "fp32")
+    quantization = _quantization_config(quant, precision) if quant.bits else None
     trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32, quantization_config=quantization,
+                                                   revision=None if base else lora.revision,
                                                    device_map={"": "cpu"} if quantization else None)
     trained = PeftModel.from_pretrained(trained, source.adapter_dir, config=lora)
     merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)

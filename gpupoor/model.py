@@ -144,7 +144,8 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
     elif quantization is not None:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if gradient_checkpointing:
-        # Non-reentrant: gives bitwise-equal LoRA gradients. Offloading the saved layer inputs to the host
+        # Non-reentrant: gives bitwise-equal LoRA gradients (transformers also makes the embedding output
+        # require grad, so checkpointed layers see an input that needs one). Offloading the saved inputs to the host
         # only means something when they live on a GPU.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               offload=gradient_checkpointing == "offload" and device == "cuda")
@@ -156,8 +157,14 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
         model = get_peft_model(model, lora)
     except ValueError as exc:
         raise UserError(f"peft.target_modules: {exc}", hint="use module names of this model, or all-linear") from None
+    # peft keeps LoRA weights in fp32 but leaves modules_to_save in the base dtype: an fp16 copy cannot be
+    # unscaled by the GradScaler and a bf16 one loses small AdamW updates. Train every trainable tensor in fp32.
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
     # What a user loads the adapter onto: the hub id as named, or the local directory as an absolute path.
     model.peft_config["default"].base_model_name_or_path = location
+    model.peft_config["default"].revision = model_cfg.revision
     return model
 
 

@@ -7,6 +7,7 @@ descriptions. This module imports no torch, so `gpupoor validate` and `--help` s
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -47,11 +48,13 @@ class DataSection(_Section):
         "`datasets.save_to_disk`, or a hub dataset name (needs network). Relative paths resolve against "
         "the recipe file."
     )
-    format: Literal["text", "alpaca", "chat"] = Field(
+    format: Literal["text", "alpaca", "chat", "completion"] = Field(
         "text",
         description="`text`: a `text` field trained as a completion. `alpaca`: `instruction`, optional "
-        "`input`, `output`; loss on `output`. `chat`: a `messages` list of {role, content} rendered with the "
-        "tokenizer's chat template (a ChatML template when it has none); loss on assistant turns.",
+        "`input`, `output`, in the Alpaca prompt template; loss on `output`. `chat`: a `messages` list of "
+        "{role, content} rendered with the tokenizer's chat template (a ChatML template when it has none); loss "
+        "on assistant turns. `completion`: `prompt` and `completion` strings joined as they are (TRL's "
+        "prompt-completion format); loss on `completion`.",
     )
     split: str = Field("train", description="Split to read from a hub dataset or a saved DatasetDict.")
     text_field: str = Field("text", description="Field holding the text for `format: text`.")
@@ -223,11 +226,17 @@ class CheckpointSection(_Section):
         "checkpoint and stops (exit 75) before it runs out, keeping one step's time in reserve."
     )
 
-    @field_validator("time_limit")
+    @field_validator("time_limit", mode="before")
     @classmethod
-    def _check_time_limit(cls, value: str | None) -> str | None:
+    def _check_time_limit(cls, value):
+        if isinstance(value, bool):
+            raise ValueError("not a duration; use e.g. 11h30m, 45m or 90s")
+        if isinstance(value, (int, float)):  # YAML reads `3600` (and `1:30:00`) as numbers: seconds
+            value = str(value)
         if value is not None:
-            parse_duration(value)
+            seconds = parse_duration(value)
+            if not math.isfinite(seconds) or seconds <= 0:
+                raise ValueError("a time limit must be a positive duration, e.g. 11h30m")
         return value
 
     @property

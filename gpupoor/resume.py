@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -62,32 +61,21 @@ def _age(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _session_line(run_dir: Path, time_limit: str | None) -> str:
-    path = run_dir / "session.json"
+    from gpupoor.run import SESSION, RunLock
+
     budget = f"time limit {time_limit} per invocation" if time_limit else "no time limit"
-    if not path.is_file():
+    if not RunLock.held(run_dir):
         return f"  not running; {budget}"
     try:
-        session = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return f"  not running; {budget}"
-    if not pid_alive(session["pid"]):
-        return f"  not running (pid {session['pid']} ended without finishing: killed?); {budget}"
-    line = f"  running: pid {session['pid']}"
-    if session.get("time_limit_s"):
-        left = session["started"] + session["time_limit_s"] - time.time()
-        line += f", time limit left {_age(max(0.0, left))}"
-    return line
+        session = json.loads((run_dir / SESSION).read_text())
+        line = f"  running: pid {int(session['pid'])}"
+        if session.get("time_limit_s"):
+            left = float(session["started"]) + float(session["time_limit_s"]) - time.time()
+            line += f", time limit left {_age(max(0.0, left))}"
+        return line
+    except (OSError, ValueError, KeyError, TypeError):
+        return "  running (starting up)"
 
 
 def status_report(run_dir: Path) -> str:

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.recipe import LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
+from gpupoor.recipe import DATA_SUFFIXES, LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
 
 SMOKE_ROWS = 16
 SMOKE_STEPS = 3
 SMOKE_MAX_LENGTH = 256
 ASSUMED_WRITE_BYTES_PER_S = 100 * 2**20  # save-time guess until the first checkpoint is measured
+MIN_SAVE_RESERVE_S = 1.0  # a save also writes the tokenizer and fsyncs: never assume less than this
 SESSION = "session.json"  # pid, start time and time limit of the process training in this run dir
 
 
@@ -86,7 +87,9 @@ def smoke_recipe(recipe: Recipe) -> Recipe:
         "gradient_accumulation_steps": min(recipe.training.gradient_accumulation_steps, 2),
         "eval_every_steps": None})
     checkpoint = recipe.checkpoint.model_copy(update={"every_steps": None, "every_minutes": None, "time_limit": None})
-    return recipe.model_copy(update={"data": data, "training": training, "precision": "fp32", "checkpoint": checkpoint})
+    model = recipe.model.model_copy(update={"attention": "auto"})  # flash-attn does not run on the CPU
+    return recipe.model_copy(update={"model": model, "data": data, "training": training, "precision": "fp32",
+                                     "checkpoint": checkpoint})
 
 
 def portable_recipe(loaded: LoadedRecipe) -> Recipe:
@@ -98,11 +101,13 @@ def portable_recipe(loaded: LoadedRecipe) -> Recipe:
     if local_model is not None:
         model = model.model_copy(update={"name_or_path": str(local_model)})
     data_updates = {}
-    for key in ("path", "eval_path", "cache_dir"):
+    for key in ("path", "eval_path"):
         value = getattr(recipe.data, key)
-        local = resolve_local_path(value, loaded.base_dir, (".jsonl", ".json", ".csv", ".parquet")) if value else None
+        local = resolve_local_path(value, loaded.base_dir, DATA_SUFFIXES) if value else None
         if local is not None:
             data_updates[key] = str(local)
+    if recipe.data.cache_dir:  # always a local directory, maybe not created yet
+        data_updates["cache_dir"] = str((loaded.base_dir / Path(recipe.data.cache_dir).expanduser()).resolve())
     return recipe.model_copy(update={"model": model, "data": recipe.data.model_copy(update=data_updates),
                                      "output_dir": None})
 
@@ -124,11 +129,12 @@ def check_run_dir(run_dir: Path) -> None:
                         hint=hint)
 
 
-def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
+def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> int:
     if recipe.training.max_steps is not None:
         return recipe.training.max_steps
     epochs = recipe.training.epochs if recipe.training.epochs is not None else 1.0
-    return max(1, math.ceil(epochs * batches_per_epoch / recipe.training.gradient_accumulation_steps))
+    per_step = recipe.training.gradient_accumulation_steps * processes  # micro-batches one optimizer step uses
+    return max(1, math.ceil(epochs * batches_per_epoch / per_step))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -145,8 +151,9 @@ def store_recipe(run_dir: Path, recipe: Recipe) -> None:
 
 
 def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke: bool = False,
-                      say=print) -> RunResult:
-    started = time.monotonic()
+                      say=print, started: float | None = None) -> RunResult:
+    """`started`: time.monotonic() when the command began; the time limit counts from there."""
+    started = time.monotonic() if started is None else started
     recipe = portable_recipe(loaded)
     if smoke:
         recipe = smoke_recipe(recipe)
@@ -161,21 +168,27 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=print) -> RunResult:
-    from gpupoor.checkpoint import latest_valid, sweep_temporary
-    from gpupoor.resume import diff_recipes, format_changes
-
-    started = time.monotonic()
+def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=print,
+               started: float | None = None) -> RunResult:
+    started = time.monotonic() if started is None else started
     run_dir = run_dir.expanduser().resolve()
     if not (run_dir / "recipe.yaml").is_file():
         raise UserError(f"{run_dir} is not a gpupoor run directory (no recipe.yaml)",
                         hint="pass the directory `gpupoor train` wrote, e.g. runs/my-recipe")
-    owner = _live_owner(run_dir)
-    if owner is not None:
-        raise UserError(f"another gpupoor process (pid {owner}) is training in {run_dir}",
-                        hint="wait for it to stop, or stop it with: kill -TERM " + str(owner))
+    lock = RunLock(run_dir).acquire()
+    try:
+        return _resume_locked(run_dir, overrides, force, say, started, lock)
+    finally:
+        lock.release()
+
+
+def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, started: float, lock) -> RunResult:
+    from gpupoor.checkpoint import latest_valid, sweep_temporary
+    from gpupoor.resume import diff_recipes, format_changes
+
     stored = load_recipe(run_dir / "recipe.yaml").recipe
-    recipe = load_recipe(run_dir / "recipe.yaml", overrides).recipe
+    # Paths given with --set resolve against the current directory and are stored absolute, like train's.
+    recipe = portable_recipe(LoadedRecipe(load_recipe(run_dir / "recipe.yaml", overrides).recipe, None))
     trajectory, safe = diff_recipes(stored, recipe)
     if trajectory and not force:
         raise UserError("these changes alter the training trajectory, so the result would no longer be the "
@@ -198,23 +211,50 @@ def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=pri
         say(f"the run already finished at step {checkpoint.step}: the adapter is in {run_dir / 'final'}\n"
             "  (to train further: gpupoor resume RUN_DIR --set training.max_steps=N)")
         return RunResult(run_dir, "already_done", checkpoint.manifest.get("loss"), checkpoint.step)
-    store_recipe(run_dir, recipe)
-    return _execute(recipe, run_dir, checkpoint, False, say, started, force=force)
+    return _execute(recipe, run_dir, checkpoint, False, say, started, force=force, lock=lock)
 
 
-def _live_owner(run_dir: Path) -> int | None:
-    """The pid of a live process on this machine that is training in run_dir, if any."""
-    import socket
+class RunLock:
+    """An exclusive lock on a run directory for as long as a process trains in it (flock: released by the
+    kernel when the process dies, so a crash never leaves a stale lock)."""
 
-    from gpupoor.resume import pid_alive
+    NAME = ".lock"
 
-    try:
-        session = json.loads((run_dir / SESSION).read_text())
-    except (OSError, ValueError):
-        return None
-    same_host = session.get("host") == socket.gethostname()
-    pid = session.get("pid")
-    return pid if same_host and pid != os.getpid() and pid_alive(pid) else None
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / self.NAME
+        self.handle = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        self.handle = open(self.path, "a+")
+        try:
+            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.handle.close()
+            self.handle = None
+            raise UserError(f"another gpupoor process is training in {self.path.parent}",
+                            hint=f"wait for it to stop (gpupoor status {self.path.parent} shows it)") from None
+        return self
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+    @staticmethod
+    def held(run_dir: Path) -> bool:
+        import fcntl
+
+        path = run_dir / RunLock.NAME
+        if not path.is_file():
+            return False
+        with open(path) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+        return False
 
 
 def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
@@ -242,7 +282,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: float,
-             force: bool = False) -> RunResult:
+             force: bool = False, lock: RunLock | None = None) -> RunResult:
     import torch
     from safetensors.torch import load_file
 
@@ -255,6 +295,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     from gpupoor.model import build_model, load_tokenizer, summarize
     from gpupoor.optim import build_optimizer, build_scheduler, optimizer_state_bytes
     from gpupoor.resume import trajectory_hash
+    from gpupoor.train.report import NullWriter
     from gpupoor.signals import StopRequest
     from gpupoor.train.loop import Hooks, LoopSettings, TooManySkippedSteps, train
     from gpupoor.train.report import MetricsWriter, Progress
@@ -264,6 +305,11 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     device = resolve_device(recipe.training.device)
     precision = resolve_precision(recipe.precision, device.value)
     attention = resolve_attention(recipe.model.attention, device.value)
+    # The Accelerator first: under `accelerate launch` it says which GPU this process owns.
+    accelerator = make_accelerator(device.value, precision.value)
+    main = accelerator.is_main_process
+    if not main:
+        say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
     if device.value == "cpu":
         # Oversubscribed cores are far slower than idle ones: use the cores we may run on, no more.
         torch.set_num_threads(recipe.training.cpu_threads or usable_cpu_count())
@@ -273,18 +319,22 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     location = recipe.model.name_or_path
     tokenizer = load_tokenizer(location, recipe.model)
     data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, base_dir)
-    if resume is not None and resume.manifest.get("data_fingerprint") not in (None, data.fingerprint) and not force:
-        raise UserError("the training data (or tokenizer, format or max_length) is not what this run was "
-                        f"trained on: its fingerprint changed since checkpoint {resume.path.name}",
-                        hint="restore the original data, or pass --force to continue on the new data")
+    if resume is not None and not force:
+        if resume.manifest.get("data_fingerprint") not in (None, data.fingerprint):
+            raise UserError("the training data (or tokenizer, format or max_length) is not what this run was "
+                            f"trained on: its fingerprint changed since checkpoint {resume.path.name}",
+                            hint="restore the original data, or pass --force to continue on the new data")
+        if resume.manifest.get("recipe_hash") not in (None, trajectory_hash(recipe)):
+            raise UserError(f"run_dir/recipe.yaml no longer describes the run that wrote {resume.path.name} "
+                            "(its trajectory settings were edited)",
+                            hint="restore them, or pass --force to continue with the edited recipe")
     stats = data.train.stats
     model = build_model(location, recipe.model, recipe.peft, recipe.quantization, precision.value,
-                        attention.value, device.value, recipe.memory.gradient_checkpointing, recipe.seed, smoke,
-                        recipe.memory.max_gpu_memory)
+                        attention.value, str(accelerator.device), recipe.memory.gradient_checkpointing,
+                        recipe.seed, smoke, recipe.memory.max_gpu_memory)
     summary = summarize(model)
-    accelerator = make_accelerator(device.value, precision.value)
     optimizer = build_optimizer(recipe.training, model, device.value)
-    steps = total_steps(recipe, len(data.plan))
+    steps = total_steps(recipe, len(data.plan), accelerator.num_processes)
     scheduler = build_scheduler(recipe.training, optimizer, steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     unwrapped = accelerator.unwrap_model(model)
@@ -302,10 +352,9 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         scheduler.load_state_dict(load_torch(resume.path / "scheduler.pt"))
         if accelerator.scaler is not None and (resume.path / "scaler.pt").is_file():
             accelerator.scaler.load_state_dict(load_torch(resume.path / "scaler.pt"))
+        if force:
+            _apply_hyperparameters(recipe, optimizer, scheduler)
         state = TrainState.from_dict(json.loads((resume.path / STATE).read_text()))
-        _truncate_metrics(run_dir / "metrics.jsonl", state.step)
-    elif run_dir.exists():
-        _truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
 
     checkpointing = {False: "off", True: "on (non-reentrant)",
                      "offload": "on, layer inputs offloaded to CPU" if device.value == "cuda"
@@ -333,15 +382,21 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
             f"micro-batch {state.batch_in_epoch} of the epoch")
     say(f"  run directory {run_dir}")
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if resume is None:
-        store_recipe(run_dir, recipe)
     limit_s = recipe.checkpoint.time_limit_s
-    import socket
-
-    write_text_atomic(run_dir / SESSION, json.dumps({
-        "pid": os.getpid(), "host": socket.gethostname(), "time_limit_s": limit_s,
-        "started": time.time() - (time.monotonic() - started)}))
+    owns_lock = lock is None and main
+    if owns_lock:  # a new run: create and lock its directory, then make sure no other run got there first
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(run_dir).acquire()
+        if any(p.name != RunLock.NAME for p in run_dir.iterdir()):
+            lock.release()
+            check_run_dir(run_dir)
+    accelerator.wait_for_everyone()
+    if main:
+        # Only now, with everything built and loaded, is the (possibly changed) recipe committed.
+        store_recipe(run_dir, recipe)
+        _truncate_metrics(run_dir / "metrics.jsonl", state.step)  # steps after the checkpoint are redone
+        write_text_atomic(run_dir / SESSION, json.dumps({
+            "pid": os.getpid(), "time_limit_s": limit_s, "started": time.time() - (time.monotonic() - started)}))
     checkpoints_dir = run_dir / "checkpoints"
     manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": data.fingerprint,
                      "total_steps": steps, "precision": precision.value, "device": device.value,
@@ -380,6 +435,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
                 raise RunFailed(f"{exc}\n  free some space, then continue with: gpupoor resume {run_dir}") from None
             saving["bytes"] = dir_size(checkpoints_dir / name)
             rotate(checkpoints_dir, recipe.checkpoint.keep_last, state.step)
+        accelerator.wait_for_everyone()
         saving["last_time"], saving["last_step"] = time.monotonic(), state.step
         metrics.write({"step": state.step, "checkpoint": name, "save_s": round(saving["seconds"], 3)})
         return name
@@ -410,7 +466,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         if limit_s is None:
             return None
         # Keep twice the save time plus one step in reserve, so the checkpoint lands before the deadline.
-        save_s = max(saving["seconds"], saving["bytes"] / ASSUMED_WRITE_BYTES_PER_S)
+        save_s = saving["seconds"] or max(MIN_SAVE_RESERVE_S, saving["bytes"] / ASSUMED_WRITE_BYTES_PER_S)
         return "time_limit" if time.monotonic() - started + 2 * save_s + last_step_s >= limit_s else None
 
     nan_steps = faults.steps_for("nan")
@@ -423,11 +479,12 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
                             max_grad_norm=recipe.training.max_grad_norm,
                             eval_every=recipe.training.eval_every_steps, pad_id=tokenizer.pad_token_id,
                             eval_micro_batch_size=recipe.training.micro_batch_size,
-                            eval_in_train_mode=recipe.quantization.bits is not None,
+                            # bitsandbytes 4-bit layers repack their weights in eval mode on some CPUs
+                            eval_in_train_mode=recipe.quantization.bits is not None and device.value == "cpu",
                             max_consecutive_skips=recipe.training.max_consecutive_skips,
                             loss_fn=loss_fn if nan_steps else base_loss)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")
-    progress = Progress(steps, state.step, recipe.logging.progress, recipe.logging.every_steps)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl") if main else NullWriter()
+    progress = Progress(steps, state.step, recipe.logging.progress if main else "none", recipe.logging.every_steps)
     stop = StopRequest().install()
     if resume is not None:
         restore_rng(state.rng)  # last, so nothing above consumes the restored stream
@@ -447,20 +504,39 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     finally:
         stop.uninstall()
         metrics.close()
-        (run_dir / SESSION).unlink(missing_ok=True)
+        if main:
+            (run_dir / SESSION).unlink(missing_ok=True)
+        if owns_lock:
+            lock.release()
     if reason != "done":
         why = f"time limit {recipe.checkpoint.time_limit} nearly reached" if reason == "time_limit" else reason
         say(f"{why}: stopped after step {state.step} with checkpoint checkpoints/{name}\n"
             f"continue with: gpupoor resume {run_dir}")
         return RunResult(run_dir, reason, last_loss[0], state.step)
-    if accelerator.is_main_process:
-        final = run_dir / "final"
-        write_checkpoint(final, _final_files(unwrapped, tokenizer), state.step,
+    if main:
+        write_checkpoint(run_dir / "final", _final_files(unwrapped, tokenizer), state.step,
                          {**manifest_base, "loss": last_loss[0]}, 0)
+    accelerator.wait_for_everyone()
     loss_text = f"{last_loss[0]:.4f}" if last_loss[0] is not None else "-"
     where = "smoke test passed" if smoke else f"adapter in {run_dir / 'final'}"
     say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {loss_text}; {where}")
     return RunResult(run_dir, "done", last_loss[0], state.step)
+
+
+def _apply_hyperparameters(recipe: Recipe, optimizer, scheduler) -> None:
+    """After a forced resume: the recipe's optimizer settings replace those restored from the checkpoint
+    (the saved state carries the old learning rate, betas, weight decay and schedule base)."""
+    training = recipe.training
+    scheduler.base_lrs = [training.learning_rate for _ in scheduler.base_lrs]
+    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = training.learning_rate
+        group["lr"] = training.learning_rate * lr_lambda(scheduler.last_epoch)
+        group["weight_decay"] = training.weight_decay
+        if "betas" in group:
+            group["betas"] = tuple(training.adam_betas)
+        if "eps" in group and training.optimizer.startswith(("adamw", "paged_adamw")):
+            group["eps"] = training.adam_eps
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _final_files(model, tokenizer):

@@ -178,3 +178,13 @@ def test_eval_split_of_a_saved_dataset(tmp_path, tokenizer):
     assert len(bundle.train) == 8 and len(bundle.eval) == 4
     with pytest.raises(UserError, match="no split 'validation'"):
         build_data(section.model_copy(update={"eval_split": "validation"}), tokenizer, 4, 0, tmp_path)
+
+
+def test_completion_format_joins_prompt_and_completion(tokenizer):
+    encoded = encoder(tokenizer, "completion").encode({"prompt": "sort the lists\n", "completion": "done"}, "x:1")
+    prompt = tokenizer("sort the lists\n", add_special_tokens=False).input_ids
+    answer = tokenizer("done", add_special_tokens=False).input_ids
+    assert encoded.input_ids == [tokenizer.bos_token_id] + prompt + answer + [tokenizer.eos_token_id]
+    assert trained(encoded.input_ids, encoded.labels) == answer + [tokenizer.eos_token_id]
+    with pytest.raises(UserError, match="x:2: missing field 'completion'"):
+        encoder(tokenizer, "completion").encode({"prompt": "a"}, "x:2")

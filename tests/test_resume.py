@@ -128,6 +128,23 @@ def test_trajectory_change_is_refused_with_a_diff_and_forced(straight, monkeypat
     assert "--force" in result.output
     forced = invoke("resume", run, "--set", "training.learning_rate=0.5", "--force", monkeypatch=monkeypatch)
     assert forced.exit_code == 0 and "--force: resuming with trajectory changes" in forced.output
+    assert "seed: 0" in (run / "recipe.yaml").read_text()  # the refused change was never written
+
+
+def test_forced_learning_rate_change_takes_effect(straight, tmp_path, monkeypatch):
+    recipe, _ = straight()
+    run = tmp_path / "lr"
+    assert invoke("train", recipe, "--output-dir", run, fault="sigterm@4", monkeypatch=monkeypatch).exit_code == 75
+    before = {r["step"]: r["lr"] for r in read_metrics(run) if "lr" in r}
+    result = invoke("resume", run, "--set", "training.learning_rate=0.001", "--force", monkeypatch=monkeypatch)
+    assert result.exit_code == 0, result.output
+    after = {r["step"]: r["lr"] for r in read_metrics(run) if "lr" in r}
+    from gpupoor.optim import lr_factor
+
+    # the same schedule position (cosine over 9 steps, no warmup), scaled from the new peak learning rate
+    assert after[5] == pytest.approx(0.001 * lr_factor(4, 0, 9, "cosine"))
+    assert before[4] == pytest.approx(0.01 * lr_factor(3, 0, 9, "cosine"))
+    assert "learning_rate: 0.001" in (run / "recipe.yaml").read_text()
 
 
 def test_changed_data_is_refused(straight, alpaca_file, monkeypatch):
@@ -272,19 +289,21 @@ def test_sigterm_saves_exits_75_and_resume_finishes(make_recipe, tmp_path):
 
 
 def test_a_run_dir_in_use_is_not_resumed_twice(straight, monkeypatch):
-    import socket
-
     _, run = straight()
     shutil.rmtree(run / "final")
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = ("import fcntl, sys, time; h = open(sys.argv[1], 'a+'); fcntl.flock(h, fcntl.LOCK_EX); "
+              "print('locked', flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", holder, str(run / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
-        (run / "session.json").write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(),
-                                                      "started": time.time() - 90, "time_limit_s": 3600}))
+        assert other.stdout.readline().strip() == "locked"
+        (run / "session.json").write_text(json.dumps({"pid": other.pid, "started": time.time() - 90,
+                                                      "time_limit_s": 3600}))
         assert f"running: pid {other.pid}, time limit left 58m" in invoke("status", run, monkeypatch=monkeypatch).output
         result = invoke("resume", run, monkeypatch=monkeypatch)
-        assert result.exit_code == 2 and f"another gpupoor process (pid {other.pid})" in result.output
+        assert result.exit_code == 2 and "another gpupoor process is training" in result.output
     finally:
         other.kill()
         other.wait()
-    assert "ended without finishing" in invoke("status", run, monkeypatch=monkeypatch).output
+    # The kernel dropped the dead process's lock: nothing stale is left to block the run.
+    assert "not running" in invoke("status", run, monkeypatch=monkeypatch).output
     assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0

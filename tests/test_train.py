@@ -214,10 +214,14 @@ def test_qlora_4bit_trains_on_cpu(make_recipe, tmp_path):
 
 
 def test_time_limit_stops_with_a_checkpoint_and_exit_75(make_recipe, tmp_path):
+    import time
+
+    started = time.monotonic()
     result = train(make_recipe(training={"max_steps": 100000}, checkpoint={"time_limit": "3s"}),
                    "--output-dir", tmp_path / "run")
+    assert time.monotonic() - started < 3.0  # the whole command, checkpoint included, beat the deadline
     assert result.exit_code == 75, result.output
     checkpoints = list((tmp_path / "run" / "checkpoints").iterdir())
     assert len(checkpoints) == 1 and (checkpoints[0] / "manifest.json").is_file()
     steps = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
-    assert 0 < len(steps) < 100000 and steps[-1]["elapsed_s"] < 3
+    assert 0 < len(steps) < 100000

@@ -51,6 +51,9 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     source = resolve_source(data.path, base_dir, data.split, "data.path")
     train, hit, fingerprint = _tokenized(source, data.max_rows, encoder, tokenizer, cache_dir)
     evaluation = None
+    if data.eval_split and source.kind == "file":
+        raise UserError(f"data.eval_split = {data.eval_split!r}: {data.path} is a single file with no splits",
+                        hint="use data.eval_path for a separate file, or data.eval_rows to hold out rows")
     if data.eval_path or data.eval_split:
         eval_source = (resolve_source(data.eval_path, base_dir, "train", "data.eval_path") if data.eval_path
                        else DataSource(source.kind, source.location, data.eval_split))

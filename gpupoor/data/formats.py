@@ -60,6 +60,9 @@ def check_row(row: dict, where: str, fmt: str, text_field: str = "text", message
         _field(row, "instruction", where, fmt)
         _field(row, "input", where, fmt, required=False)
         _field(row, "output", where, fmt)
+    elif fmt == "completion":
+        _field(row, "prompt", where, fmt)
+        _field(row, "completion", where, fmt)
     else:
         messages = row.get(messages_field)
         if not isinstance(messages, list) or not messages:
@@ -98,6 +101,9 @@ class Encoder:
             prompt = alpaca_prompt(_field(row, "instruction", where, "alpaca"),
                                    _field(row, "input", where, "alpaca", required=False))
             return [(prompt, False), (_field(row, "output", where, "alpaca"), True)]
+        if self.fmt == "completion":
+            return [(_field(row, "prompt", where, "completion"), False),
+                    (_field(row, "completion", where, "completion"), True)]
         return self._chat_segments(row, where)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -140,6 +146,8 @@ class Encoder:
         if self.fmt == "alpaca":
             return [(alpaca_prompt(_field(row, "instruction", where, "alpaca"),
                                    _field(row, "input", where, "alpaca", required=False)), False)]
+        if self.fmt == "completion":
+            return [(_field(row, "prompt", where, "completion"), False)]
         check_row(row, where, "chat", messages_field=self.messages_field)
         return [(self._render(row[self.messages_field], generation_prompt=True), False)]
 

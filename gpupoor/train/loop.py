@@ -101,12 +101,16 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
 
         # One optimizer step = `accumulation` micro-batches. Collate the whole window first: the loss is
         # normalized by the target tokens of the window (summed over all processes), not per micro-batch.
+        # With several processes, each takes its own micro-batch from every group of `num_processes`
+        # consecutive ones: the data position stays one shared counter, identical on every process.
         window = []
         for _ in range(settings.accumulation):
-            epoch, index, indices = next(stream)
-            window.append(collate(data.train, indices, settings.pad_id))
-            state.epoch, state.batch_in_epoch = (epoch, index + 1) if index + 1 < batches_per_epoch else (epoch + 1, 0)
-            state.samples_seen += len(indices)
+            for rank in range(accelerator.num_processes):
+                epoch, index, indices = next(stream)
+                if rank == accelerator.process_index:
+                    window.append(collate(data.train, indices, settings.pad_id))
+                state.epoch, state.batch_in_epoch = (epoch, index + 1) if index + 1 < batches_per_epoch else (epoch + 1, 0)
+                state.samples_seen += len(indices)
         local_targets = sum(count_targets(b) for b in window)
         real_tokens = sum(int(b["attention_mask"].sum()) for b in window)
         global_targets = float(accelerator.reduce(torch.tensor(float(local_targets), device=device), "sum"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -15,11 +16,23 @@ class MetricsWriter:
         self.handle = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self.handle.write(json.dumps(record) + "\n")
+        # A non-finite loss is written as null: NaN is not JSON, and other tools would reject the line.
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.handle.write(json.dumps(clean) + "\n")
         self.handle.flush()
 
     def close(self) -> None:
         self.handle.close()
+
+
+class NullWriter:
+    """What processes other than the main one write: nothing (one process keeps the records)."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _eta(seconds: float) -> str:
