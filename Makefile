@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.gpupoor-installed
 
-.PHONY: install demo test docs clean
+.PHONY: install demo test docs clean bench
 
 install: $(STAMP)
 
@@ -28,3 +28,10 @@ docs: install
 
 clean:
 	rm -rf build runs .pytest_cache
+
+# Side-by-side benchmark against the peer kit in ../shared/bench (not part of a user's clone: it says so).
+KIT ?= ../shared/bench
+bench: install
+	@test -f $(KIT)/peer_trl.py || { echo "make bench: the peer benchmark kit is not at $(KIT); it compares gpupoor against TRL using that kit. Set KIT=path/to/bench."; exit 1; }
+	$(PY) -m pip install -q trl
+	$(PY) bench/compare_trl.py --kit $(KIT)
