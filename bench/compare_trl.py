@@ -60,11 +60,12 @@ def gpupoor_recipe(fixture: Path, sampler: str) -> Path:
     return recipe
 
 
-def run_gpupoor(kit: Path, fixture: Path, sampler: str) -> dict:
+def run_gpupoor(kit: Path, fixture: Path, sampler: str, extra: list[str]) -> dict:
     run_dir = fixture / f"run-{sampler}"
     shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = [arg for item in extra for arg in ("--set", item)]
     measured = run_json([sys.executable, str(kit / "measure.py"), str(ROOT / ".venv" / "bin" / "gpupoor"), "train",
-                         str(gpupoor_recipe(fixture, sampler)), "--output-dir", str(run_dir)])
+                         str(gpupoor_recipe(fixture, sampler)), "--output-dir", str(run_dir), *overrides])
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     tokens = sum(step["tokens"] for step in steps)
     train_s = steps[-1]["elapsed_s"]
@@ -85,8 +86,6 @@ def run_trl(kit: Path, fixture: Path, packing: bool) -> dict:
 def render(vocab: int, rounds: int, results: dict[str, list[dict]], command: str) -> str:
     med = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
     peer_names = [n for n in med if n.startswith("TRL")]
-    fastest_peer = max(peer_names, key=lambda n: med[n]["tokens_per_s"])
-    lowest_peer = min(peer_names, key=lambda n: med[n]["peak_rss_mb"])
     lines = [f"### Fixture vocab {vocab}: gpupoor vs TRL SFTTrainer + peft (CPU, fp32)", "",
              f"`{command}` on {os.cpu_count()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}; one epoch "
              f"over the kit's 400 rows, micro batch {SETTINGS['batch']}, max_length {SETTINGS['seq']}, LoRA "
@@ -98,7 +97,10 @@ def render(vocab: int, rounds: int, results: dict[str, list[dict]], command: str
         lines.append(f"| {name} | {m['tokens_per_s']:.0f} | {m['train_s']:.1f} | {m['wall_s']:.1f} | "
                      f"{m['peak_rss_mb']:.0f} | {m['loss']:.3f} |")
     lines.append("")
-    for name in (n for n in med if not n.startswith("TRL")):
+    if peer_names:
+        fastest_peer = max(peer_names, key=lambda n: med[n]["tokens_per_s"])
+        lowest_peer = min(peer_names, key=lambda n: med[n]["peak_rss_mb"])
+    for name in (n for n in med if peer_names and not n.startswith("TRL")):
         m = med[name]
         lines.append(f"- {name}: {m['tokens_per_s'] / med[fastest_peer]['tokens_per_s']:.2f}x the real tokens/s of "
                      f"the faster peer ({fastest_peer}), {med[fastest_peer]['wall_s'] / m['wall_s']:.2f}x faster on "
@@ -128,7 +130,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--kit", default=str(ROOT.parent / "shared" / "bench"))
-    parser.add_argument("--no-packing-peer", action="store_true", help="skip TRL with packing (saves time)")
+    parser.add_argument("--sides", default="gpupoor-packed,gpupoor-length_grouped,gpupoor-random,trl-padded,trl-packed",
+                        help="comma-separated: gpupoor-SAMPLER (packed, length_grouped, random), trl-padded, trl-packed")
+    parser.add_argument("--key", default=None, help="section of docs/benchmarks.md to write (default: by vocab)")
+    parser.add_argument("--extra", default="", help="extra `--set` overrides for gpupoor, comma-separated")
     args = parser.parse_args()
     kit = Path(args.kit)
     if not (kit / "peer_trl.py").is_file():
@@ -139,11 +144,15 @@ def main() -> None:
     except ImportError:
         raise SystemExit("the peer needs trl: pip install trl (make bench does this)") from None
     fixture = build_fixture(kit, args.vocab)
-    sides = {"gpupoor (length_grouped)": lambda: run_gpupoor(kit, fixture, "length_grouped"),
-             "gpupoor (random order)": lambda: run_gpupoor(kit, fixture, "random"),
-             "TRL padded": lambda: run_trl(kit, fixture, packing=False)}
-    if not args.no_packing_peer:
-        sides["TRL packed"] = lambda: run_trl(kit, fixture, packing=True)
+    extra = [item for item in args.extra.split(",") if item]
+    sides = {}
+    for side in args.sides.split(","):
+        tool, _, variant = side.partition("-")
+        if tool == "gpupoor":
+            label = f"gpupoor ({variant}{', ' + ', '.join(extra) if extra else ''})"
+            sides[label] = (lambda v=variant: run_gpupoor(kit, fixture, v, extra))
+        else:
+            sides[f"TRL {variant}"] = (lambda v=variant: run_trl(kit, fixture, packing=v == "packed"))
     results: dict[str, list[dict]] = {name: [] for name in sides}
     for round_index in range(args.rounds):
         for name, run in sides.items():  # alternate the sides within every round
@@ -151,10 +160,10 @@ def main() -> None:
             r = results[name][-1]
             print(f"round {round_index + 1} {name}: {r['tokens_per_s']:.0f} tok/s, train {r['train_s']:.1f} s, "
                   f"wall {r['wall_s']:.1f} s, {r['peak_rss_mb']:.0f} MB", flush=True)
-    command = "make bench" if args.vocab == 32000 and args.rounds == 3 else \
-        f"python bench/compare_trl.py --rounds {args.rounds} --vocab {args.vocab}"
+    command = "make bench" if sys.argv[1:] in ([], ["--kit", args.kit]) else \
+        "python bench/compare_trl.py " + " ".join(a for a in sys.argv[1:] if not a.startswith("--kit") and a != args.kit)
     body = render(args.vocab, args.rounds, results, command)
-    write_section(ROOT / "docs" / "benchmarks.md", f"trl-v{args.vocab}", body)
+    write_section(ROOT / "docs" / "benchmarks.md", args.key or f"trl-v{args.vocab}", body)
     print(body)
 
 

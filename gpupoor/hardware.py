@@ -69,6 +69,18 @@ def resolve_attention(requested: str, device: str) -> Choice:
     return Choice("sdpa", f"{why}: torch SDPA")
 
 
+def resolve_sampler(requested: str, attention: str, trust_remote_code: bool) -> Choice:
+    """Packing is exact when the model's attention follows transformers' packed-sequence masks (restarted
+    position_ids, no attention mask, no KV cache): its own model code with sdpa, eager or flash-attention 2."""
+    if requested != "auto":
+        return Choice(requested, f"data.sampler: {requested}")
+    if trust_remote_code:
+        return Choice("length_grouped", "remote model code may not isolate packed examples")
+    if attention in ("sdpa", "eager", "flash_attention_2"):
+        return Choice("packed", f"{attention} isolates packed examples")
+    return Choice("length_grouped", f"{attention} attention may not isolate packed examples")
+
+
 def usable_cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -26,8 +26,13 @@ CHUNK_ELEMENTS = 2**22
 MIN_CHUNK_TOKENS = 64
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model gets: padded batches carry an attention_mask, packed ones restarted position_ids."""
+    return {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}
+
+
 def plain_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = model(**model_inputs(batch), use_cache=False).logits
     # Position t predicts token t+1. Compute in fp32: a bf16 log-softmax over a large vocab loses precision.
     shifted = logits[:, :-1, :].float()
     targets = batch["labels"][:, 1:]
@@ -121,8 +126,7 @@ def fused_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused
     # logits of one position only, and the decoder's output is taken from a hook.
     handle = fused.decoder.register_forward_hook(keep_hidden)
     try:
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-              logits_to_keep=1)
+        model(**model_inputs(batch), use_cache=False, logits_to_keep=1)
     finally:
         handle.remove()
     labels = batch["labels"][:, 1:]

@@ -65,10 +65,15 @@ class DataSection(_Section):
     max_length: int = Field(
         2048, ge=8, description="Tokens per example; longer examples are truncated and counted."
     )
-    sampler: Literal["random", "length_grouped"] = Field(
-        "random",
-        description="`random`: a fresh shuffle each epoch. `length_grouped`: shuffled, then examples of "
-        "similar length batched together to cut padding. Both are deterministic from (seed, epoch).",
+    sampler: Literal["auto", "random", "length_grouped", "packed"] = Field(
+        "auto",
+        description="`auto`: `packed` where packing is exact (transformers' own model code with sdpa, eager "
+        "or flash-attention 2), else `length_grouped`. `random`: a fresh shuffle each epoch, padded batches. "
+        "`length_grouped`: shuffled, then "
+        "examples of similar length batched together to cut padding. `packed`: whole examples bin-packed "
+        "(first-fit-decreasing over shuffled windows of 1000) into rows of at most micro_batch_size x "
+        "max_length tokens with no padding; attention never crosses examples. All are deterministic from "
+        "(seed, epoch) and resume in O(1).",
     )
     train_on_prompt: bool = Field(
         False, description="Also compute the loss on prompts / user turns, not only on completions."

@@ -290,7 +290,8 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     from gpupoor.checkpoint import (ADAPTER, STATE, CheckpointError, dir_size, load_torch,
                                     require_checkpoint_files, rotate, write_checkpoint)
     from gpupoor.data.build import build_data
-    from gpupoor.hardware import resolve_attention, resolve_device, resolve_precision, usable_cpu_count
+    from gpupoor.hardware import (resolve_attention, resolve_device, resolve_precision, resolve_sampler,
+                                  usable_cpu_count)
     from gpupoor.loss import find_fused_head, fused_loss_sum, plain_loss_sum
     from gpupoor.model import build_model, load_tokenizer, summarize
     from gpupoor.optim import build_optimizer, build_scheduler, optimizer_state_bytes
@@ -318,7 +319,9 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     base_dir = Path.cwd()  # the portable recipe holds absolute local paths; hub ids need no base
     location = recipe.model.name_or_path
     tokenizer = load_tokenizer(location, recipe.model)
-    data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, base_dir)
+    sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code)
+    data = build_data(recipe.data.model_copy(update={"sampler": sampler.value}), tokenizer,
+                      recipe.training.micro_batch_size, recipe.seed, base_dir)
     if resume is not None and not force:
         if resume.manifest.get("data_fingerprint") not in (None, data.fingerprint):
             raise UserError("the training data (or tokenizer, format or max_length) is not what this run was "
@@ -375,8 +378,10 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         f"{stats.target_tokens / max(stats.tokens, 1):.0%} of tokens are targets"
         + ("; tokenized cache hit" if data.cache_hit else "")
         + (f"; eval {len(data.eval)} examples" if data.eval is not None else ""))
-    say(f"  {steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x "
-        f"{recipe.training.micro_batch_size} examples; {len(data.plan)} micro-batches per epoch")
+    unit = (f"packed rows of up to {data.plan.token_budget} tokens" if sampler.value == "packed"
+            else f"{recipe.training.micro_batch_size} examples")
+    say(f"  {steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x {unit}; "
+        f"{len(data.plan)} micro-batches per epoch; sampler {sampler.value} ({sampler.reason})")
     if resume is not None:
         say(f"  resuming from {resume.path.name}: step {state.step}, epoch {state.epoch}, "
             f"micro-batch {state.batch_in_epoch} of the epoch")

@@ -83,7 +83,7 @@ def make_recipe(tmp_path, tiny_model, alpaca_file):
     def make(name: str = "recipe.yaml", **sections) -> Path:
         recipe = {
             "model": {"name_or_path": str(tiny_model)},
-            "data": {"path": str(alpaca_file), "format": "alpaca", "max_length": 128},
+            "data": {"path": str(alpaca_file), "format": "alpaca", "max_length": 128, "sampler": "random"},
             "peft": {"rank": 4},
             "training": {"micro_batch_size": 4, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
                          "warmup_steps": 0},

@@ -91,6 +91,14 @@ def test_resume_is_bitwise_exact(straight, tmp_path, monkeypatch, stops, nan):
     assert_same_run(reference, run)
 
 
+def test_resume_is_bitwise_exact_with_packing(straight, tmp_path, monkeypatch):
+    recipe, reference = straight(data={"sampler": "packed"})
+    run = tmp_path / "packed"
+    assert invoke("train", recipe, "--output-dir", run, fault="sigterm@3", monkeypatch=monkeypatch).exit_code == 75
+    assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0
+    assert_same_run(reference, run)
+
+
 def test_resume_after_time_limit_finishes_the_same_run(straight, make_recipe, tmp_path, monkeypatch):
     recipe, reference = straight()
     run = tmp_path / "limited"

@@ -23,6 +23,12 @@ class DataBundle:
     cache_hit: bool
     fingerprint: str  # identity of the tokenized training data (data bytes, tokenizer, format settings)
 
+    def collate(self, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+        """A training micro-batch: packed into one row when the sampler packs, else padded."""
+        if self.plan.kind == "packed":
+            return collate_packed(self.train, indices)
+        return collate(self.train, indices, pad_id)
+
 
 def make_encoder(data: DataSection, tokenizer) -> Encoder:
     return Encoder(tokenizer, data.format, data.max_length, data.train_on_prompt, data.text_field,
@@ -71,7 +77,7 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     if len(train) == 0:
         raise UserError(f"data.path: no usable training examples in {data.path} "
                         f"({train.stats.dropped_no_target} had no target tokens within max_length)")
-    plan = BatchPlan(train.lengths, micro_batch_size, seed, data.sampler)
+    plan = BatchPlan(train.lengths, micro_batch_size, seed, data.sampler, data.max_length)
     if data.eval_rows:  # the held-out rows change what is trained on
         fingerprint = f"{fingerprint}-holdout{data.eval_rows}"
     return DataBundle(train, evaluation, plan, hit, fingerprint)
@@ -89,6 +95,29 @@ def collate(dataset: TokenizedDataset, indices: list[int], pad_id: int) -> dict[
         labels[row, : len(ids)] = lab
         attention_mask[row, : len(ids)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def collate_packed(dataset: TokenizedDataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """Whole examples end to end in one row with no padding. position_ids restart at 0 for each example and
+    there is no attention_mask: transformers then masks attention block-diagonally, so no example sees
+    another (with the KV cache off, which training always has). The first token of each example is never a
+    target, so the last token of one example is not trained to predict the next example."""
+    ids, labels, positions = [], [], []
+    for index in indices:
+        example_ids, example_labels = dataset[index]
+        example_labels = example_labels.clone()
+        example_labels[0] = IGNORE_INDEX
+        ids.append(example_ids)
+        labels.append(example_labels)
+        positions.append(torch.arange(len(example_ids)))
+    return {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
+            "position_ids": torch.cat(positions)[None]}
+
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Real (non-padding) tokens in a batch."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:

@@ -11,6 +11,9 @@ import torch
 # Length-grouped sampling sorts within windows of this many micro-batches: big enough to cut most padding,
 # small enough that batch order stays random (the HF Trainer uses 50 as well).
 MEGABATCH_FACTOR = 50
+# Packing bins the examples of windows of this many shuffled examples: first-fit-decreasing fills bins
+# nearly full once a window holds a few hundred examples, and the window keeps the order random.
+PACK_WINDOW = 1000
 
 
 def _generator(seed: int, epoch: int) -> torch.Generator:
@@ -21,17 +24,22 @@ def _generator(seed: int, epoch: int) -> torch.Generator:
 class BatchPlan:
     """Splits example indices into micro-batches, anew for every epoch."""
 
-    def __init__(self, lengths: list[int], micro_batch_size: int, seed: int, kind: str = "random"):
-        if kind not in ("random", "length_grouped"):
+    def __init__(self, lengths: list[int], micro_batch_size: int, seed: int, kind: str = "random",
+                 max_length: int | None = None):
+        if kind not in ("random", "length_grouped", "packed"):
             raise ValueError(f"unknown sampler {kind!r}")
         self.lengths = lengths
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.kind = kind
+        # packed: a micro-batch is one row of at most micro_batch_size x max_length tokens
+        self.token_budget = micro_batch_size * (max_length or max(lengths, default=1))
+        self._count = len(self.epoch(0)) if kind == "packed" else -(-len(lengths) // micro_batch_size)
 
     def __len__(self) -> int:
-        """Micro-batches per epoch (the last one may be smaller)."""
-        return -(-len(self.lengths) // self.micro_batch_size)
+        """Micro-batches per epoch (the last one may be smaller). For packing, the count of epoch 0: other
+        epochs differ by a bin or two, which only moves the epoch fraction that metrics report."""
+        return self._count
 
     def epoch(self, epoch: int) -> list[list[int]]:
         generator = _generator(self.seed, epoch)
@@ -39,6 +47,12 @@ class BatchPlan:
         size = self.micro_batch_size
         if self.kind == "random":
             return [order[i:i + size] for i in range(0, len(order), size)]
+        if self.kind == "packed":
+            bins = []
+            for start in range(0, len(order), PACK_WINDOW):
+                bins += self._first_fit_decreasing(order[start:start + PACK_WINDOW])
+            shuffled = torch.randperm(len(bins), generator=generator).tolist()
+            return [bins[i] for i in shuffled]
         window = size * MEGABATCH_FACTOR
         batches = []
         for start in range(0, len(order), window):
@@ -47,3 +61,20 @@ class BatchPlan:
         # Shuffle the batch order so long batches do not all come first.
         shuffled = torch.randperm(len(batches), generator=generator).tolist()
         return [batches[i] for i in shuffled]
+
+    def _first_fit_decreasing(self, indices: list[int]) -> list[list[int]]:
+        """Whole examples into bins of at most token_budget tokens: longest first, each into the first bin
+        with room. Ties keep the shuffled order, so the result is a function of (seed, epoch) only."""
+        free: list[int] = []
+        bins: list[list[int]] = []
+        for index in sorted(indices, key=lambda i: -self.lengths[i]):
+            length = self.lengths[index]
+            for slot, room in enumerate(free):
+                if length <= room:
+                    bins[slot].append(index)
+                    free[slot] -= length
+                    break
+            else:
+                bins.append([index])
+                free.append(self.token_budget - length)
+        return bins

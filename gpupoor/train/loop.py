@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpupoor.data.build import DataBundle, collate, count_targets
+from gpupoor.data.build import DataBundle, collate, count_targets, count_tokens
 from gpupoor.loss import plain_loss_sum
 from gpupoor.train.state import TrainState
 
@@ -41,11 +41,12 @@ class Hooks:
 
 
 def micro_batches(data: DataBundle, epoch: int, position: int) -> Iterator[tuple[int, int, list[int]]]:
-    """(epoch, index in epoch, example indices), starting at a saved position and running across epochs."""
+    """(epoch, position) *after* taking it, and the example indices of each micro-batch, starting at a saved
+    position and running across epochs (whose plans may differ in length when packing)."""
     while True:
         plan = data.plan.epoch(epoch)
         for index in range(position, len(plan)):
-            yield epoch, index, plan[index]
+            yield (epoch, index + 1) if index + 1 < len(plan) else (epoch + 1, 0), plan[index]
         epoch, position = epoch + 1, 0
 
 
@@ -106,13 +107,12 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
         window = []
         for _ in range(settings.accumulation):
             for rank in range(accelerator.num_processes):
-                epoch, index, indices = next(stream)
+                (state.epoch, state.batch_in_epoch), indices = next(stream)
                 if rank == accelerator.process_index:
-                    window.append(collate(data.train, indices, settings.pad_id))
-                state.epoch, state.batch_in_epoch = (epoch, index + 1) if index + 1 < batches_per_epoch else (epoch + 1, 0)
+                    window.append(data.collate(indices, settings.pad_id))
                 state.samples_seen += len(indices)
         local_targets = sum(count_targets(b) for b in window)
-        real_tokens = sum(int(b["attention_mask"].sum()) for b in window)
+        real_tokens = sum(count_tokens(b) for b in window)
         global_targets = float(accelerator.reduce(torch.tensor(float(local_targets), device=device), "sum"))
         # DDP averages gradients over processes; multiplying by their number turns that into a sum.
         scale = accelerator.num_processes / max(global_targets, 1.0)
