@@ -320,8 +320,8 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     location = recipe.model.name_or_path
     tokenizer = load_tokenizer(location, recipe.model)
     sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code)
-    data = build_data(recipe.data.model_copy(update={"sampler": sampler.value}), tokenizer,
-                      recipe.training.micro_batch_size, recipe.seed, base_dir)
+    data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, base_dir,
+                      sampler=sampler.value)
     if resume is not None and not force:
         if resume.manifest.get("data_fingerprint") not in (None, data.fingerprint):
             raise UserError("the training data (or tokenizer, format or max_length) is not what this run was "

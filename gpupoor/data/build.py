@@ -49,7 +49,8 @@ def _tokenized(source: DataSource, limit: int | None, encoder: Encoder, tokenize
 
 
 def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
-               use_cache: bool = True) -> DataBundle:
+               use_cache: bool = True, sampler: str | None = None) -> DataBundle:
+    """`sampler`: the concrete sampler when data.sampler is `auto` (the run resolves it from the model)."""
     encoder = make_encoder(data, tokenizer)
     cache_dir = (Path(data.cache_dir) if data.cache_dir else default_cache_dir()) if use_cache else None
     if cache_dir is not None and not cache_dir.is_absolute():
@@ -77,7 +78,8 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     if len(train) == 0:
         raise UserError(f"data.path: no usable training examples in {data.path} "
                         f"({train.stats.dropped_no_target} had no target tokens within max_length)")
-    plan = BatchPlan(train.lengths, micro_batch_size, seed, data.sampler, data.max_length)
+    kind = sampler or (data.sampler if data.sampler != "auto" else "random")
+    plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length)
     if data.eval_rows:  # the held-out rows change what is trained on
         fingerprint = f"{fingerprint}-holdout{data.eval_rows}"
     return DataBundle(train, evaluation, plan, hit, fingerprint)
