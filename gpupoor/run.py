@@ -378,7 +378,8 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         f"{stats.target_tokens / max(stats.tokens, 1):.0%} of tokens are targets"
         + ("; tokenized cache hit" if data.cache_hit else "")
         + (f"; eval {len(data.eval)} examples" if data.eval is not None else ""))
-    unit = (f"packed rows of up to {data.plan.token_budget} tokens" if sampler.value == "packed"
+    unit = (f"{recipe.training.micro_batch_size} packed rows of up to {data.plan.row_length} tokens"
+            if sampler.value == "packed"
             else f"{recipe.training.micro_batch_size} examples")
     say(f"  {steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x {unit}; "
         f"{len(data.plan)} micro-batches per epoch; sampler {sampler.value} ({sampler.reason})")

@@ -38,14 +38,17 @@ TEXTS = ["the model learns to stop", "sort lists", "every token counts toward th
          "resume data memory speed"]
 
 
-def test_packed_row_restarts_positions_and_masks_example_starts(tokenizer):
+def test_packed_rows_restart_positions_and_mask_example_starts(tokenizer):
     dataset = _dataset(tokenizer, TEXTS)
-    batch = collate_packed(dataset, [2, 0, 3])
     lengths = [dataset.lengths[i] for i in (2, 0, 3)]
+    batch = collate_packed(dataset, [2, 0, 3])  # no row limit: one row
     assert "attention_mask" not in batch and batch["input_ids"].shape == (1, sum(lengths))
-    starts = [0, lengths[0], lengths[0] + lengths[1]]
-    assert all(batch["position_ids"][0, s] == 0 for s in starts)
-    assert all(batch["labels"][0, s] == IGNORE_INDEX for s in starts)
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten()
+    assert len(starts) == 3 and (batch["labels"][0, starts] == IGNORE_INDEX).all()
+    rows = collate_packed(dataset, [0, 1, 2, 3], row_length=max(dataset.lengths) + 2, pad_id=0)
+    assert rows["input_ids"].shape[0] >= 2 and rows["input_ids"].shape[1] <= max(dataset.lengths) + 2
+    assert int(rows["token_mask"].sum()) == sum(dataset.lengths)  # fillers are not counted as tokens
+    assert (rows["labels"][~rows["token_mask"]] == IGNORE_INDEX).all()
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -62,18 +65,24 @@ def test_packed_losses_and_gradients_equal_one_by_one(tiny_model, tokenizer, att
     def per_token(logits, labels):
         return F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="none")
 
-    packed = collate_packed(dataset, order)
+    # Two rows, each with a filler block: examples packed beside each other and beside padding.
+    packed = collate_packed(dataset, order, row_length=max(dataset.lengths) + 8)
+    assert packed["input_ids"].shape[0] == 2
     model.zero_grad()
     logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
-    losses = per_token(logits, packed["labels"])
+    losses = torch.stack([per_token(logits[r:r + 1], packed["labels"][r:r + 1]) for r in range(2)])
     losses.sum().backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    # per-example sums: position t predicts t+1, so example k owns positions [start, end - 1)
-    bounds, start = [], 0
-    for index in order:
-        bounds.append((start, start + dataset.lengths[index] - 1))
-        start += dataset.lengths[index]
-    packed_sums = [losses[a:b].sum() for a, b in bounds]
+    # Per-example sums: an example spans a run of positions starting at position_id 0; position t predicts
+    # t+1, so it owns the losses at [start, end - 1). Examples are recognised by their tokens.
+    packed_by_example = {}
+    for r in range(2):
+        positions = packed["position_ids"][r].tolist() + [0]
+        starts = [t for t, p in enumerate(positions) if p == 0]
+        for a, b in zip(starts, starts[1:]):
+            tokens = tuple(packed["input_ids"][r, a:b].tolist())
+            packed_by_example[tokens] = losses[r, a:b - 1].sum()
+    packed_sums = [packed_by_example[tuple(dataset[i][0].tolist())] for i in order]
 
     model.zero_grad()
     single_sums = []

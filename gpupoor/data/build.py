@@ -10,7 +10,7 @@ import torch
 from gpupoor.data.dataset import TokenizedDataset, cache_key, default_cache_dir, tokenize_rows
 from gpupoor.data.formats import IGNORE_INDEX, Encoder
 from gpupoor.data.loading import DataSource, read_rows, resolve_source
-from gpupoor.data.sampler import BatchPlan
+from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
 from gpupoor.errors import UserError
 from gpupoor.recipe import DataSection
 
@@ -26,7 +26,7 @@ class DataBundle:
     def collate(self, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
         """A training micro-batch: packed into one row when the sampler packs, else padded."""
         if self.plan.kind == "packed":
-            return collate_packed(self.train, indices)
+            return collate_packed(self.train, indices, self.plan.row_length, pad_id)
         return collate(self.train, indices, pad_id)
 
 
@@ -99,26 +99,42 @@ def collate(dataset: TokenizedDataset, indices: list[int], pad_id: int) -> dict[
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def collate_packed(dataset: TokenizedDataset, indices: list[int]) -> dict[str, torch.Tensor]:
-    """Whole examples end to end in one row with no padding. position_ids restart at 0 for each example and
+def collate_packed(dataset: TokenizedDataset, indices: list[int], row_length: int | None = None,
+                   pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Whole examples end to end in rows of at most `row_length` tokens (first-fit-decreasing), rows padded
+    to the longest with a filler block. position_ids restart at 0 for each example (and the filler) and
     there is no attention_mask: transformers then masks attention block-diagonally, so no example sees
-    another (with the KV cache off, which training always has). The first token of each example is never a
-    target, so the last token of one example is not trained to predict the next example."""
-    ids, labels, positions = [], [], []
-    for index in indices:
-        example_ids, example_labels = dataset[index]
-        example_labels = example_labels.clone()
-        example_labels[0] = IGNORE_INDEX
-        ids.append(example_ids)
-        labels.append(example_labels)
-        positions.append(torch.arange(len(example_ids)))
-    return {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
-            "position_ids": torch.cat(positions)[None]}
+    another (with the KV cache off, which training always has). The first token of each example is never
+    a target, so the last token of one example is not trained to predict the next example."""
+    lengths = dataset.lengths
+    rows = first_fit_decreasing(indices, lengths, row_length or sum(lengths[i] for i in indices))
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids, labels, positions, real = [], [], [], []
+    for row in rows:
+        row_ids, row_labels, row_positions = [], [], []
+        for index in row:
+            example_ids, example_labels = dataset[index]
+            example_labels = example_labels.clone()
+            example_labels[0] = IGNORE_INDEX
+            row_ids.append(example_ids)
+            row_labels.append(example_labels)
+            row_positions.append(torch.arange(len(example_ids)))
+        used = sum(len(piece) for piece in row_ids)
+        filler = width - used  # its own block: positions restart at 0, nothing attends across, no targets
+        row_ids.append(torch.full((filler,), pad_id, dtype=torch.long))
+        row_labels.append(torch.full((filler,), IGNORE_INDEX, dtype=torch.long))
+        row_positions.append(torch.arange(filler))
+        ids.append(torch.cat(row_ids))
+        labels.append(torch.cat(row_labels))
+        positions.append(torch.cat(row_positions))
+        real.append(torch.arange(width) < used)
+    return {"input_ids": torch.stack(ids), "labels": torch.stack(labels), "position_ids": torch.stack(positions),
+            "token_mask": torch.stack(real)}
 
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:
     """Real (non-padding) tokens in a batch."""
-    mask = batch.get("attention_mask")
+    mask = batch.get("attention_mask", batch.get("token_mask"))
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
