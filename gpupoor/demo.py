@@ -66,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default=None, help="default: runs/demo-<time>")
     args = parser.parse_args(argv)
 
+    from gpupoor.run import quiet_libraries, train_from_recipe
+
+    quiet_libraries()  # before peft imports bitsandbytes, which warns about an optional kernel
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpupoor.run import quiet_libraries, train_from_recipe
-
-    quiet_libraries()
     from gpupoor.recipe import load_recipe
 
     loaded = load_recipe(args.recipe)

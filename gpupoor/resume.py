@@ -94,7 +94,10 @@ def status_report(run_dir: Path) -> str:
                 continue  # a line cut short by a kill
     steps = {r["step"]: r for r in records if "loss" in r}
     last = max(steps) if steps else 0
-    planned = recipe.training.max_steps
+    checkpoints = scan(run_dir / "checkpoints", check_files=False)
+    manifests = [json.loads((path / "manifest.json").read_text()) for path, _, problem in checkpoints if problem is None]
+    # An epoch-based run's step count is known once training has started: the checkpoints record it.
+    planned = recipe.training.max_steps or next((m.get("total_steps") for m in manifests if m.get("total_steps")), None)
     lines = [f"run {run_dir}", f"  model {recipe.model.name_or_path}; data {recipe.data.path}"]
     total = f"/{planned}" if planned else ""
     elapsed = steps[last]["elapsed_s"] if steps else 0.0
