@@ -67,8 +67,9 @@ def base_files(base: str, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
+        # model*.safetensors: the transformers shards, not other formats some repos ship beside them
         return Path(snapshot_download(base, revision=revision, allow_patterns=[
-            "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+            "*.json", "model*.safetensors", "*.model", "*.txt", "*.jinja"]))
     except Exception as exc:
         raise UserError(f"base model {base!r}: not a local directory and not downloadable: {exc}",
                         hint="pass --base with a local directory of the base model") from None

@@ -132,7 +132,8 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
             placement = {}
             if cpu_offload:
                 placement = {"device_map": "auto", "max_memory": {0: max_gpu_memory.replace(" ", ""), "cpu": "1024GiB"}}
-            elif quantization is not None:
+            elif quantization is not None or device.startswith("cuda"):
+                # straight onto the GPU: a free Colab has less host RAM than GPU memory for the weights
                 placement = {"device_map": {"": device}}
             model = AutoModelForCausalLM.from_pretrained(
                 location, config=config, dtype=dtype, revision=model_cfg.revision, quantization_config=quantization,

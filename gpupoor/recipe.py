@@ -427,8 +427,10 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[str, 
 
 
 def _where(dotted: str, source: str, lines: dict[str, int], overridden: set[str]) -> str:
-    if dotted in overridden:
-        return f"--set {dotted}"
+    parts = dotted.split(".")
+    for depth in range(len(parts), 0, -1):  # the override itself, or one that set a whole section
+        if ".".join(parts[:depth]) in overridden:
+            return f"--set {'.'.join(parts[:depth])}"
     key = dotted
     while key and key not in lines:  # point at the nearest enclosing key that is in the file
         key = key.rpartition(".")[0]
