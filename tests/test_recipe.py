@@ -142,3 +142,8 @@ def test_json_schema_lists_every_section():
     for section in ("model", "data", "peft", "quantization", "precision", "training", "memory", "checkpoint",
                     "logging", "seed", "output_dir"):
         assert section in schema["properties"]
+
+
+def test_set_of_a_whole_section_is_named_in_errors(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL), ["training={micro_batch_size: 0}"])
+    assert "--set training" in message and "'training.micro_batch_size' = 0" in message
