@@ -447,7 +447,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         return name
 
     def on_step(record: dict, current: TrainState) -> None:
-        if last_loss[0] is None:  # the first step of this process: optimizer state now exists
+        if last_loss[0] is None and main:  # the first step of this process: optimizer state now exists
             record["optimizer_state_mb"] = round(optimizer_state_bytes(optimizer) / 2**20, 2)
             progress.message(f"  optimizer state {record['optimizer_state_mb']:.1f} MiB; "
                              f"peak memory after the first step {record['peak_mem_mb']:.0f} MB", always=True)

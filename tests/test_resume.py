@@ -315,3 +315,26 @@ def test_a_run_dir_in_use_is_not_resumed_twice(straight, monkeypatch):
     # The kernel dropped the dead process's lock: nothing stale is left to block the run.
     assert "not running" in invoke("status", run, monkeypatch=monkeypatch).output
     assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_with_accumulation(make_recipe, tmp_path):
+    """torchrun with 2 CPU processes (gloo DDP through accelerate): each process takes its own micro-batch
+    of every pair, so the run equals one process accumulating 2 micro-batches per step."""
+    recipe = make_recipe(training={"max_steps": 4, "micro_batch_size": 2})
+    torchrun = Path(sys.executable).with_name("torchrun")
+    two = subprocess.run([str(torchrun), "--nproc_per_node", "2", "-m", "gpupoor", "train", str(recipe),
+                          "--output-dir", str(tmp_path / "two")], capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    one = run_cli(["train", recipe, "--output-dir", tmp_path / "one", "--set", "training.gradient_accumulation_steps=2"])
+    assert one.returncode == 0, one.stderr
+    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    steps_a, steps_b = [r for r in a if "loss" in r], [r for r in b if "loss" in r]
+    assert len(steps_b) == 4  # one process wrote the metrics
+    for x, y in zip(steps_a, steps_b):
+        assert x["tokens"] == y["tokens"] and x["target_tokens"] == y["target_tokens"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
+    first, second = adapter(tmp_path / "one"), adapter(tmp_path / "two")
+    for name in first:
+        assert torch.allclose(first[name], second[name], atol=1e-6), name

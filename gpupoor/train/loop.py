@@ -149,7 +149,8 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
         scheduler.step()  # the schedule follows the step count, skipped steps included
         state.step += 1
         state.skipped_steps += int(skipped)
-        state.tokens_seen += int(accelerator.reduce(torch.tensor(real_tokens, device=device), "sum"))
+        step_tokens = int(accelerator.reduce(torch.tensor(real_tokens, device=device), "sum"))  # all processes
+        state.tokens_seen += step_tokens
         state.target_tokens_seen += int(global_targets)
         last_step_s = time.perf_counter() - started
         state.elapsed_s += last_step_s
@@ -157,8 +158,8 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
             "step": state.step,
             "epoch": round(state.epoch + state.batch_in_epoch / batches_per_epoch, 4),
             "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "tokens": real_tokens, "target_tokens": int(global_targets),
-            "tokens_per_s": round(real_tokens * accelerator.num_processes / max(last_step_s, 1e-9), 1),
+            "tokens": step_tokens, "target_tokens": int(global_targets),
+            "tokens_per_s": round(step_tokens / max(last_step_s, 1e-9), 1),
             "peak_mem_mb": round(peak_memory_mb(device), 1),
             "step_s": round(last_step_s, 4), "elapsed_s": round(state.elapsed_s, 3),
         }
