@@ -118,6 +118,12 @@ def _mb(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
 
 
+def read_manifest(path: Path) -> dict:
+    """The manifest of a checkpoint or adapter directory, {} when it has none (e.g. a plain PEFT adapter)."""
+    manifest = path / MANIFEST
+    return json.loads(manifest.read_text()) if manifest.is_file() else {}
+
+
 def verify(path: Path) -> str | None:
     """None when the checkpoint is complete and intact, else why not."""
     manifest_path = path / MANIFEST

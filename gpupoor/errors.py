@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_RESUMABLE = 75  # stopped early on purpose (signal, time limit); `gpupoor resume` continues
 

@@ -26,7 +26,8 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
     from gpupoor.data.build import make_encoder
     from gpupoor.hardware import dtype_of, resolve_device
     from gpupoor.merge import resolve_adapter
-    from gpupoor.model import _quantization_config, load_tokenizer
+    from gpupoor.checkpoint import read_manifest
+    from gpupoor.model import load_tokenizer, quantization_config
     from gpupoor.recipe import DataSection, ModelSection, QuantizationSection, load_recipe
 
     target = resolve_device(device).value
@@ -39,10 +40,9 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
         base_name = base or adapter_config["base_model_name_or_path"]
         quant = recipe.quantization if recipe else QuantizationSection()
         # Compute in the precision the run trained in, where this device has it (the manifest records it).
-        manifest_path = source.adapter_dir / "manifest.json"
-        trained_precision = (json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}).get("precision")
+        trained_precision = read_manifest(source.adapter_dir).get("precision")
         precision = "fp32" if target == "cpu" else (trained_precision or "bf16")
-        quantization = _quantization_config(quant, precision) if quant.bits else None
+        quantization = quantization_config(quant, precision) if quant.bits else None
         model = AutoModelForCausalLM.from_pretrained(
             base_name, dtype=dtype_of(precision), quantization_config=quantization,
             revision=None if base else adapter_config.get("revision"),

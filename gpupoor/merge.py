@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from gpupoor.checkpoint import read_manifest
 from gpupoor.errors import UserError
+from gpupoor.train.report import read_metrics
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PEFT_PREFIX = "base_model.model."
@@ -210,17 +212,11 @@ def _run_summary(run_dir: Path | None) -> tuple[dict, dict]:
 
     recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
     last: dict = {}
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "loss" in record:
-                last.update(step=record["step"], loss=record["loss"])
-            if "eval_loss" in record:
-                last["eval_loss"] = record["eval_loss"]
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        if "loss" in record:
+            last.update(step=record["step"], loss=record["loss"])
+        if "eval_loss" in record:
+            last["eval_loss"] = record["eval_loss"]
     return recipe, last
 
 
@@ -275,9 +271,7 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
     if quantized:
         quantize = quantized_modules(config, quantization)
         # The dtype the base was loaded in before quantizing: the run's resolved precision (in the manifest).
-        manifest_path = source.adapter_dir / "manifest.json"
-        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
-        load_dtype = DTYPES[manifest.get("precision") or _explicit_precision(recipe)]
+        load_dtype = DTYPES[read_manifest(source.adapter_dir).get("precision") or _explicit_precision(recipe)]
         say(f"QLoRA run: merging into the base as the run saw it ({quantization['bits']}-bit, dequantized); "
             "--qlora-base original merges into the full-precision weights instead")
 
@@ -352,7 +346,7 @@ def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpupoor.model import _quantization_config
+    from gpupoor.model import quantization_config
     from gpupoor.recipe import QuantizationSection
 
     recipe, _ = _run_summary(source.run_dir)
@@ -361,9 +355,8 @@ def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -
     base_name = base or lora.base_model_name_or_path
     quant = QuantizationSection(**(recipe.get("quantization") or {}))
     # 4-bit matmuls in the precision the run trained with (the reference is what training computed).
-    manifest_path = source.adapter_dir / "manifest.json"
-    precision = (json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}).get("precision", "fp32")
-    quantization = _quantization_config(quant, precision) if quant.bits else None
+    precision = read_manifest(source.adapter_dir).get("precision", "fp32")
+    quantization = quantization_config(quant, precision) if quant.bits else None
     trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32, quantization_config=quantization,
                                                    revision=None if base else lora.revision,
                                                    device_map={"": "cpu"} if quantization else None)

@@ -87,7 +87,7 @@ def shrink_config(config):
     return config
 
 
-def _quantization_config(quant: QuantizationSection, precision: str, cpu_offload: bool = False):
+def quantization_config(quant: QuantizationSection, precision: str, cpu_offload: bool = False):
     if quant.bits is None:
         return None
     try:
@@ -119,7 +119,7 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
     config.use_cache = False  # no KV cache in training: it costs memory and breaks packed attention
     dtype = dtype_of(precision)
     cpu_offload = bool(max_gpu_memory) and device == "cuda"
-    quantization = _quantization_config(quant, precision, cpu_offload)
+    quantization = quantization_config(quant, precision, cpu_offload)
     common = {"attn_implementation": attention, "trust_remote_code": model_cfg.trust_remote_code}
     if smoke:
         torch.manual_seed(seed)

@@ -84,15 +84,9 @@ def status_report(run_dir: Path) -> str:
     from gpupoor.recipe import load_recipe
 
     recipe = load_recipe(run_dir / "recipe.yaml").recipe
-    records = []
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill
-    steps = {r["step"]: r for r in records if "loss" in r}
+    from gpupoor.train.report import read_metrics
+
+    steps = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
     last = max(steps) if steps else 0
     checkpoints = scan(run_dir / "checkpoints", check_files=False)
     manifests = [json.loads((path / "manifest.json").read_text()) for path, _, problem in checkpoints if problem is None]

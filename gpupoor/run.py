@@ -268,17 +268,11 @@ def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
 
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records of steps after the checkpoint: they will be trained (and logged) again."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if record.get("step", 0) <= step:
-            kept.append(line + "\n")
-    write_text_atomic(path, "".join(kept))
+    from gpupoor.train.report import read_metrics
+
+    if path.is_file():
+        kept = [record for record in read_metrics(path) if record.get("step", 0) <= step]
+        write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
 def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: float,

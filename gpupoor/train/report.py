@@ -35,6 +35,18 @@ class NullWriter:
         pass
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """Every record of a metrics.jsonl; a last line cut short by a kill is skipped."""
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
 def _eta(seconds: float) -> str:
     seconds = int(max(0, seconds))
     hours, rest = divmod(seconds, 3600)
