@@ -12,13 +12,14 @@ from typing import Optional
 import typer
 
 from gpupoor import __version__
-from gpupoor.errors import EXIT_BAD_INPUT, EXIT_RESUMABLE, UserError
+from gpupoor.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_RESUMABLE, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs on the hardware you have, from a YAML recipe.")
 
 SET_HELP = "Override a recipe key, e.g. --set training.max_steps=100 (value parsed as YAML). Repeatable."
 DEBUG_HELP = "Show full tracebacks."
+FORCE_FIT_HELP = "Start even when the memory plan predicts that the recipe does not fit the GPU."
 TIME_LIMIT_HELP = ("Stop with a checkpoint (exit 75) before this much wall-clock time has passed, e.g. 11h30m "
                    "(sets checkpoint.time_limit).")
 
@@ -68,6 +69,7 @@ def train(
     smoke: bool = typer.Option(False, "--smoke", help="Check the recipe end to end in seconds: a shrunken "
                                "random-weight model of the same architecture, the first rows, a few CPU steps."),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
+    force: bool = typer.Option(False, "--force", help=FORCE_FIT_HELP),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Train from a recipe into a new run directory."""
@@ -82,10 +84,15 @@ def train(
         loaded = load_recipe(recipe, overrides)
         for warning in preflight(loaded):
             typer.echo(f"warning: {warning}", err=True)
+        plan = None
+        if not smoke:  # a smoke test runs a shrunken model on the CPU: the full-size plan does not apply
+            from gpupoor.plan import preflight_plan
+
+            plan = preflight_plan(loaded, force, lambda text: typer.echo(f"warning: {text}", err=True))
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.run import train_from_recipe
 
-        result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started)
+        result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started, plan=plan)
         return EXIT_RESUMABLE if result.reason != "done" else 0
 
     _guarded(debug, action)
@@ -151,7 +158,8 @@ def merge_lora(
     """Merge a LoRA adapter into its base, shard by shard, into a standard model directory."""
 
     def action() -> int:
-        from gpupoor.merge import DTYPES, merge_lora as merge, parse_size, resolve_adapter, verify_merge
+        from gpupoor.merge import DTYPES, merge_lora as merge, resolve_adapter, verify_merge
+        from gpupoor.recipe import parse_size
 
         if dtype != "auto" and dtype not in DTYPES:
             raise UserError(f"--dtype {dtype!r}: use auto, fp16, bf16 or fp32")
@@ -217,18 +225,23 @@ def generate(
 def validate(
     recipes: list[Path] = typer.Argument(..., help="One or more recipe files."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
+    force: bool = typer.Option(False, "--force", help="Do not fail a recipe the memory plan predicts not to fit the GPU."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
-    """Check recipes without loading weights: schema, data files and their format, the model's config."""
+    """Check recipes without loading weights: schema, data files and their format, the model's config, and
+    the memory plan (a recipe predicted not to fit the GPU fails)."""
 
     def action() -> int:
+        from gpupoor.plan import format_bytes, preflight_plan
         from gpupoor.preflight import preflight
         from gpupoor.recipe import load_recipe
 
         failed = 0
         for path in recipes:
             try:
-                warnings = preflight(load_recipe(path, set_ or []))
+                loaded = load_recipe(path, set_ or [])
+                warnings = preflight(loaded)
+                plan = preflight_plan(loaded, force, warnings.append)
             except UserError as exc:
                 if debug:
                     raise
@@ -237,8 +250,49 @@ def validate(
                 continue
             for warning in warnings:
                 typer.echo(f"{path}: warning: {warning}", err=True)
-            typer.echo(f"{path}: ok")
+            memory = "" if plan is None else f" (predicted peak {format_bytes(plan.peak)} on {plan.device})"
+            typer.echo(f"{path}: ok{memory}")
         return EXIT_BAD_INPUT if failed else 0
+
+    _guarded(debug, action)
+
+
+@app.command()
+def plan(
+    recipe: Path = typer.Argument(..., help="The recipe YAML file."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda (default: the one training would use here)."),
+    memory: Optional[str] = typer.Option(None, "--memory", help="Memory to fit in, e.g. 16GiB or 24GB (default: "
+                                         "the GPU's free memory, or the available RAM for the CPU)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (peak_bytes and every term)."),
+    fit: bool = typer.Option(False, "--fit", help="Write RECIPE.fit.yaml beside the recipe with the cheapest "
+                             "changes predicted to make it fit."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Predict the peak memory of a recipe, term by term, without loading weights; say whether it fits and
+    what to change when it does not. Exit 0 when it fits (or the memory is unknown), 3 when it does not."""
+
+    def action() -> int:
+        import json
+
+        from gpupoor.plan import make_plan, render, write_fit
+        from gpupoor.recipe import load_recipe, parse_size
+
+        if device is not None and device not in ("cpu", "cuda"):
+            raise UserError(f"--device {device!r}: use cpu or cuda")
+        limit = parse_size(memory, "--memory") if memory is not None else None
+        loaded = load_recipe(recipe, set_ or [])
+        result = make_plan(loaded, device, limit)
+        typer.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result, str(recipe)))
+        if fit and result.fits is False:
+            if not result.fit_changes:
+                return EXIT_DOES_NOT_FIT
+            written = write_fit(loaded, result.fit_changes)
+            typer.echo(f"wrote {written}", err=as_json)
+            return 0
+        if fit and not as_json:
+            typer.echo("fits as it is: nothing to write" if result.fits else "memory unknown: pass --memory")
+        return EXIT_DOES_NOT_FIT if result.fits is False else 0
 
     _guarded(debug, action)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 EXIT_BAD_INPUT = 2
+EXIT_DOES_NOT_FIT = 3  # gpupoor plan: the recipe is predicted not to fit the memory
 EXIT_RESUMABLE = 75  # stopped early on purpose (signal, time limit); `gpupoor resume` continues
 
 

@@ -34,16 +34,6 @@ class AdapterSource:
     run_dir: Path | None  # set when given a run directory: its recipe and metrics describe the adapter
 
 
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", text.upper())
-    if not match:
-        raise UserError(f"--max-shard-size {text!r}: use a size like 2GB, 500MB or 4GiB")
-    number, unit = float(match.group(1)), (match.group(2) or "B")
-    powers = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    return int(number * powers[unit])
-
-
 def resolve_adapter(path: Path, checkpoint: str) -> AdapterSource:
     """A run dir (with --checkpoint final | step-N) or an adapter directory."""
     if (path / "recipe.yaml").is_file():

@@ -112,7 +112,7 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
                 smoke: bool = False, max_gpu_memory: str | None = None):
     """The PEFT-wrapped model on `device`, base weights frozen. With `max_gpu_memory` on a GPU, accelerate's
     device map keeps what does not fit in CPU memory."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     config = load_config(location, model_cfg)
@@ -143,7 +143,7 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
     if quantization is None and not cpu_offload:
         model.to(device)
     elif quantization is not None:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        _prepare_quantized(model)
     if gradient_checkpointing:
         # Non-reentrant: gives bitwise-equal LoRA gradients (transformers also makes the embedding output
         # require grad, so checkpointed layers see an input that needs one). Offloading the saved inputs to the host
@@ -167,6 +167,17 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
     model.peft_config["default"].base_model_name_or_path = location
     model.peft_config["default"].revision = model_cfg.revision
     return model
+
+
+def _prepare_quantized(model) -> None:
+    """Freeze the quantized base and keep its small unquantized tensors (norms, biases) in fp32 for stable
+    sums. peft's prepare_model_for_kbit_training casts *every* unquantized tensor to fp32, embeddings and
+    output head included: 4.2 GB instead of 2.1 GB for Llama-3.1-8B's, on the card QLoRA is meant to save.
+    Those stay in the compute dtype here (they are frozen; autocast computes in it anyway)."""
+    for param in model.parameters():
+        param.requires_grad = False
+        if param.dtype in (torch.float16, torch.bfloat16) and param.ndim < 2:
+            param.data = param.data.float()
 
 
 def _requantize(model, quantization, dtype, device, common):

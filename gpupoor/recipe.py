@@ -295,6 +295,16 @@ SECTIONS = ["model", "data", "peft", "quantization", "precision", "training", "m
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*$")
 
 
+def parse_size(text: str, option: str = "--max-shard-size") -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", text.upper())
+    if not match:
+        raise UserError(f"{option} {text!r}: use a size like 2GB, 500MB or 4GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B")
+    powers = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    return int(number * powers[unit])
+
+
 def parse_duration(text: str) -> float:
     """'11h30m' -> 41400.0 seconds. A bare number means seconds."""
     text = str(text)

@@ -151,8 +151,9 @@ def store_recipe(run_dir: Path, recipe: Recipe) -> None:
 
 
 def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke: bool = False,
-                      say=print, started: float | None = None) -> RunResult:
-    """`started`: time.monotonic() when the command began; the time limit counts from there."""
+                      say=print, started: float | None = None, plan=None) -> RunResult:
+    """`started`: time.monotonic() when the command began; the time limit counts from there. `plan`: the
+    memory plan the preflight made (made here when not given)."""
     started = time.monotonic() if started is None else started
     recipe = portable_recipe(loaded)
     if smoke:
@@ -162,7 +163,9 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
     run_dir = Path(tempfile.mkdtemp(prefix="gpupoor-smoke-")) if temporary else resolve_run_dir(loaded, output_dir, stem)
     check_run_dir(run_dir)
     try:
-        return _execute(recipe, run_dir, None, smoke, say, started)
+        if plan is None and not smoke:
+            plan = _plan_quietly(loaded)
+        return _execute(recipe, run_dir, None, smoke, say, started, plan=plan)
     finally:
         if temporary:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -211,7 +214,18 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
         say(f"the run already finished at step {checkpoint.step}: the adapter is in {run_dir / 'final'}\n"
             "  (to train further: gpupoor resume RUN_DIR --set training.max_steps=N)")
         return RunResult(run_dir, "already_done", checkpoint.manifest.get("loss"), checkpoint.step)
-    return _execute(recipe, run_dir, checkpoint, False, say, started, force=force, lock=lock)
+    plan = _plan_quietly(LoadedRecipe(recipe, None))
+    return _execute(recipe, run_dir, checkpoint, False, say, started, force=force, lock=lock, plan=plan)
+
+
+def _plan_quietly(loaded: LoadedRecipe):
+    """The memory plan for the startup summary, or None when the model is not one it can describe."""
+    from gpupoor.plan import make_plan
+
+    try:
+        return make_plan(loaded)
+    except UserError:
+        return None
 
 
 class RunLock:
@@ -276,7 +290,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: float,
-             force: bool = False, lock: RunLock | None = None) -> RunResult:
+             force: bool = False, lock: RunLock | None = None, plan=None) -> RunResult:
     import torch
     from safetensors.torch import load_file
 
@@ -377,6 +391,15 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
             else f"{recipe.training.micro_batch_size} examples")
     say(f"  {steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x {unit}; "
         f"{len(data.plan)} micro-batches per epoch; sampler {sampler.value} ({sampler.reason})")
+    predicted_mb = None
+    if plan is not None:
+        from gpupoor.plan import format_bytes
+
+        predicted_mb = round(plan.comparable_peak / 2**20, 1)
+        fits = "" if plan.fits is None else (" (fits)" if plan.fits else " (predicted NOT to fit)")
+        say(f"  memory plan: peak {format_bytes(plan.peak)} on {plan.device}{fits}; "
+            f"activations {format_bytes(next(t.bytes for t in plan.terms if t.key == 'activations'))} "
+            "(gpupoor plan RECIPE for every term)")
     if resume is not None:
         say(f"  resuming from {resume.path.name}: step {state.step}, epoch {state.epoch}, "
             f"micro-batch {state.batch_in_epoch} of the epoch")
@@ -405,6 +428,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     saving = {"seconds": 0.0, "bytes": 3 * trainable_bytes + 2**20, "last_time": time.monotonic(),
               "last_step": state.step}
     last_loss: list[float | None] = [None]
+    first_step = [state.step]  # the step this process started from
 
     def save_files(tmp: Path) -> None:
         unwrapped.save_pretrained(tmp, safe_serialization=True)  # adapter_config.json + adapter_model.safetensors
@@ -441,10 +465,17 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         return name
 
     def on_step(record: dict, current: TrainState) -> None:
-        if last_loss[0] is None and main:  # the first step of this process: optimizer state now exists
-            record["optimizer_state_mb"] = round(optimizer_state_bytes(optimizer) / 2**20, 2)
-            progress.message(f"  optimizer state {record['optimizer_state_mb']:.1f} MiB; "
-                             f"peak memory after the first step {record['peak_mem_mb']:.0f} MB", always=True)
+        if predicted_mb is not None:
+            record["predicted_peak_mb"] = predicted_mb
+        if current.step - first_step[0] in (1, 3) and main:
+            # after the first step (optimizer state now exists) and the third (the heap has settled)
+            if current.step - first_step[0] == 1:
+                record["optimizer_state_mb"] = round(optimizer_state_bytes(optimizer) / 2**20, 2)
+            versus = "" if predicted_mb is None else \
+                f" vs {predicted_mb:.0f} MiB planned ({record['peak_mem_mb'] / predicted_mb - 1:+.0%})"
+            state_text = f"optimizer state {record['optimizer_state_mb']:.1f} MiB; " if "optimizer_state_mb" in record else ""
+            progress.message(f"  {state_text}peak memory after step {current.step}: "
+                             f"{record['peak_mem_mb']:.0f} MiB{versus}", always=True)
         last_loss[0] = record["loss"]
         metrics.write(record)
         progress.step(record)

@@ -28,12 +28,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
 
 def build_tiny_llama(path: str | Path, tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4,
                      kv_heads: int = 2, intermediate: int | None = None, seed: int = 0,
-                     tie_embeddings: bool = False) -> Path:
-    """Save a random-weight Llama and its tokenizer into `path` with save_pretrained."""
+                     tie_embeddings: bool = False, vocab_size: int | None = None) -> Path:
+    """Save a random-weight Llama and its tokenizer into `path` with save_pretrained. `vocab_size` may exceed
+    the tokenizer's (ids it never produces), to give the model a real model's embedding and head sizes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+    config = LlamaConfig(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads,
                          intermediate_size=intermediate or 4 * hidden, max_position_embeddings=1024,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -1,0 +1,188 @@
+"""How close `gpupoor plan` comes to the real peak: predicted peak vs the measured peak RSS of `gpupoor train`
+on this CPU, for recipes that each stress a different term of the plan.
+
+Builds its own random-weight models and data (gpupoor.tiny, Python's own documentation as text), so it needs
+neither the network nor the peer kit. Each recipe trains a few steps in a fresh process; the measured peak is
+the process's peak RSS as metrics.jsonl records it (the whole run: imports, loading, training).
+
+    python bench/plan_accuracy.py [--only NAME,...] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "plan-bench"
+STEPS = 3
+MODELS = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+    "h512-v32k": (512, 4, 8, 4, 1408, 32000),
+    "h512-v152k": (512, 4, 8, 4, 1408, 152064),
+    "h1024-v32k": (1024, 4, 16, 8, 2816, 32000),
+}
+# name: (model, what it stresses, recipe keys)
+RECIPES = {
+    "vocab152k-plain-ce": ("h512-v152k", "large vocabulary, unchunked logits and loss",
+                           {"data.max_length": 512, "training.micro_batch_size": 2,
+                            "memory.fused_cross_entropy": False, "memory.gradient_checkpointing": True}),
+    "vocab152k-fused-ce": ("h512-v152k", "large vocabulary, chunked loss",
+                           {"data.max_length": 512, "training.micro_batch_size": 4,
+                            "memory.gradient_checkpointing": True}),
+    "seq2048-no-ckpt": ("h512-v32k", "long sequences, every activation kept",
+                        {"data.max_length": 2048, "training.micro_batch_size": 2,
+                         "memory.gradient_checkpointing": False}),
+    "seq2048-ckpt": ("h512-v32k", "long sequences, gradient checkpointing",
+                     {"data.max_length": 2048, "training.micro_batch_size": 2,
+                      "memory.gradient_checkpointing": True}),
+    "rank64": ("h1024-v32k", "LoRA rank 64: trainable weights, gradients, AdamW state",
+               {"data.max_length": 512, "training.micro_batch_size": 4, "peft.rank": 64,
+                "memory.gradient_checkpointing": True}),
+    "nf4-base": ("h1024-v32k", "4-bit NF4 base (QLoRA) with double quantization",
+                 {"data.max_length": 512, "training.micro_batch_size": 4, "quantization.bits": 4,
+                  "memory.gradient_checkpointing": True}),
+    "padded-batch": ("h512-v32k", "padded micro-batches (length-grouped)",
+                     {"data.max_length": 1024, "training.micro_batch_size": 8, "data.sampler": "length_grouped",
+                      "memory.gradient_checkpointing": False}),
+    "packed-batch": ("h512-v32k", "packed micro-batches",
+                     {"data.max_length": 1024, "training.micro_batch_size": 8, "data.sampler": "packed",
+                      "memory.gradient_checkpointing": False}),
+}
+
+
+# Used once to set gpupoor.plan.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table.
+CALIBRATION = {
+    "calib-packed-512": ("h512-v32k", "calibration", {"data.max_length": 512, "training.micro_batch_size": 8,
+                                                      "data.sampler": "packed", "memory.gradient_checkpointing": True}),
+    "calib-h1024-no-ckpt": ("h1024-v32k", "calibration", {"data.max_length": 1024, "training.micro_batch_size": 2,
+                                                          "data.sampler": "length_grouped",
+                                                          "memory.gradient_checkpointing": False}),
+}
+
+
+def build_fixtures() -> None:
+    from pydoc_data.topics import topics
+
+    from gpupoor.tiny import build_tiny_llama, train_tokenizer
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    texts = [" ".join(text.split()) for _, text in sorted(topics.items())]
+    data = WORK / "data.jsonl"
+    if not data.is_file():
+        rng = random.Random(0)
+        words = " ".join(texts).split()
+        rows = []
+        for _ in range(64):  # lengths from a few hundred to a few thousand tokens: many rows are truncated
+            start = rng.randrange(len(words) - 4000)
+            length = rng.randint(150, 3000)
+            rows.append({"instruction": "Continue the Python reference text.",
+                         "input": " ".join(words[start:start + 60]),
+                         "output": " ".join(words[start + 60:start + 60 + length])})
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = None
+    for name, (hidden, layers, heads, kv_heads, intermediate, vocab) in MODELS.items():
+        target = WORK / name
+        if (target / "config.json").is_file():
+            continue
+        if tokenizer is None:
+            tokenizer = train_tokenizer(texts, vocab_size=4000)
+        print(f"building {target} ...", flush=True)
+        tmp = target.with_name(name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_llama(tmp, tokenizer, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                         intermediate=intermediate, vocab_size=vocab)
+        tmp.rename(target)
+
+
+def write_recipe(name: str) -> Path:
+    model, _, keys = {**RECIPES, **CALIBRATION}[name]
+    settings = {"model.name_or_path": model, "data.path": "data.jsonl", "data.format": "alpaca",
+                "data.sampler": "random", "peft.rank": 16, "precision": "fp32", "training.max_steps": STEPS,
+                "training.micro_batch_size": 4, "training.learning_rate": 1.0e-4, "logging.progress": "none",
+                **keys}
+    tree: dict = {}
+    for key, value in settings.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    path = WORK / f"{name}.yaml"
+    path.write_text(json.dumps(tree, indent=1))  # JSON is YAML
+    return path
+
+
+def gpupoor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpupoor", *args], capture_output=True, text=True,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+
+
+def measure(name: str) -> float:
+    recipe = write_recipe(name)
+    run_dir = WORK / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    out = gpupoor("train", str(recipe), "--output-dir", str(run_dir))
+    if out.returncode != 0:
+        raise SystemExit(f"gpupoor train {recipe} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return max(r["peak_mem_mb"] for r in records if "peak_mem_mb" in r) * 2**20
+
+
+def predict(name: str) -> dict:
+    out = gpupoor("plan", str(write_recipe(name)), "--json")
+    if out.returncode not in (0, 3):
+        raise SystemExit(f"gpupoor plan failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout)
+
+
+def calibrate() -> None:
+    """The heap retention ratio each calibration recipe implies: (measured - plan without retention) / the
+    step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan defines it."""
+    from gpupoor import plan as planning
+    from gpupoor.recipe import load_recipe
+
+    for name in CALIBRATION:
+        measured = measure(name)
+        loaded = load_recipe(write_recipe(name))
+        shape, _ = planning.load_shape(loaded)
+        settings = planning.resolve_settings(loaded.recipe, "cpu", shape)
+        terms, _ = planning.plan_terms(shape, settings, False)
+        _, churn, _ = planning.activation_bytes(shape, settings)
+        without = sum(t.bytes for t in terms) - planning.CPU_HEAP_RETENTION * churn
+        print(f"{name}: measured {measured / 2**20:.0f} MiB, plan without retention {without / 2**20:.0f} MiB, "
+              f"churn {churn / 2**20:.0f} MiB -> ratio {(measured - without) / churn:.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--measure-only", action="store_true")
+    parser.add_argument("--calibrate", action="store_true", help="measure the calibration recipes and print "
+                        "the heap retention ratio they imply")
+    args = parser.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(RECIPES)
+    build_fixtures()
+    if args.calibrate:
+        calibrate()
+        return
+    rows = []
+    for name in names:
+        measured = measure(name)
+        plan = None if args.measure_only else predict(name)
+        predicted = plan["peak_bytes"] if plan else float("nan")
+        error = (predicted - measured) / measured
+        rows.append((name, predicted, measured, error))
+        print(f"{name:22s} predicted {predicted / 2**20:8.0f} MiB  measured {measured / 2**20:8.0f} MiB  "
+              f"error {error:+.1%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
