@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -182,6 +181,30 @@ def main() -> None:
         rows.append((name, predicted, measured, error))
         print(f"{name:22s} predicted {predicted / 2**20:8.0f} MiB  measured {measured / 2**20:8.0f} MiB  "
               f"error {error:+.1%}", flush=True)
+    if args.no_write or args.measure_only:
+        return
+    command = "python bench/plan_accuracy.py" + (f" --only {args.only}" if args.only else "")
+    lines = [f"Command: `{command}` ({platform.processor() or platform.machine()}, "
+             f"{__import__('os').cpu_count()} cores, torch CPU wheel; each recipe trains {STEPS} steps in a fresh "
+             "process; measured = peak RSS of that `gpupoor train` process as metrics.jsonl records it).", "",
+             "| recipe | stresses | predicted MiB | measured MiB | error |", "|---|---|---:|---:|---:|"]
+    for name, predicted, measured, error in rows:
+        lines.append(f"| {name} | {RECIPES[name][1]} | {predicted / 2**20:.0f} | {measured / 2**20:.0f} | "
+                     f"{error:+.1%} |")
+    worst = max(abs(r[3]) for r in rows)
+    lines += ["", f"Largest error {worst:.1%} over {len(rows)} recipes."]
+    write_section(ROOT / "docs" / "benchmarks.md", "plan-accuracy", "\n".join(lines))
+
+
+def write_section(doc: Path, key: str, body: str) -> None:
+    start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
+    text = doc.read_text() if doc.is_file() else ""
+    block = f"{start}\n{body}\n{end}"
+    if start in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
 
 
 if __name__ == "__main__":
