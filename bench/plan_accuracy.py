@@ -15,6 +15,7 @@ import json
 import platform
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -36,10 +37,10 @@ RECIPES = {
                            {"data.max_length": 512, "training.micro_batch_size": 4,
                             "memory.gradient_checkpointing": True}),
     "seq2048-no-ckpt": ("h512-v32k", "long sequences, every activation kept",
-                        {"data.max_length": 2048, "training.micro_batch_size": 2,
+                        {"data.max_length": 2048, "training.micro_batch_size": 2, "data.sampler": "length_grouped",
                          "memory.gradient_checkpointing": False}),
     "seq2048-ckpt": ("h512-v32k", "long sequences, gradient checkpointing",
-                     {"data.max_length": 2048, "training.micro_batch_size": 2,
+                     {"data.max_length": 2048, "training.micro_batch_size": 2, "data.sampler": "length_grouped",
                       "memory.gradient_checkpointing": True}),
     "rank64": ("h1024-v32k", "LoRA rank 64: trainable weights, gradients, AdamW state",
                {"data.max_length": 512, "training.micro_batch_size": 4, "peft.rank": 64,
@@ -57,12 +58,24 @@ RECIPES = {
 
 
 # Used once to set gpupoor.plan.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table.
-CALIBRATION = {
-    "calib-packed-512": ("h512-v32k", "calibration", {"data.max_length": 512, "training.micro_batch_size": 8,
-                                                      "data.sampler": "packed", "memory.gradient_checkpointing": True}),
-    "calib-h1024-no-ckpt": ("h1024-v32k", "calibration", {"data.max_length": 1024, "training.micro_batch_size": 2,
-                                                          "data.sampler": "length_grouped",
-                                                          "memory.gradient_checkpointing": False}),
+CALIBRATION = {  # one layer's forward allocations from ~60 MiB to ~1 GiB, with and without checkpointing
+    "calib-ckpt-small": ("h512-v32k", "calibration", {"data.max_length": 256, "training.micro_batch_size": 2,
+                                                      "data.sampler": "length_grouped",
+                                                      "memory.gradient_checkpointing": True}),
+    "calib-ckpt-mid": ("h512-v32k", "calibration", {"data.max_length": 512, "training.micro_batch_size": 8,
+                                                    "data.sampler": "packed", "memory.gradient_checkpointing": True}),
+    "calib-ckpt-large": ("h1024-v32k", "calibration", {"data.max_length": 1024, "training.micro_batch_size": 4,
+                                                       "data.sampler": "length_grouped",
+                                                       "memory.gradient_checkpointing": True}),
+    "calib-none-small": ("h512-v32k", "calibration", {"data.max_length": 256, "training.micro_batch_size": 2,
+                                                      "data.sampler": "length_grouped",
+                                                      "memory.gradient_checkpointing": False}),
+    "calib-none-mid": ("h1024-v32k", "calibration", {"data.max_length": 1024, "training.micro_batch_size": 2,
+                                                     "data.sampler": "length_grouped",
+                                                     "memory.gradient_checkpointing": False}),
+    "calib-none-large": ("h1024-v32k", "calibration", {"data.max_length": 2048, "training.micro_batch_size": 2,
+                                                       "data.sampler": "packed",
+                                                       "memory.gradient_checkpointing": False}),
 }
 
 
@@ -73,14 +86,14 @@ def build_fixtures() -> None:
 
     WORK.mkdir(parents=True, exist_ok=True)
     texts = [" ".join(text.split()) for _, text in sorted(topics.items())]
-    data = WORK / "data.jsonl"
+    data = WORK / "long.jsonl"
     if not data.is_file():
         rng = random.Random(0)
         words = " ".join(texts).split()
         rows = []
-        for _ in range(64):  # lengths from a few hundred to a few thousand tokens: many rows are truncated
-            start = rng.randrange(len(words) - 4000)
-            length = rng.randint(150, 3000)
+        for _ in range(64):  # every row longer than the longest max_length: every micro-batch is full, so the
+            start = rng.randrange(len(words) - 4000)  # peak does not depend on which rows the first steps draw
+            length = rng.randint(1800, 3000)
             rows.append({"instruction": "Continue the Python reference text.",
                          "input": " ".join(words[start:start + 60]),
                          "output": " ".join(words[start + 60:start + 60 + length])})
@@ -102,7 +115,7 @@ def build_fixtures() -> None:
 
 def write_recipe(name: str) -> Path:
     model, _, keys = {**RECIPES, **CALIBRATION}[name]
-    settings = {"model.name_or_path": model, "data.path": "data.jsonl", "data.format": "alpaca",
+    settings = {"model.name_or_path": model, "data.path": "long.jsonl", "data.format": "alpaca",
                 "data.sampler": "random", "peft.rank": 16, "precision": "fp32", "training.max_steps": STEPS,
                 "training.micro_batch_size": 4, "training.learning_rate": 1.0e-4, "logging.progress": "none",
                 **keys}
@@ -141,56 +154,77 @@ def predict(name: str) -> dict:
     return json.loads(out.stdout)
 
 
-def calibrate() -> None:
-    """The heap retention ratio each calibration recipe implies: (measured - plan without retention) / the
-    step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan defines it."""
+def measure_rounds(names: list[str], rounds: int) -> dict[str, list[float]]:
+    """Each recipe `rounds` times, round-robin (the C heap's retention varies from run to run)."""
+    peaks: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        for name in names:
+            peaks[name].append(measure(name))
+            print(f"  round {round_ + 1} {name}: {peaks[name][-1] / 2**20:.0f} MiB", flush=True)
+    return peaks
+
+
+def calibrate(rounds: int) -> None:
+    """The heap retention ratio each calibration recipe implies: (median measured - plan without retention) /
+    the step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan defines it."""
     from gpupoor import plan as planning
     from gpupoor.recipe import load_recipe
 
+    peaks = measure_rounds(list(CALIBRATION), rounds)
+    points: dict[str, list[tuple[float, float]]] = {"checkpointing": [], "none": []}
     for name in CALIBRATION:
-        measured = measure(name)
+        measured = statistics.median(peaks[name])
         loaded = load_recipe(write_recipe(name))
         shape, _ = planning.load_shape(loaded)
         settings = planning.resolve_settings(loaded.recipe, "cpu", shape)
         terms, _ = planning.plan_terms(shape, settings, False)
         _, churn, _ = planning.activation_bytes(shape, settings)
-        without = sum(t.bytes for t in terms) - planning.CPU_HEAP_RETENTION * churn
-        print(f"{name}: measured {measured / 2**20:.0f} MiB, plan without retention {without / 2**20:.0f} MiB, "
-              f"churn {churn / 2**20:.0f} MiB -> ratio {(measured - without) / churn:.2f}", flush=True)
+        without = sum(t.bytes for t in terms) - planning.heap_retention(settings, churn)
+        mode = "checkpointing" if settings.checkpointing else "none"
+        points[mode].append((churn / 2**20, (measured - without) / 2**20))
+        print(f"{name}: median measured {measured / 2**20:.0f} MiB, plan without retention {without / 2**20:.0f} MiB, "
+              f"one layer's forward allocations {churn / 2**20:.0f} MiB -> retained {(measured - without) / 2**20:.0f} MiB",
+              flush=True)
+    for mode, xy in points.items():  # least squares: retained = base + slope x allocations
+        slope = statistics.linear_regression([x for x, _ in xy], [y for _, y in xy])
+        print(f"{mode}: retained = {slope.intercept:.0f} MiB + {slope.slope:.2f} x one layer's forward allocations")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--measure-only", action="store_true")
     parser.add_argument("--calibrate", action="store_true", help="measure the calibration recipes and print "
                         "the heap retention ratio they imply")
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(RECIPES)
     build_fixtures()
     if args.calibrate:
-        calibrate()
+        calibrate(args.rounds)
         return
+    peaks = measure_rounds(names, args.rounds)
     rows = []
     for name in names:
-        measured = measure(name)
-        plan = None if args.measure_only else predict(name)
-        predicted = plan["peak_bytes"] if plan else float("nan")
+        measured = statistics.median(peaks[name])
+        predicted = predict(name)["peak_bytes"]
         error = (predicted - measured) / measured
-        rows.append((name, predicted, measured, error))
+        rows.append((name, predicted, measured, error, peaks[name]))
         print(f"{name:22s} predicted {predicted / 2**20:8.0f} MiB  measured {measured / 2**20:8.0f} MiB  "
               f"error {error:+.1%}", flush=True)
-    if args.no_write or args.measure_only:
+    if args.no_write:
         return
-    command = "python bench/plan_accuracy.py" + (f" --only {args.only}" if args.only else "")
+    command = "python bench/plan_accuracy.py" + (f" --only {args.only}" if args.only else "") + \
+        (f" --rounds {args.rounds}" if args.rounds != 3 else "")
     lines = [f"Command: `{command}` ({platform.processor() or platform.machine()}, "
              f"{__import__('os').cpu_count()} cores, torch CPU wheel; each recipe trains {STEPS} steps in a fresh "
-             "process; measured = peak RSS of that `gpupoor train` process as metrics.jsonl records it).", "",
-             "| recipe | stresses | predicted MiB | measured MiB | error |", "|---|---|---:|---:|---:|"]
-    for name, predicted, measured, error in rows:
+             f"process, {args.rounds} rounds round-robin; measured = median peak RSS of that `gpupoor train` "
+             "process as metrics.jsonl records it).", "",
+             "| recipe | stresses | predicted MiB | measured MiB (median) | error | every round MiB |",
+             "|---|---|---:|---:|---:|---|"]
+    for name, predicted, measured, error, every in rows:
         lines.append(f"| {name} | {RECIPES[name][1]} | {predicted / 2**20:.0f} | {measured / 2**20:.0f} | "
-                     f"{error:+.1%} |")
+                     f"{error:+.1%} | {', '.join(f'{p / 2**20:.0f}' for p in every)} |")
     worst = max(abs(r[3]) for r in rows)
     lines += ["", f"Largest error {worst:.1%} over {len(rows)} recipes."]
     write_section(ROOT / "docs" / "benchmarks.md", "plan-accuracy", "\n".join(lines))

@@ -33,10 +33,11 @@ CUDA_CONTEXT = 500 * MiB
 CUDA_ALLOCATOR_SLACK = 0.10
 # glibc keeps freed activation-sized blocks in its heap (tensors below its dynamic mmap threshold, up to
 # 32 MiB, are not returned to the system when freed), so on the CPU the resident peak exceeds the live
-# tensors. Modelled as a multiple of what one decoder layer allocates in its forward (kept + temporaries),
-# calibrated once on two recipes that are not in the accuracy table: 1.50 and 1.63 (`python
-# bench/plan_accuracy.py --calibrate`, docs/benchmarks.md).
-CPU_HEAP_RETENTION = 1.55
+# tensors. Modelled as a line in what one decoder layer allocates in its forward (kept + temporaries): MiB
+# retained = base + slope x those MiB, with and without gradient checkpointing, fitted by least squares on
+# three calibration recipes each that are not in the accuracy table (`python bench/plan_accuracy.py
+# --calibrate`, docs/benchmarks.md). It varies from run to run by about 5-10% of the peak.
+CPU_HEAP_RETENTION = {"checkpointing": (82, 0.98), "none": (156, 1.15)}
 # The fused loss: logits of 2^22 elements at a time (gpupoor.loss.CHUNK_ELEMENTS), in fp32, with their
 # exponentials and gradient alive together.
 FUSED_CHUNK_ELEMENTS = 2**22
@@ -278,8 +279,9 @@ def weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
     linear = shape.layers * shape.layer_linear_params
     rest = shape.total_params - linear
     note = ""
+    # (A tied head reads every row in the loss; a quantized load or a trained copy materializes them all.)
     if s.resident_embedding_rows is not None and s.resident_embedding_rows < shape.vocab and s.bits is None \
-            and "embed_tokens" not in s.modules_to_save:
+            and not shape.tied and "embed_tokens" not in s.modules_to_save:
         unread = (shape.vocab - s.resident_embedding_rows) * shape.hidden
         rest -= unread
         note = f" ({unread / 1e6:,.1f}M embedding rows the tokenizer never produces stay unread on disk)"
@@ -374,8 +376,11 @@ def layer_forward_temporaries_per_token(shape: Shape, s: Settings) -> float:
 def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
     """(live bytes at the peak, bytes the step allocates and frees on the way, description)."""
     tokens = s.micro_batch * s.row_tokens
-    # packed rows carry a block-diagonal mask; padded batches a padding mask (flash-attn 2 needs neither)
-    masked = s.attention != "flash_attention_2" and (s.sampler == "packed" or s.micro_batch > 1)
+    # Packed rows carry a block-diagonal mask. A random batch may pad a short example to a long one: a padding
+    # mask. Length-grouped batches put the longest examples together: the longest batch has no padding.
+    # flash-attn 2 needs neither.
+    masked = s.attention != "flash_attention_2" and (
+        s.sampler == "packed" or (s.sampler == "random" and s.micro_batch > 1))
     per_layer = layer_saved_bytes_per_token(shape, s, s.row_tokens, masked) * tokens
     transient = layer_transient_bytes_per_token(shape, s) * tokens
     b = 2 if s.precision in ("bf16", "fp16") else 4
@@ -389,9 +394,10 @@ def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
     else:
         live = shape.layers * per_layer + transient
         detail = f"{shape.layers} layers x {per_layer / MiB:.1f} MiB kept for backward"
-    if s.bits is not None:  # bitsandbytes dequantizes a whole weight for each matmul
-        live += 2 * max(a * b for a, b in map(shape.linear, LINEARS)) * b
     churn = per_layer + layer_forward_temporaries_per_token(shape, s) * tokens
+    if s.bits is not None:  # bitsandbytes dequantizes each weight for its matmul: buffers of a weight's size
+        live += 2 * max(x * y for x, y in map(shape.linear, LINEARS)) * b
+        churn += shape.layer_linear_params * b
     detail += f"; {s.micro_batch} x {s.row_tokens} tokens, {s.attention}" + (" + mask" if masked else "")
     return int(live), int(churn), detail
 
@@ -411,6 +417,12 @@ def loss_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
     return total, f"full logits: {tokens:,} tokens x {shape.vocab:,} vocab, fp32 log-softmax and gradient"
 
 
+def heap_retention(s: Settings, layer_allocations: int) -> int:
+    """Bytes of freed step memory the C heap keeps (CPU), from one layer's forward allocations."""
+    base_mib, slope = CPU_HEAP_RETENTION["checkpointing" if s.checkpointing else "none"]
+    return max(0, int(base_mib * MiB + slope * layer_allocations))
+
+
 def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list[Term], list[str]]:
     weights, weights_detail = weight_bytes(shape, s)
     params = trainable_params(shape, s)
@@ -425,9 +437,10 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
              Term("loss", loss, loss_detail)]
     if s.device == "cpu":
         baseline = CPU_PROCESS_BASELINE + (CPU_BITSANDBYTES_BASELINE if uses_bitsandbytes else 0)
-        terms.append(Term("overhead", baseline + int(CPU_HEAP_RETENTION * churn),
+        kept = heap_retention(s, churn)
+        terms.append(Term("overhead", baseline + kept,
                           f"process baseline {baseline / MiB:.0f} MiB (Python, torch, libraries); freed "
-                          f"step memory the C heap keeps {CPU_HEAP_RETENTION * churn / MiB:.0f} MiB"))
+                          f"step memory the C heap keeps {kept / MiB:.0f} MiB"))
     else:
         slack = int(CUDA_ALLOCATOR_SLACK * (live + loss))
         terms.append(Term("overhead", CUDA_CONTEXT + slack, f"CUDA context ~{CUDA_CONTEXT / MiB:.0f} MiB; "
