@@ -281,6 +281,8 @@ def plan(
         if device is not None and device not in ("cpu", "cuda"):
             raise UserError(f"--device {device!r}: use cpu or cuda")
         limit = parse_size(memory, "--memory") if memory is not None else None
+        if limit is not None and limit < 2**20:
+            raise UserError(f"--memory {memory!r}: give the memory to fit in, e.g. 16GiB")
         loaded = load_recipe(recipe, set_ or [])
         result = make_plan(loaded, device, limit)
         typer.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result, str(recipe)))

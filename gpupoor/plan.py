@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.recipe import LoadedRecipe, Recipe, resolve_local_path
+from gpupoor.recipe import LoadedRecipe, Recipe, parse_size, resolve_local_path
 
 MiB = 2**20
 GiB = 2**30
@@ -66,6 +66,7 @@ class Shape:
     tied: bool
     qkv_bias: bool
     file_dtype: str | None = None  # dtype of the weights on disk (config's dtype), fp32 | bf16 | fp16
+    post_processed_logits: bool = False  # soft-capped or scaled logits (Gemma 2, Cohere): no fused loss
     tokenizer_rows: int | None = None  # ids the tokenizer can produce, when its files are at hand
 
     @property
@@ -119,9 +120,18 @@ def tokenizer_rows(name_or_path: str, base_dir: Path) -> int | None:
         return None
 
 
+# Configs that leave tie_word_embeddings out mean their class default, which is True for these.
+TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
 def shape_from_config(config: dict, where: str, tokenizer_rows: int | None = None) -> Shape:
     file_dtype = FILE_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
     config = config.get("text_config") or config  # multimodal wrappers keep the language model here
+    moe = [key for key in MOE_KEYS if config.get(key)]
+    if moe:
+        raise UserError(f"{where}: a mixture-of-experts model ({moe[0]} = {config[moe[0]]}): gpupoor plan models "
+                        "dense decoders of the Llama family only")
     try:
         hidden = config["hidden_size"]
         heads = config["num_attention_heads"]
@@ -129,13 +139,31 @@ def shape_from_config(config: dict, where: str, tokenizer_rows: int | None = Non
             model_type=config.get("model_type", "?"), hidden=hidden, intermediate=config["intermediate_size"],
             layers=config["num_hidden_layers"], heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or hidden // heads, vocab=config["vocab_size"],
-            tied=bool(config.get("tie_word_embeddings", False)),
+            tied=bool(config.get("tie_word_embeddings", config.get("model_type") in TIED_BY_DEFAULT)),
             qkv_bias=bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2",
-            file_dtype=file_dtype, tokenizer_rows=tokenizer_rows)
+            file_dtype=file_dtype, tokenizer_rows=tokenizer_rows,
+            post_processed_logits=any(config.get(key) not in (None, 1, 1.0) for key in
+                                      ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")))
     except KeyError as exc:
         raise UserError(f"{where}: the model config has no {exc.args[0]!r}: gpupoor plan models decoder-only "
-                        "transformers of the Llama family (Llama, Qwen2/3, Mistral, Gemma, Phi-3 ...)") from None
+                        "transformers of the Llama family (Llama, Qwen2/3, Mistral, Gemma ...)") from None
+    except (TypeError, ZeroDivisionError):
+        shape = None
+    dims = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab")
+    if shape is None or not all(isinstance(getattr(shape, d), int) and getattr(shape, d) > 0 for d in dims):
+        raise UserError(f"{where}: the model config's dimensions (hidden_size, intermediate_size, "
+                        "num_hidden_layers, num_attention_heads, vocab_size ...) must be positive integers")
     return shape
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.name_or_path: {path} is not readable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"model.name_or_path: {path} is not a JSON object")
+    return data
 
 
 def find_config(name_or_path: str, base_dir: Path, revision: str | None = None) -> tuple[dict, str]:
@@ -146,7 +174,7 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None) 
         path = local / "config.json"
         if not path.is_file():
             raise UserError(f"model.name_or_path: {local} has no config.json")
-        return json.loads(path.read_text()), str(path)
+        return _read_json(path), str(path)
     try:
         from huggingface_hub import try_to_load_from_cache
 
@@ -154,7 +182,7 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None) 
     except Exception:  # a malformed id: handled below like an unknown one
         cached = None
     if isinstance(cached, str):
-        return json.loads(Path(cached).read_text()), cached
+        return _read_json(Path(cached)), cached
     bundled = BUNDLED_CONFIGS / (name_or_path.replace("/", "--") + ".json")
     if bundled.is_file():
         return json.loads(bundled.read_text()), f"gpupoor's copy of {name_or_path}'s config.json"
@@ -163,7 +191,7 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None) 
             from huggingface_hub import hf_hub_download
 
             path = hf_hub_download(name_or_path, "config.json", revision=revision)
-            return json.loads(Path(path).read_text()), path
+            return _read_json(Path(path)), path
         except Exception as exc:
             raise UserError(f"model.name_or_path: cannot read {name_or_path}'s config.json ({type(exc).__name__}: "
                             f"{exc})", hint="check the name, or log in for a gated model (hf auth login)") from None
@@ -243,6 +271,7 @@ class Settings:
     momentum: float
     checkpointing: bool | str
     fused_loss: bool
+    max_gpu_weights: int | None = None  # memory.max_gpu_memory: accelerate keeps the rest of the weights in RAM
     # On the CPU, weights whose file dtype is the run's stay memory-mapped from the safetensors file, and
     # pages of embedding rows the tokenizer never produces are never read: rows that become resident.
     resident_embedding_rows: int | None = None
@@ -262,13 +291,19 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape) -> Settings:
         sampler = "packed" if exact else "length_grouped"
     targets = tuple(LINEARS) if recipe.peft.target_modules == "all-linear" else \
         tuple(name for name in LINEARS if name in recipe.peft.target_modules)
+    # The fused loss needs a plain linear head: an adapted head or post-processed logits fall back to the
+    # plain loss (gpupoor.loss.find_fused_head).
+    fused = recipe.memory.fused_cross_entropy and not shape.post_processed_logits and not (
+        isinstance(recipe.peft.target_modules, list) and "lm_head" in recipe.peft.target_modules)
     return Settings(device=device, precision=precision, attention=attention, sampler=sampler,
                     micro_batch=recipe.training.micro_batch_size, row_tokens=recipe.data.max_length,
                     rank=recipe.peft.rank, targets=targets, modules_to_save=tuple(recipe.peft.modules_to_save),
                     dropout=recipe.peft.dropout, bits=recipe.quantization.bits,
                     double_quant=recipe.quantization.double_quant, optimizer=recipe.training.optimizer,
                     momentum=recipe.training.momentum, checkpointing=recipe.memory.gradient_checkpointing,
-                    fused_loss=recipe.memory.fused_cross_entropy,
+                    fused_loss=fused,
+                    max_gpu_weights=parse_size(recipe.memory.max_gpu_memory, "memory.max_gpu_memory")
+                    if recipe.memory.max_gpu_memory and device == "cuda" else None,
                     resident_embedding_rows=shape.tokenizer_rows if device == "cpu" and shape.file_dtype == precision
                     else None)
 
@@ -408,6 +443,8 @@ def loss_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
         chunk_tokens = max(64, FUSED_CHUNK_ELEMENTS // shape.vocab)
         chunk = min(chunk_tokens, tokens) * shape.vocab * 4
         hidden = tokens * shape.hidden * 4 * 2  # targets' hidden states and their gradient
+        if "lm_head" in s.modules_to_save or ("embed_tokens" in s.modules_to_save and shape.tied):
+            hidden += shape.embedding_params * 4  # the trained head's fp32 gradient, built during the forward
         return (FUSED_CHUNK_COPIES * chunk + hidden,
                 f"chunked: {min(chunk_tokens, tokens)} tokens x {shape.vocab:,} vocab at a time")
     b = DTYPE_BYTES[s.precision]
@@ -425,6 +462,10 @@ def heap_retention(s: Settings, layer_allocations: int) -> int:
 
 def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list[Term], list[str]]:
     weights, weights_detail = weight_bytes(shape, s)
+    if s.max_gpu_weights is not None and weights > s.max_gpu_weights:
+        weights_detail += (f"; memory.max_gpu_memory keeps {format_bytes(s.max_gpu_weights)} on the GPU, "
+                           f"{format_bytes(weights - s.max_gpu_weights)} in CPU memory")
+        weights = s.max_gpu_weights
     params = trainable_params(shape, s)
     optimizer, optimizer_detail = optimizer_bytes(params, s)
     live, churn, act_detail = activation_bytes(shape, s)
@@ -446,6 +487,9 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
         terms.append(Term("overhead", CUDA_CONTEXT + slack, f"CUDA context ~{CUDA_CONTEXT / MiB:.0f} MiB; "
                           f"caching-allocator slack {slack / MiB:.0f} MiB"))
     assumptions = [f"every micro-batch row is {s.row_tokens} tokens (data.max_length): the longest batch"]
+    if not s.fused_loss:
+        assumptions.append("the plain loss: fused_cross_entropy is off, the head is adapted, or the logits are "
+                           "post-processed")
     return terms, assumptions
 
 
@@ -453,8 +497,10 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
 CANDIDATES = (  # cheapest first: what a user gives up for the saving
     ("memory.fused_cross_entropy", "none: the same loss, computed in chunks"),
     ("training.optimizer", "8-bit optimizer moments: negligible effect on LoRA quality"),
-    ("memory.gradient_checkpointing", "~25% slower steps: each layer's forward runs again in backward"),
-    ("training.micro_batch_size", "same effective batch (accumulation doubled); smaller kernels, a little slower"),
+    ("memory.gradient_checkpointing", "~25% slower steps: each layer's forward runs again in backward "
+     "(offload: also copies layer inputs to and from the CPU)"),
+    ("training.micro_batch_size", "about the same examples per optimizer step (accumulation raised); smaller "
+     "kernels, a little slower"),
     ("quantization.bits", "QLoRA: 4-bit NF4 base weights, slower matmuls, a small quality loss"),
     ("data.max_length", "examples longer than this are truncated"),
 )
@@ -556,8 +602,12 @@ def default_device(recipe: Recipe) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return "cpu"
-    return "cuda" if Path("/proc/driver/nvidia/gpus").is_dir() and any(Path("/proc/driver/nvidia/gpus").iterdir()) \
-        else "cpu"
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if gpus.is_dir() and any(gpus.iterdir()):
+        return "cuda"
+    import shutil
+
+    return "cuda" if shutil.which("nvidia-smi") else "cpu"  # WSL2 and some containers have no /proc entry
 
 
 def device_memory(device: str) -> tuple[int | None, str]:
@@ -584,7 +634,9 @@ def device_memory(device: str) -> tuple[int | None, str]:
 
     if shutil.which("nvidia-smi"):
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,name", "--format=csv,noheader,nounits"],
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+            out = subprocess.run(["nvidia-smi", "-i", visible, "--query-gpu=memory.free,name",
+                                  "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=10).stdout.splitlines()
             free, name = out[0].split(",", 1)
             return int(free) * MiB, f"free memory of {name.strip()} (nvidia-smi)"
@@ -674,7 +726,7 @@ def preflight_plan(loaded: LoadedRecipe, force: bool, warn) -> Plan | None:
     `force`; elsewhere a predicted miss is a warning. A model the plan cannot describe is a warning too."""
     try:
         plan = make_plan(loaded)
-    except UserError as exc:
+    except Exception as exc:  # the plan advises; a model it cannot describe must not stop the run
         warn(f"no memory plan: {exc}")
         return None
     if plan.fits is False:

@@ -218,13 +218,13 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
     return _execute(recipe, run_dir, checkpoint, False, say, started, force=force, lock=lock, plan=plan)
 
 
-def _plan_quietly(loaded: LoadedRecipe):
+def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
     """The memory plan for the startup summary, or None when the model is not one it can describe."""
     from gpupoor.plan import make_plan
 
     try:
-        return make_plan(loaded)
-    except UserError:
+        return make_plan(loaded, device)
+    except Exception:  # advisory: never let the plan stop a run
         return None
 
 
@@ -391,6 +391,8 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
             else f"{recipe.training.micro_batch_size} examples")
     say(f"  {steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x {unit}; "
         f"{len(data.plan)} micro-batches per epoch; sampler {sampler.value} ({sampler.reason})")
+    if plan is not None and plan.device != device.value:  # planned for another device than torch found
+        plan = _plan_quietly(LoadedRecipe(recipe, None), device.value)
     predicted_mb = None
     if plan is not None:
         from gpupoor.plan import format_bytes
@@ -471,8 +473,9 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
             # after the first step (optimizer state now exists) and the third (the heap has settled)
             if current.step - first_step[0] == 1:
                 record["optimizer_state_mb"] = round(optimizer_state_bytes(optimizer) / 2**20, 2)
+            what = "process RSS" if device.value == "cpu" else "allocated, without context and allocator slack"
             versus = "" if predicted_mb is None else \
-                f" vs {predicted_mb:.0f} MiB planned ({record['peak_mem_mb'] / predicted_mb - 1:+.0%})"
+                f" vs {predicted_mb:.0f} MiB planned ({record['peak_mem_mb'] / predicted_mb - 1:+.0%}; {what})"
             state_text = f"optimizer state {record['optimizer_state_mb']:.1f} MiB; " if "optimizer_state_mb" in record else ""
             progress.message(f"  {state_text}peak memory after step {current.step}: "
                              f"{record['peak_mem_mb']:.0f} MiB{versus}", always=True)

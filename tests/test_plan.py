@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from typer.testing import CliRunner
 
 from gpupoor import plan as planning
@@ -22,7 +21,7 @@ LLAMA = dict(hidden=64, intermediate=176, heads=4, kv_heads=2)
 
 
 def saved_bytes_of_one_layer(tmp_path, rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
-                             batch=2, seq=64, autocast_bf16=False) -> float:
+                             batch=2, seq=64, autocast_bf16=False, checkpointing=False) -> float:
     """What autograd keeps for one decoder layer: the saved tensors of a 2-layer model minus a 1-layer one,
     unique storages, parameters excluded."""
     from peft import LoraConfig, get_peft_model
@@ -36,6 +35,8 @@ def saved_bytes_of_one_layer(tmp_path, rank=8, dropout=0.0, attention="sdpa", ta
                              num_key_value_heads=LLAMA["kv_heads"], use_cache=False)
         dtype = torch.bfloat16 if autocast_bf16 else torch.float32
         model = LlamaForCausalLM._from_config(config, attn_implementation=attention, dtype=dtype)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout,
                                                  target_modules=targets))
         model.train()
@@ -83,18 +84,36 @@ def test_activation_term_equals_what_autograd_saves(tmp_path, case):
     assert planned == pytest.approx(measured, rel=0.02), (planned, measured)
 
 
+def test_checkpointed_layers_keep_only_their_input(tmp_path):
+    measured = saved_bytes_of_one_layer(tmp_path, checkpointing=True)
+
+    def activations(layers):
+        shape = planning.Shape("llama", LLAMA["hidden"], LLAMA["intermediate"], layers, LLAMA["heads"],
+                               LLAMA["kv_heads"], LLAMA["hidden"] // LLAMA["heads"], 300, False, False)
+        recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"path": "x.jsonl", "max_length": 64},
+                                        "peft": {"rank": 8}, "training": {"micro_batch_size": 2},
+                                        "memory": {"gradient_checkpointing": True}})
+        return planning.activation_bytes(shape, planning.resolve_settings(recipe, "cpu", shape))[0]
+
+    assert activations(2) - activations(1) == measured  # hidden x 4 bytes x 128 tokens
+
+
 def test_half_precision_activation_term_is_close_to_autocast(tmp_path):
     measured = saved_bytes_of_one_layer(tmp_path, autocast_bf16=True)
     planned = planned_layer_bytes(precision="bf16")
     assert planned == pytest.approx(measured, rel=0.10), (planned, measured)
 
 
-def test_parameter_count_matches_the_model(tiny_model):
-    from transformers import AutoModelForCausalLM
+def test_parameter_count_matches_the_model(tiny_model, tiny_tied_model, tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    shape, _ = planning.load_shape(load_recipe_for(tiny_model))
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    qwen = tmp_path / "qwen"  # biases on q, k, v
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).save_pretrained(qwen)
+    for path in (tiny_model, tiny_tied_model, qwen):
+        shape, _ = planning.load_shape(load_recipe_for(path))
+        model = AutoModelForCausalLM.from_pretrained(path)
+        assert shape.total_params == sum(p.numel() for p in model.parameters()), path
 
 
 def load_recipe_for(model_dir: Path):
@@ -144,9 +163,11 @@ def test_not_fitting_lists_changes_and_fit_writes_a_recipe_that_fits(tmp_path, m
     assert result.exit_code == 3, result.output
     plan = json.loads(result.output)
     assert plan["fits"] is False and plan["suggestions"]
-    for suggestion in plan["suggestions"]:
-        assert 0 < suggestion["saving_bytes"] == plan["peak_bytes"] - suggestion["peak_bytes"]
-        assert suggestion["cost"]
+    for suggestion in plan["suggestions"]:  # each one's figure is what planning the changed recipe gives
+        assert suggestion["saving_bytes"] > 0 and suggestion["cost"]
+        sets = [a for k, v in suggestion["changes"].items() for a in ("--set", f"{k}={json.dumps(v)}")]
+        changed = json.loads(runner.invoke(app, args + sets + ["--json"]).output)
+        assert changed["peak_bytes"] == suggestion["peak_bytes"]
     assert plan["fit_changes"]["memory.gradient_checkpointing"] is True
 
     text = runner.invoke(app, args)
@@ -166,9 +187,39 @@ def test_not_fitting_lists_changes_and_fit_writes_a_recipe_that_fits(tmp_path, m
     assert loaded.data.path == load_recipe(source).recipe.data.path  # relative paths still resolve
 
 
-def test_memory_option_errors_name_the_option(make_recipe):
-    result = runner.invoke(app, ["plan", str(make_recipe()), "--memory", "lots"])
-    assert result.exit_code == 2 and "--memory 'lots'" in result.output
+@pytest.mark.parametrize("value", ["lots", "0", "0.5"])
+def test_memory_option_errors_name_the_option(make_recipe, value):
+    result = runner.invoke(app, ["plan", str(make_recipe()), "--memory", value])
+    assert result.exit_code == 2 and f"--memory '{value}'" in result.output
+
+
+def test_max_gpu_memory_caps_the_weights_and_an_adapted_head_uses_the_plain_loss(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recipe = str(RECIPES / "qwen2.5-1.5b-lora.yaml")
+
+    def terms(*sets):
+        out = runner.invoke(app, ["plan", recipe, "--device", "cuda", "--memory", "80GiB", "--json",
+                                  *[a for s in sets for a in ("--set", s)]])
+        return {k: v["bytes"] for k, v in json.loads(out.output)["terms"].items()}
+
+    assert terms("memory.max_gpu_memory=1GiB")["base_weights"] == 2**30
+    assert terms("peft.target_modules=[q_proj,lm_head]")["loss"] > 10 * terms("peft.target_modules=[q_proj]")["loss"]
+    trained_head = terms("peft.modules_to_save=[lm_head]")["loss"] - terms()["loss"]
+    assert trained_head == 151936 * 1536 * 4  # its fp32 gradient
+
+
+@pytest.mark.parametrize("config, words", [
+    ("{not json", "not readable JSON"),
+    ('{"model_type": "mixtral", "hidden_size": 64, "num_local_experts": 8}', "mixture-of-experts"),
+    ('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+     '"num_attention_heads": 0, "vocab_size": 100}', "positive integers"),
+])
+def test_bad_model_configs_are_clear_errors(tmp_path, make_recipe, config, words):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(config)
+    result = runner.invoke(app, ["plan", str(make_recipe(model={"name_or_path": str(model)}))])
+    assert result.exit_code == 2 and words in result.output, result.output
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path, make_recipe):
@@ -206,8 +257,10 @@ def test_force_trains_anyway_and_metrics_keep_predicted_and_measured_peaks(small
     assert result.exit_code == 0, result.output
     assert "does not fit" in result.output and "--force" in result.output
     steps = [r for r in read_metrics(run_dir) if "loss" in r]
-    assert steps and all(r["predicted_peak_mb"] > 0 and r["peak_mem_mb"] > 0 for r in steps)
-    assert "planned" in result.output
+    # the preflight planned for the (pretend) GPU; the run found the CPU and planned again for it
+    cpu_plan = planning.make_plan(load_recipe(run_dir / "recipe.yaml"), "cpu")
+    assert steps and all(r["predicted_peak_mb"] == round(cpu_plan.comparable_peak / 2**20, 1) for r in steps)
+    assert "MiB planned" in result.output and "process RSS" in result.output
 
 
 def test_cpu_run_reports_planned_vs_measured_peak(make_recipe, tmp_path):
@@ -215,7 +268,6 @@ def test_cpu_run_reports_planned_vs_measured_peak(make_recipe, tmp_path):
     result = runner.invoke(app, ["train", str(make_recipe()), "--output-dir", str(run_dir)])
     assert result.exit_code == 0, result.output
     assert "memory plan: peak" in result.output and "MiB planned" in result.output
-    record = next(r for r in read_metrics(run_dir) if "loss" in r)
-    stored = yaml.safe_load((run_dir / "recipe.yaml").read_text())
-    assert stored["model"]["name_or_path"]
-    assert record["predicted_peak_mb"] > 400  # the process baseline alone is ~400 MiB
+    planned = planning.make_plan(load_recipe(run_dir / "recipe.yaml"), "cpu")
+    for record in (r for r in read_metrics(run_dir) if "loss" in r):
+        assert record["predicted_peak_mb"] == round(planned.comparable_peak / 2**20, 1)
