@@ -55,7 +55,7 @@ def _eta(seconds: float) -> str:
 
 def format_step(record: dict, total: int, eta_s: float) -> str:
     return (f"step {record['step']}/{total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-            f"{record['tokens_per_s']:.0f} tok/s  peak {record['peak_mem_mb']:.0f} MB  eta {_eta(eta_s)}")
+            f"{record['tokens_per_s']:.0f} tok/s  peak {record['peak_mem_mb']:.0f} MiB  eta {_eta(eta_s)}")
 
 
 class Progress:
@@ -80,7 +80,7 @@ class Progress:
         eta = (time.perf_counter() - self.started) / max(done, 1) * (self.total - record["step"])
         if self.bar is not None:
             info = (f"loss {record['loss']:.4f} lr {record['lr']:.1e} {record['tokens_per_s']:.0f} tok/s "
-                    f"{record['peak_mem_mb']:.0f} MB")
+                    f"{record['peak_mem_mb']:.0f} MiB")
             self.bar.update(self.task, completed=record["step"], info=info)
         elif self.mode == "plain" and (record["step"] % self.every == 0 or record["step"] == self.total):
             print(format_step(record, self.total, eta), flush=True)
