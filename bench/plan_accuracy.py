@@ -28,54 +28,38 @@ MODELS = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
     "h512-v152k": (512, 4, 8, 4, 1408, 152064),
     "h1024-v32k": (1024, 4, 16, 8, 2816, 32000),
 }
-# name: (model, what it stresses, recipe keys)
+
+
+def case(model: str, what: str, length: int, micro: int, checkpointing: bool, sampler: str = "random",
+         **extra) -> tuple[str, str, dict]:
+    """(model, what it stresses, recipe keys); `extra` keys use __ for the dot: peft__rank=64."""
+    return (model, what, {"data.max_length": length, "training.micro_batch_size": micro, "data.sampler": sampler,
+                          "memory.gradient_checkpointing": checkpointing,
+                          **{key.replace("__", "."): value for key, value in extra.items()}})
+
+
 RECIPES = {
-    "vocab152k-plain-ce": ("h512-v152k", "large vocabulary, unchunked logits and loss",
-                           {"data.max_length": 512, "training.micro_batch_size": 2,
-                            "memory.fused_cross_entropy": False, "memory.gradient_checkpointing": True}),
-    "vocab152k-fused-ce": ("h512-v152k", "large vocabulary, chunked loss",
-                           {"data.max_length": 512, "training.micro_batch_size": 4,
-                            "memory.gradient_checkpointing": True}),
-    "seq2048-no-ckpt": ("h512-v32k", "long sequences, every activation kept",
-                        {"data.max_length": 2048, "training.micro_batch_size": 2, "data.sampler": "length_grouped",
-                         "memory.gradient_checkpointing": False}),
-    "seq2048-ckpt": ("h512-v32k", "long sequences, gradient checkpointing",
-                     {"data.max_length": 2048, "training.micro_batch_size": 2, "data.sampler": "length_grouped",
-                      "memory.gradient_checkpointing": True}),
-    "rank64": ("h1024-v32k", "LoRA rank 64: trainable weights, gradients, AdamW state",
-               {"data.max_length": 512, "training.micro_batch_size": 4, "peft.rank": 64,
-                "memory.gradient_checkpointing": True}),
-    "nf4-base": ("h1024-v32k", "4-bit NF4 base (QLoRA) with double quantization",
-                 {"data.max_length": 512, "training.micro_batch_size": 4, "quantization.bits": 4,
-                  "memory.gradient_checkpointing": True}),
-    "padded-batch": ("h512-v32k", "padded micro-batches (length-grouped)",
-                     {"data.max_length": 1024, "training.micro_batch_size": 8, "data.sampler": "length_grouped",
-                      "memory.gradient_checkpointing": False}),
-    "packed-batch": ("h512-v32k", "packed micro-batches",
-                     {"data.max_length": 1024, "training.micro_batch_size": 8, "data.sampler": "packed",
-                      "memory.gradient_checkpointing": False}),
+    "vocab152k-plain-ce": case("h512-v152k", "large vocabulary, unchunked logits and loss", 512, 2, True,
+                               memory__fused_cross_entropy=False),
+    "vocab152k-fused-ce": case("h512-v152k", "large vocabulary, chunked loss", 512, 4, True),
+    "seq2048-no-ckpt": case("h512-v32k", "long sequences, every activation kept", 2048, 2, False, "length_grouped"),
+    "seq2048-ckpt": case("h512-v32k", "long sequences, gradient checkpointing", 2048, 2, True, "length_grouped"),
+    "rank64": case("h1024-v32k", "LoRA rank 64: trainable weights, gradients, AdamW state", 512, 4, True,
+                   peft__rank=64),
+    "nf4-base": case("h1024-v32k", "4-bit NF4 base (QLoRA) with double quantization", 512, 4, True,
+                     quantization__bits=4),
+    "padded-batch": case("h512-v32k", "padded micro-batches (length-grouped)", 1024, 8, False, "length_grouped"),
+    "packed-batch": case("h512-v32k", "packed micro-batches", 1024, 8, False, "packed"),
 }
-
-
-# Used once to set gpupoor.plan.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table.
-CALIBRATION = {  # one layer's forward allocations from ~60 MiB to ~1 GiB, with and without checkpointing
-    "calib-ckpt-small": ("h512-v32k", "calibration", {"data.max_length": 256, "training.micro_batch_size": 2,
-                                                      "data.sampler": "length_grouped",
-                                                      "memory.gradient_checkpointing": True}),
-    "calib-ckpt-mid": ("h512-v32k", "calibration", {"data.max_length": 512, "training.micro_batch_size": 8,
-                                                    "data.sampler": "packed", "memory.gradient_checkpointing": True}),
-    "calib-ckpt-large": ("h1024-v32k", "calibration", {"data.max_length": 1024, "training.micro_batch_size": 4,
-                                                       "data.sampler": "length_grouped",
-                                                       "memory.gradient_checkpointing": True}),
-    "calib-none-small": ("h512-v32k", "calibration", {"data.max_length": 256, "training.micro_batch_size": 2,
-                                                      "data.sampler": "length_grouped",
-                                                      "memory.gradient_checkpointing": False}),
-    "calib-none-mid": ("h1024-v32k", "calibration", {"data.max_length": 1024, "training.micro_batch_size": 2,
-                                                     "data.sampler": "length_grouped",
-                                                     "memory.gradient_checkpointing": False}),
-    "calib-none-large": ("h1024-v32k", "calibration", {"data.max_length": 2048, "training.micro_batch_size": 2,
-                                                       "data.sampler": "packed",
-                                                       "memory.gradient_checkpointing": False}),
+# Used once to set gpupoor.plan.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table. One layer's
+# forward allocations from ~60 MiB to ~1 GiB, with and without checkpointing.
+CALIBRATION = {
+    "calib-ckpt-small": case("h512-v32k", "calibration", 256, 2, True, "length_grouped"),
+    "calib-ckpt-mid": case("h512-v32k", "calibration", 512, 8, True, "packed"),
+    "calib-ckpt-large": case("h1024-v32k", "calibration", 1024, 4, True, "length_grouped"),
+    "calib-none-small": case("h512-v32k", "calibration", 256, 2, False, "length_grouped"),
+    "calib-none-mid": case("h1024-v32k", "calibration", 1024, 2, False, "length_grouped"),
+    "calib-none-large": case("h1024-v32k", "calibration", 2048, 2, False, "packed"),
 }
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpupoor.errors import UserError
@@ -185,7 +186,7 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None) 
         return _read_json(Path(cached)), cached
     bundled = BUNDLED_CONFIGS / (name_or_path.replace("/", "--") + ".json")
     if bundled.is_file():
-        return json.loads(bundled.read_text()), f"gpupoor's copy of {name_or_path}'s config.json"
+        return _read_json(bundled), f"gpupoor's copy of {name_or_path}'s config.json"
     if os.environ.get("HF_HUB_OFFLINE") != "1":
         try:
             from huggingface_hub import hf_hub_download
@@ -276,6 +277,15 @@ class Settings:
     # pages of embedding rows the tokenizer never produces are never read: rows that become resident.
     resident_embedding_rows: int | None = None
 
+    @property
+    def half(self) -> bool:
+        return self.precision in ("bf16", "fp16")
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of an activation value: half precision under autocast, else fp32."""
+        return 2 if self.half else 4
+
 
 def resolve_settings(recipe: Recipe, device: str, shape: Shape) -> Settings:
     precision = recipe.precision
@@ -359,8 +369,7 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, mask
     each LoRA module keeps its input and its rank-r projection.
     """
     h, q, kv, i, heads = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
-    half = s.precision in ("bf16", "fp16")
-    b = 2 if half else 4  # activation bytes under autocast, or fp32
+    half, b = s.half, s.act_bytes
     lora_inputs = {name: shape.linear(name)[0] for name in s.targets}
     total = 0.0
     if half:
@@ -396,16 +405,14 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, mask
 def layer_transient_bytes_per_token(shape: Shape, s: Settings) -> float:
     """What one layer's backward allocates beyond the saved tensors: the gradients flowing through it (the
     residual stream, the MLP's intermediate products) before they are freed."""
-    b = 2 if s.precision in ("bf16", "fp16") else 4
-    return (2 * shape.hidden + 3 * shape.intermediate) * b
+    return (2 * shape.hidden + 3 * shape.intermediate) * s.act_bytes
 
 
 def layer_forward_temporaries_per_token(shape: Shape, s: Settings) -> float:
     """Bytes one layer's forward allocates and frees again (projections before rotation and before the
     LoRA sum, norm intermediates ...): counted with a dispatch-mode tally of every op output of transformers'
     Llama layer with LoRA on every linear, minus what autograd keeps."""
-    b = 2 if s.precision in ("bf16", "fp16") else 4
-    return (9.75 * (shape.hidden + shape.q) + 10.5 * shape.kv + 6 * shape.intermediate) * b
+    return (9.75 * (shape.hidden + shape.q) + 10.5 * shape.kv + 6 * shape.intermediate) * s.act_bytes
 
 
 def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
@@ -418,7 +425,7 @@ def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
         s.sampler == "packed" or (s.sampler == "random" and s.micro_batch > 1))
     per_layer = layer_saved_bytes_per_token(shape, s, s.row_tokens, masked) * tokens
     transient = layer_transient_bytes_per_token(shape, s) * tokens
-    b = 2 if s.precision in ("bf16", "fp16") else 4
+    b = s.act_bytes
     if s.checkpointing:
         kept = shape.hidden * b * tokens  # each checkpointed layer keeps only its input
         on_device = 0 if (s.checkpointing == "offload" and s.device == "cuda") else shape.layers * kept
@@ -566,18 +573,19 @@ def suggest(shape: Shape, recipe: Recipe, device: str, memory: int) -> tuple[lis
             singles.append(Suggestion(changes, base - peak, cost, peak))
     fitting = [s for s in singles if s.peak <= memory]
     steps: list[dict] = []
-    current = recipe
+    current, current_peak = recipe, base
     for key, _ in CANDIDATES:  # cheapest first; a knob with several steps (micro-batch halving) may repeat
-        while _peak(shape, current, device) > memory:
+        while current_peak > memory:
             changes = candidate_change(current, key, device)
             if changes is None:
                 break
             trial = apply_changes(current, changes)
-            if _peak(shape, trial, device) >= _peak(shape, current, device):
+            trial_peak = _peak(shape, trial, device)
+            if trial_peak >= current_peak:
                 break
-            current = trial
+            current, current_peak = trial, trial_peak
             steps.append(changes)
-    if _peak(shape, current, device) > memory:
+    if current_peak > memory:
         return (fitting or singles), None
     # Drop what the last (most expensive) change made unnecessary: try each earlier step without it.
     for step in reversed(steps[:-1]):
@@ -595,7 +603,7 @@ def default_device(recipe: Recipe) -> str:
     """The device training would use here, found without importing torch."""
     if recipe.training.device != "auto":
         return recipe.training.device
-    if "torch" in __import__("sys").modules:
+    if "torch" in sys.modules:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -622,7 +630,7 @@ def device_memory(device: str) -> tuple[int | None, str]:
         except (OSError, StopIteration, ValueError):
             return None, "unknown (no /proc/meminfo)"
         return available + own, "available RAM (MemAvailable) + this process"
-    if "torch" in __import__("sys").modules:
+    if "torch" in sys.modules:
         import torch
 
         if torch.cuda.is_available():
@@ -710,14 +718,13 @@ def render_suggestions(plan: Plan) -> str:
 def write_fit(loaded: LoadedRecipe, changes: dict) -> Path:
     """Write RECIPE.fit.yaml beside the recipe (relative paths still resolve): the recipe with `changes`."""
     from gpupoor.recipe import recipe_to_yaml
+    from gpupoor.run import write_text_atomic
 
     source = loaded.source or Path("recipe.yaml")
     target = source.with_name(source.stem + ".fit.yaml")
     header = (f"# written by gpupoor plan --fit from {source.name}, with the cheapest changes predicted to fit:\n"
               + "".join(f"#   {key}: {json.dumps(value)}\n" for key, value in changes.items()))
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(recipe_to_yaml(apply_changes(loaded.recipe, changes), header))
-    os.replace(tmp, target)
+    write_text_atomic(target, recipe_to_yaml(apply_changes(loaded.recipe, changes), header))
     return target
 
 

@@ -430,7 +430,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     saving = {"seconds": 0.0, "bytes": 3 * trainable_bytes + 2**20, "last_time": time.monotonic(),
               "last_step": state.step}
     last_loss: list[float | None] = [None]
-    first_step = [state.step]  # the step this process started from
+    first_step = state.step  # the step this process started from
 
     def save_files(tmp: Path) -> None:
         unwrapped.save_pretrained(tmp, safe_serialization=True)  # adapter_config.json + adapter_model.safetensors
@@ -469,9 +469,9 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     def on_step(record: dict, current: TrainState) -> None:
         if predicted_mb is not None:
             record["predicted_peak_mb"] = predicted_mb
-        if current.step - first_step[0] in (1, 3) and main:
+        if current.step - first_step in (1, 3) and main:
             # after the first step (optimizer state now exists) and the third (the heap has settled)
-            if current.step - first_step[0] == 1:
+            if current.step - first_step == 1:
                 record["optimizer_state_mb"] = round(optimizer_state_bytes(optimizer) / 2**20, 2)
             what = "process RSS" if device.value == "cpu" else "allocated, without context and allocator slack"
             versus = "" if predicted_mb is None else \

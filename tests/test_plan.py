@@ -20,7 +20,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 LLAMA = dict(hidden=64, intermediate=176, heads=4, kv_heads=2)
 
 
-def saved_bytes_of_one_layer(tmp_path, rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
+def saved_bytes_of_one_layer(rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
                              batch=2, seq=64, autocast_bf16=False, checkpointing=False) -> float:
     """What autograd keeps for one decoder layer: the saved tensors of a 2-layer model minus a 1-layer one,
     unique storages, parameters excluded."""
@@ -71,9 +71,9 @@ def planned_layer_bytes(rank=8, dropout=0.0, attention="sdpa", targets=planning.
     {}, {"rank": 32}, {"dropout": 0.1}, {"attention": "eager"}, {"targets": ("q_proj", "v_proj")},
     {"seq": 200, "batch": 1},
 ])
-def test_activation_term_equals_what_autograd_saves(tmp_path, case):
+def test_activation_term_equals_what_autograd_saves(case):
     targets = case.get("targets", "all-linear")
-    measured = saved_bytes_of_one_layer(tmp_path, rank=case.get("rank", 8), dropout=case.get("dropout", 0.0),
+    measured = saved_bytes_of_one_layer(rank=case.get("rank", 8), dropout=case.get("dropout", 0.0),
                                         attention=case.get("attention", "sdpa"),
                                         targets=list(targets) if targets != "all-linear" else targets,
                                         batch=case.get("batch", 2), seq=case.get("seq", 64))
@@ -84,8 +84,8 @@ def test_activation_term_equals_what_autograd_saves(tmp_path, case):
     assert planned == pytest.approx(measured, rel=0.02), (planned, measured)
 
 
-def test_checkpointed_layers_keep_only_their_input(tmp_path):
-    measured = saved_bytes_of_one_layer(tmp_path, checkpointing=True)
+def test_checkpointed_layers_keep_only_their_input():
+    measured = saved_bytes_of_one_layer(checkpointing=True)
 
     def activations(layers):
         shape = planning.Shape("llama", LLAMA["hidden"], LLAMA["intermediate"], layers, LLAMA["heads"],
@@ -98,8 +98,8 @@ def test_checkpointed_layers_keep_only_their_input(tmp_path):
     assert activations(2) - activations(1) == measured  # hidden x 4 bytes x 128 tokens
 
 
-def test_half_precision_activation_term_is_close_to_autocast(tmp_path):
-    measured = saved_bytes_of_one_layer(tmp_path, autocast_bf16=True)
+def test_half_precision_activation_term_is_close_to_autocast():
+    measured = saved_bytes_of_one_layer(autocast_bf16=True)
     planned = planned_layer_bytes(precision="bf16")
     assert planned == pytest.approx(measured, rel=0.10), (planned, measured)
 
