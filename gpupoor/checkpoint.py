@@ -24,6 +24,11 @@ from gpupoor.errors import UserError
 MANIFEST = "manifest.json"
 STATE = "train_state.json"
 ADAPTER = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# What a reader needs, by kind of directory. A manifest that does not list each of these is not valid, however
+# well-formed: a run resumes from a checkpoint, merge-lora and generate read an adapter (final/ or a checkpoint).
+CHECKPOINT_FILES = (ADAPTER, ADAPTER_CONFIG, "optimizer.pt", STATE)
+ADAPTER_FILES = (ADAPTER, ADAPTER_CONFIG)
 TMP_PREFIX = ".tmp-"
 # Stages of the commit protocol, in order; fault injection (GPUPOOR_FAULT=kill@STAGE) can stop at each.
 STAGES = ("start", "weights", "optimizer", "state", "manifest", "rename", "rotate")
@@ -124,8 +129,9 @@ def read_manifest(path: Path) -> dict:
     return json.loads(manifest.read_text()) if manifest.is_file() else {}
 
 
-def verify(path: Path) -> str | None:
-    """None when the checkpoint is complete and intact, else why not."""
+def verify(path: Path, required: tuple[str, ...] = CHECKPOINT_FILES) -> str | None:
+    """None when the checkpoint (or final/ adapter, with `required=ADAPTER_FILES`) is complete and intact, else
+    why not: the manifest must list every required file, and every listed file must match its size and hash."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         return "no manifest (incomplete write)"
@@ -136,8 +142,11 @@ def verify(path: Path) -> str | None:
         if not all(isinstance(meta, dict) and isinstance(meta.get("size"), int) and isinstance(meta.get("sha256"), str)
                    for meta in files.values()):
             raise TypeError
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "unreadable manifest"
+    unlisted = [name for name in required if name not in files]
+    if unlisted:
+        return f"its manifest does not list {', '.join(unlisted)}"
     for name, meta in files.items():
         file = path / name
         if not file.is_file():
@@ -213,7 +222,21 @@ def load_torch(path: Path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def require_checkpoint_files(checkpoint: Checkpoint, names: list[str]) -> None:
-    missing = [name for name in names if name not in checkpoint.manifest["files"]]
-    if missing:
-        raise UserError(f"checkpoint {checkpoint.path} lacks {', '.join(missing)}; it cannot be resumed from")
+def final_problem(run_dir: Path) -> str | None:
+    """None when the run's final/ adapter is complete and intact, else why not ("absent" when there is none)."""
+    final = run_dir / "final"
+    return verify(final, ADAPTER_FILES) if final.exists() else "absent"
+
+
+def verify_adapter_dir(path: Path, skip: bool = False, in_run: bool = False) -> None:
+    """Raise a UserError naming the file when an adapter directory gpupoor wrote (final/ or a checkpoint of a run,
+    or a copy with its manifest) does not match its manifest. A plain PEFT adapter directory elsewhere has no
+    manifest: nothing to check. `skip`: the user edited the files on purpose."""
+    if skip or (not in_run and not (path / MANIFEST).is_file()):
+        return
+    problem = verify(path, ADAPTER_FILES)
+    if problem is not None:
+        raise UserError(f"{path}: {problem}; gpupoor does not use files that differ from what it wrote",
+                        hint="restore the file or pick another checkpoint (--checkpoint step-N); for a run dir, "
+                        "`gpupoor resume RUN_DIR` writes final/ again from its last checkpoint; merge-lora "
+                        "--skip-manifest-check merges files you changed on purpose")

@@ -130,11 +130,16 @@ def status(
     """Show a run's progress, its checkpoints (valid or why not) and how to continue."""
 
     def action() -> int:
+        from gpupoor.checkpoint import final_problem
         from gpupoor.resume import status_report
 
         if not (run_dir / "recipe.yaml").is_file():
             raise UserError(f"{run_dir} is not a gpupoor run directory (no recipe.yaml)")
         typer.echo(status_report(run_dir.resolve()))
+        problem = final_problem(run_dir)
+        if problem not in (None, "absent"):
+            raise UserError(f"{run_dir / 'final'}: {problem}",
+                            hint=f"gpupoor resume {run_dir} writes final/ again from the last checkpoint")
         return 0
 
     _guarded(debug, action)
@@ -153,9 +158,13 @@ def merge_lora(
                                    "as trained, default) | original (the full-precision weights)."),
     verify: bool = typer.Option(False, "--verify", help="Report the max logit difference between the merged "
                                 "model and base + adapter as trained (loads both)."),
+    skip_manifest_check: bool = typer.Option(False, "--skip-manifest-check", help="Merge an adapter whose files "
+                                             "no longer match the manifest gpupoor wrote (you edited them on "
+                                             "purpose). Without it, a mismatch is an error (exit 2)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
-    """Merge a LoRA adapter into its base, shard by shard, into a standard model directory."""
+    """Merge a LoRA adapter into its base, shard by shard, into a standard model directory. The adapter is checked
+    against its manifest first."""
 
     def action() -> int:
         from gpupoor.merge import DTYPES, merge_lora as merge, resolve_adapter, verify_merge
@@ -168,7 +177,7 @@ def merge_lora(
         from gpupoor.run import quiet_libraries
 
         quiet_libraries()
-        adapter = resolve_adapter(source, checkpoint)
+        adapter = resolve_adapter(source, checkpoint, check_files=not skip_manifest_check)
         merged = merge(adapter, output, dtype, base, parse_size(max_shard_size), qlora_base, say=typer.echo)
         typer.echo(f"merged model written to {merged}")
         if verify:
@@ -236,7 +245,7 @@ def validate(
         from gpupoor.preflight import preflight
         from gpupoor.recipe import load_recipe
 
-        failed = 0
+        failed = crashed = 0
         for path in recipes:
             try:
                 loaded = load_recipe(path, set_ or [])
@@ -248,11 +257,18 @@ def validate(
                 typer.echo(f"{path}: error: {exc}", err=True)
                 failed += 1
                 continue
+            except Exception as exc:  # a bug, not bad input: report it (exit 1) but still check the next recipe
+                if debug:
+                    raise
+                typer.echo(f"{path}: error: {type(exc).__name__}: {exc}\n  (run again with --debug for the "
+                           "traceback)", err=True)
+                crashed += 1
+                continue
             for warning in warnings:
                 typer.echo(f"{path}: warning: {warning}", err=True)
             memory = "" if plan is None else f" (predicted peak {format_bytes(plan.peak)} on {plan.device})"
             typer.echo(f"{path}: ok{memory}")
-        return EXIT_BAD_INPUT if failed else 0
+        return 1 if crashed else EXIT_BAD_INPUT if failed else 0
 
     _guarded(debug, action)
 

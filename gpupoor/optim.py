@@ -67,7 +67,13 @@ def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(training: TrainingSection, optimizer: torch.optim.Optimizer, total_steps: int):
-    warmup = warmup_steps(training, total_steps)
+def build_scheduler(training: TrainingSection, optimizer: torch.optim.Optimizer, total_steps: int,
+                    warmup: int | None = None, start_step: int = 0):
+    """Warmup then decay over `total_steps`. On a resume, `start_step` is the optimizer steps already taken and
+    `warmup` the run's own warmup (it never restarts); the schedule is this function of the step for the current
+    total, so the first resumed step takes the value at that step (an extended run decays over its new length).
+    The peak is each parameter group's `initial_lr`, restored with the optimizer state."""
+    warmup = warmup_steps(training, total_steps) if warmup is None else warmup
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup, total_steps, training.lr_scheduler))
+        optimizer, lambda step: lr_factor(step, warmup, total_steps, training.lr_scheduler),
+        last_epoch=start_step - 1)

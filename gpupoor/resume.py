@@ -80,7 +80,7 @@ def _session_line(run_dir: Path, time_limit: str | None) -> str:
 
 def status_report(run_dir: Path) -> str:
     """Progress, each checkpoint (step, loss, age, valid or why not), time limit, and how to continue."""
-    from gpupoor.checkpoint import scan
+    from gpupoor.checkpoint import final_problem, scan
     from gpupoor.recipe import load_recipe
 
     recipe = load_recipe(run_dir / "recipe.yaml").recipe
@@ -96,7 +96,7 @@ def status_report(run_dir: Path) -> str:
     total = f"/{planned}" if planned else ""
     elapsed = steps[last]["elapsed_s"] if steps else 0.0
     lines.append(f"  progress: step {last}{total} logged; {elapsed / 60:.1f} min of training")
-    finished = (run_dir / "final" / "adapter_model.safetensors").is_file()
+    final = final_problem(run_dir)
     checkpoints = scan(run_dir / "checkpoints")
     lines.append("  checkpoints:" if checkpoints else "  checkpoints: none yet")
     now = time.time()
@@ -105,12 +105,17 @@ def status_report(run_dir: Path) -> str:
             manifest = json.loads((path / "manifest.json").read_text())
             loss = manifest.get("loss")
             loss_text = f"loss {loss:.4f}" if isinstance(loss, float) else "loss -"
-            lines.append(f"    {path.name}  step {step}  {loss_text}  age {_age(now - manifest['created'])}  valid")
+            created = manifest.get("created")
+            age = f"age {_age(now - created)}" if isinstance(created, (int, float)) else "age -"
+            lines.append(f"    {path.name}  step {step}  {loss_text}  {age}  valid")
         else:
             lines.append(f"    {path.name}  INVALID: {problem} (resume skips it)")
     lines.append(_session_line(run_dir, recipe.checkpoint.time_limit))
-    if finished:
-        lines.append("  finished: the adapter is in final/")
+    if final is None:
+        lines.append("  finished: the adapter is in final/ (verified against its manifest)")
+    elif final != "absent":
+        lines.append(f"  final/ INVALID: {final}; continue with: gpupoor resume {run_dir} (writes it again from "
+                     "the last checkpoint)")
     else:
         lines.append(f"  continue with: gpupoor resume {run_dir}")
     return "\n".join(lines)

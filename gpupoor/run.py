@@ -186,7 +186,7 @@ def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=pri
 
 
 def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, started: float, lock) -> RunResult:
-    from gpupoor.checkpoint import latest_valid, sweep_temporary
+    from gpupoor.checkpoint import final_problem, latest_valid, sweep_temporary
     from gpupoor.resume import diff_recipes, format_changes
 
     stored = load_recipe(run_dir / "recipe.yaml").recipe
@@ -204,7 +204,10 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
     for name in sweep_temporary(run_dir / "checkpoints"):
         say(f"removed an incomplete checkpoint write: {name}")
     checkpoint = latest_valid(run_dir / "checkpoints", warn=say)
-    finished = (run_dir / "final" / "adapter_model.safetensors").is_file()
+    problem = final_problem(run_dir)
+    finished = problem is None
+    if (run_dir / "final").exists() and problem is not None:
+        say(f"warning: final/ is not valid ({problem}): it is written again from the last checkpoint")
     if checkpoint is None:
         if finished:
             say(f"the run in {run_dir} finished but has no checkpoint to continue from")
@@ -281,11 +284,14 @@ def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after the checkpoint: they will be trained (and logged) again."""
+    """Drop records of steps after the checkpoint: they will be trained (and logged) again. So is an eval of the
+    checkpoint's own step: a process may have died between the checkpoint and that eval, and the resumed run
+    evaluates that step again (the same weights, so the same value) rather than lose it."""
     from gpupoor.train.report import read_metrics
 
     if path.is_file():
-        kept = [record for record in read_metrics(path) if record.get("step", 0) <= step]
+        kept = [record for record in read_metrics(path) if record.get("step", 0) < step
+                or (record.get("step", 0) == step and "eval_loss" not in record)]
         write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
@@ -295,14 +301,13 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     from safetensors.torch import load_file
 
     from gpupoor import faults
-    from gpupoor.checkpoint import (ADAPTER, STATE, CheckpointError, dir_size, load_torch,
-                                    require_checkpoint_files, rotate, write_checkpoint)
+    from gpupoor.checkpoint import ADAPTER, STATE, CheckpointError, dir_size, load_torch, rotate, write_checkpoint
     from gpupoor.data.build import build_data
     from gpupoor.hardware import (resolve_attention, resolve_device, resolve_precision, resolve_sampler,
                                   usable_cpu_count)
     from gpupoor.loss import find_fused_head, fused_loss_sum, plain_loss_sum
     from gpupoor.model import build_model, load_tokenizer, summarize
-    from gpupoor.optim import build_optimizer, build_scheduler, optimizer_state_bytes
+    from gpupoor.optim import build_optimizer, build_scheduler, optimizer_state_bytes, warmup_steps
     from gpupoor.resume import trajectory_hash
     from gpupoor.train.report import NullWriter
     from gpupoor.signals import StopRequest
@@ -339,33 +344,36 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
             raise UserError(f"run_dir/recipe.yaml no longer describes the run that wrote {resume.path.name} "
                             "(its trajectory settings were edited)",
                             hint="restore them, or pass --force to continue with the edited recipe")
+    for warning in data.warnings:
+        say(f"warning: {warning}")
     stats = data.train.stats
     model = build_model(location, recipe.model, recipe.peft, recipe.quantization, precision.value,
                         attention.value, str(accelerator.device), recipe.memory.gradient_checkpointing,
                         recipe.seed, smoke, recipe.memory.max_gpu_memory)
     summary = summarize(model)
-    optimizer = build_optimizer(recipe.training, model, device.value)
+    raw_optimizer = build_optimizer(recipe.training, model, device.value)
     steps = total_steps(recipe, len(data.plan), accelerator.num_processes)
-    scheduler = build_scheduler(recipe.training, optimizer, steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    warmup = warmup_steps(recipe.training, steps)
+    model, optimizer = accelerator.prepare(model, raw_optimizer)
     unwrapped = accelerator.unwrap_model(model)
 
     state = TrainState()
-    if resume is not None:
+    if resume is not None:  # latest_valid verified every file the manifest must list
         from peft import set_peft_model_state_dict
 
-        require_checkpoint_files(resume, [ADAPTER, "optimizer.pt", "scheduler.pt", STATE])
         result = set_peft_model_state_dict(unwrapped, load_file(resume.path / ADAPTER, device=str(accelerator.device)))
         if getattr(result, "unexpected_keys", None):
             raise UserError(f"checkpoint {resume.path.name} does not fit this model: unexpected "
                             f"{result.unexpected_keys[:3]}")
         optimizer.load_state_dict(load_torch(resume.path / "optimizer.pt"))
-        scheduler.load_state_dict(load_torch(resume.path / "scheduler.pt"))
         if accelerator.scaler is not None and (resume.path / "scaler.pt").is_file():
             accelerator.scaler.load_state_dict(load_torch(resume.path / "scaler.pt"))
         if force:
-            _apply_hyperparameters(recipe, optimizer, scheduler)
+            _apply_hyperparameters(recipe, optimizer)
         state = TrainState.from_dict(json.loads((resume.path / STATE).read_text()))
+        warmup = resume.manifest.get("warmup_steps", warmup)  # the run's own warmup: it never restarts
+    # Built after the optimizer state is restored: it starts at the current step of the schedule for `steps`.
+    scheduler = build_scheduler(recipe.training, raw_optimizer, steps, warmup, state.step)
 
     checkpointing = {False: "off", True: "on (non-reentrant)",
                      "offload": "on, layer inputs offloaded to CPU" if device.value == "cuda"
@@ -424,7 +432,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
             "pid": os.getpid(), "time_limit_s": limit_s, "started": time.time() - (time.monotonic() - started)}))
     checkpoints_dir = run_dir / "checkpoints"
     manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": data.fingerprint,
-                     "total_steps": steps, "precision": precision.value, "device": device.value,
+                     "total_steps": steps, "warmup_steps": warmup, "precision": precision.value, "device": device.value,
                      "versions": library_versions()}
     trainable_bytes = sum(p.numel() * p.element_size() for p in unwrapped.parameters() if p.requires_grad)
     saving = {"seconds": 0.0, "bytes": 3 * trainable_bytes + 2**20, "last_time": time.monotonic(),
@@ -437,7 +445,6 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         tokenizer.save_pretrained(tmp)
         faults.at_stage("weights", state.step)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if accelerator.scaler is not None:
             torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
         faults.at_stage("optimizer", state.step)
@@ -557,20 +564,18 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     return RunResult(run_dir, "done", last_loss[0], state.step)
 
 
-def _apply_hyperparameters(recipe: Recipe, optimizer, scheduler) -> None:
-    """After a forced resume: the recipe's optimizer settings replace those restored from the checkpoint
-    (the saved state carries the old learning rate, betas, weight decay and schedule base)."""
+def _apply_hyperparameters(recipe: Recipe, optimizer) -> None:
+    """After a forced resume: the recipe's optimizer settings replace those restored from the checkpoint (the
+    saved state carries the old peak learning rate, betas, weight decay). The scheduler, built afterwards,
+    takes its peak from `initial_lr`."""
     training = recipe.training
-    scheduler.base_lrs = [training.learning_rate for _ in scheduler.base_lrs]
-    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
+    for group in optimizer.param_groups:
         group["initial_lr"] = training.learning_rate
-        group["lr"] = training.learning_rate * lr_lambda(scheduler.last_epoch)
         group["weight_decay"] = training.weight_decay
         if "betas" in group:
             group["betas"] = tuple(training.adam_betas)
         if "eps" in group and training.optimizer.startswith(("adamw", "paged_adamw")):
             group["eps"] = training.adam_eps
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _final_files(model, tokenizer):

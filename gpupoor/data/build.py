@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from gpupoor.data.dataset import TokenizedDataset, cache_key, default_cache_dir, tokenize_rows
+from gpupoor.data.dataset import CacheEntryInvalid, TokenizedDataset, cache_key, default_cache_dir, tokenize_rows
 from gpupoor.data.formats import IGNORE_INDEX, Encoder
 from gpupoor.data.loading import DataSource, read_rows, resolve_source
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
@@ -22,6 +22,7 @@ class DataBundle:
     plan: BatchPlan
     cache_hit: bool
     fingerprint: str  # identity of the tokenized training data (data bytes, tokenizer, format settings)
+    warnings: list[str] = field(default_factory=list)  # e.g. a cache entry that failed its check
 
     def collate(self, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
         """A training micro-batch: packed into one row when the sampler packs, else padded."""
@@ -36,15 +37,22 @@ def make_encoder(data: DataSection, tokenizer) -> Encoder:
 
 
 def _tokenized(source: DataSource, limit: int | None, encoder: Encoder, tokenizer,
-               cache_dir: Path | None) -> tuple[TokenizedDataset, bool, str]:
+               cache_dir: Path | None, warnings: list[str]) -> tuple[TokenizedDataset, bool, str]:
     key = cache_key(f"{source.fingerprint()}:{limit}", tokenizer, encoder)
     if cache_dir is None:
         return tokenize_rows(read_rows(source, limit), encoder), False, key
     path = cache_dir / "tokenized" / f"{key}.safetensors"
     if path.is_file():
-        return TokenizedDataset.load(path), True, key
+        try:
+            return TokenizedDataset.load(path), True, key
+        except CacheEntryInvalid as exc:  # a miss: tokenize again and replace the entry
+            warnings.append(f"tokenized cache entry {path} is invalid ({exc}): tokenizing the data again")
     dataset = tokenize_rows(read_rows(source, limit), encoder)
-    dataset.save(path)
+    try:
+        dataset.save(path)
+    except OSError as exc:  # a cache that cannot be written costs time next run, never this run
+        warnings.append(f"could not write the tokenized cache {path} ({exc.strerror or exc}); set data.cache_dir "
+                        "or $GPUPOOR_CACHE to a writable folder")
     return dataset, False, key
 
 
@@ -56,7 +64,8 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     if cache_dir is not None and not cache_dir.is_absolute():
         cache_dir = base_dir / cache_dir
     source = resolve_source(data.path, base_dir, data.split, "data.path")
-    train, hit, fingerprint = _tokenized(source, data.max_rows, encoder, tokenizer, cache_dir)
+    warnings: list[str] = []
+    train, hit, fingerprint = _tokenized(source, data.max_rows, encoder, tokenizer, cache_dir, warnings)
     evaluation = None
     if data.eval_split and source.kind == "file":
         raise UserError(f"data.eval_split = {data.eval_split!r}: {data.path} is a single file with no splits",
@@ -64,7 +73,7 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     if data.eval_path or data.eval_split:
         eval_source = (resolve_source(data.eval_path, base_dir, "train", "data.eval_path") if data.eval_path
                        else DataSource(source.kind, source.location, data.eval_split))
-        evaluation, _, _ = _tokenized(eval_source, None, encoder, tokenizer, cache_dir)
+        evaluation, _, _ = _tokenized(eval_source, None, encoder, tokenizer, cache_dir, warnings)
     elif data.eval_rows:
         if data.eval_rows >= len(train):
             raise UserError(f"data.eval_rows = {data.eval_rows} leaves no training rows "
@@ -82,7 +91,7 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length)
     if data.eval_rows:  # the held-out rows change what is trained on
         fingerprint = f"{fingerprint}-holdout{data.eval_rows}"
-    return DataBundle(train, evaluation, plan, hit, fingerprint)
+    return DataBundle(train, evaluation, plan, hit, fingerprint, warnings)
 
 
 def collate(dataset: TokenizedDataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:

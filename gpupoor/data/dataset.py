@@ -48,23 +48,56 @@ class TokenizedDataset:
                   for i in indices]
         return _from_pieces(pieces, TokenStats(rows=len(indices), kept=len(indices)))
 
+    def content_hash(self) -> str:
+        digest = hashlib.sha256()
+        for tensor in (self.ids, self.target, self.offsets):
+            digest.update(str((tensor.dtype, tuple(tensor.shape))).encode())
+            digest.update(tensor.contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
     def save(self, path: Path) -> None:
+        """Write atomically (temporary file, fsync, rename, fsync of the folder) with the content's hash in the
+        metadata, so a power cut leaves the old entry or the whole new one, and `load` can check it."""
         from safetensors.torch import save_file
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
-        save_file({"ids": self.ids, "target": self.target, "offsets": self.offsets}, tmp,
-                  metadata={"stats": json.dumps(self.stats.__dict__)})
-        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+        try:
+            save_file({"ids": self.ids, "target": self.target, "offsets": self.offsets}, tmp,
+                      metadata={"stats": json.dumps(self.stats.__dict__), "sha256": self.content_hash()})
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
     @classmethod
     def load(cls, path: Path) -> "TokenizedDataset":
+        """Read a cache entry and check it against the hash it was written with. Raises CacheEntryInvalid."""
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as handle:
-            stats = TokenStats(**json.loads(handle.metadata()["stats"]))
-            return cls(handle.get_tensor("ids"), handle.get_tensor("target"), handle.get_tensor("offsets"), stats)
+        try:
+            with safe_open(path, framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                stats = TokenStats(**json.loads(metadata["stats"]))
+                dataset = cls(handle.get_tensor("ids"), handle.get_tensor("target"), handle.get_tensor("offsets"),
+                              stats)
+        except Exception as exc:  # safetensors raises its own error types for truncated or garbled files
+            raise CacheEntryInvalid(f"unreadable ({type(exc).__name__}: {exc})") from None
+        if metadata.get("sha256") != dataset.content_hash():
+            raise CacheEntryInvalid("its content does not match the hash it was written with")
+        return dataset
+
+
+class CacheEntryInvalid(Exception):
+    """A tokenized-cache file that cannot be trusted: it is tokenized again."""
 
 
 def _from_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], stats: TokenStats) -> TokenizedDataset:

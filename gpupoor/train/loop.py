@@ -94,6 +94,11 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
     model.train()
     last_step_s = 0.0
     skips_in_a_row = 0
+    if data.eval is not None and settings.eval_every and 0 < state.step < settings.total_steps \
+            and state.step % settings.eval_every == 0:
+        # A resumed run evaluates the step it starts from again when that step is an eval point: the process
+        # that wrote the checkpoint may have died before writing the eval record (the run drops that record).
+        hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
     while state.step < settings.total_steps:
         reason = hooks.should_stop(state, last_step_s)
         if reason:
