@@ -20,6 +20,7 @@ from pathlib import Path
 
 from gpupoor import faults
 from gpupoor.errors import UserError
+from gpupoor.files import give_default_modes
 
 MANIFEST = "manifest.json"
 STATE = "train_state.json"
@@ -88,6 +89,7 @@ def write_checkpoint(target: Path, save_files, step: int, manifest_extra: dict, 
         faults.at_stage("start", step)
         tmp.mkdir()
         save_files(tmp)  # calls faults.at_stage for weights / optimizer / state
+        give_default_modes(tmp)  # final/ is what users share: not the 0600 of safetensors' temporary files
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             _fsync_file(path)

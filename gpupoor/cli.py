@@ -36,6 +36,39 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
     pass
 
 
+def _time_limit_override(time_limit: str | None) -> list[str]:
+    """--time-limit as the checkpoint.time_limit override, checked here so an error names the option."""
+    if time_limit is None:
+        return []
+    from gpupoor.recipe import parse_duration
+
+    try:
+        seconds = parse_duration(time_limit)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise UserError(f"--time-limit {time_limit!r}: not a positive duration; use e.g. 11h30m, 45m or 90s")
+    import json
+
+    return [f"checkpoint.time_limit={json.dumps(time_limit)}"]  # a JSON string is a quoted YAML scalar
+
+
+def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int | None]:
+    """Train and resume note SIGTERM/SIGINT/SIGUSR1 from their first line to their last, so a signal during
+    start-up or after the stop checkpoint still ends in a checkpoint and exit 75, never a bare 143."""
+
+    def guarded() -> int | None:
+        from gpupoor.signals import StopRequest
+
+        stop = StopRequest().install()
+        try:
+            return action(stop)
+        finally:
+            stop.uninstall()
+
+    return guarded
+
+
 def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
     """Run a command: bad input exits 2 with a message, other failures exit 1, tracebacks only with --debug."""
     try:
@@ -76,11 +109,11 @@ def train(
 
     started = time.monotonic()  # a time limit counts from here
 
-    def action() -> int:
+    def action(stop) -> int:
         from gpupoor.preflight import preflight
         from gpupoor.recipe import load_recipe
 
-        overrides = (set_ or []) + ([f"checkpoint.time_limit='{time_limit}'"] if time_limit else [])
+        overrides = (set_ or []) + _time_limit_override(time_limit)
         loaded = load_recipe(recipe, overrides)
         for warning in preflight(loaded):
             typer.echo(f"warning: {warning}", err=True)
@@ -92,10 +125,10 @@ def train(
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.run import train_from_recipe
 
-        result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started, plan=plan)
+        result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started, plan=plan, stop=stop)
         return EXIT_RESUMABLE if result.reason != "done" else 0
 
-    _guarded(debug, action)
+    _guarded(debug, _with_stop_requests(action))
 
 
 @app.command()
@@ -111,15 +144,15 @@ def resume(
     """Continue a run exactly from its newest valid checkpoint."""
     started = time.monotonic()
 
-    def action() -> int:
+    def action(stop) -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.run import resume_run
 
-        overrides = (set_ or []) + ([f"checkpoint.time_limit='{time_limit}'"] if time_limit else [])
-        result = resume_run(run_dir, overrides, force=force, started=started)
+        overrides = (set_ or []) + _time_limit_override(time_limit)
+        result = resume_run(run_dir, overrides, force=force, started=started, stop=stop)
         return EXIT_RESUMABLE if result.reason not in ("done", "already_done") else 0
 
-    _guarded(debug, action)
+    _guarded(debug, _with_stop_requests(action))
 
 
 @app.command()
@@ -211,7 +244,7 @@ def generate(
             raise UserError("give exactly one of --prompt TEXT or --file PROMPTS.jsonl")
         if fmt is not None and fmt not in ("text", "alpaca", "chat", "completion"):
             raise UserError(f"--format {fmt!r}: use text, alpaca, chat or completion")
-        from gpupoor.generate import complete, load_generator, prompt_row, rows_from_file
+        from gpupoor.generate import cap_new_tokens, complete, load_generator, prompt_row, rows_from_file
         from gpupoor.run import quiet_libraries
 
         quiet_libraries()
@@ -219,7 +252,12 @@ def generate(
         encoder = generator.encoder
         rows = [(prompt_row(prompt, encoder.fmt), "--prompt")] if prompt is not None else rows_from_file(file, encoder.fmt)
         prompts = [encoder.encode_prompt(row, where) for row, where in rows]
-        answers = complete(generator.model, generator.tokenizer, prompts, max_new_tokens, temperature)
+        if not prompts:
+            raise UserError(f"--file {file}: no prompts in it")
+        new_tokens, note = cap_new_tokens(generator.model, prompts, max_new_tokens)
+        if note:
+            typer.echo(f"note: {note}", err=True)
+        answers = complete(generator.model, generator.tokenizer, prompts, new_tokens, temperature)
         if prompt is not None:
             typer.echo(answers[0])
         else:

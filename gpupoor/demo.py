@@ -37,15 +37,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def build_demo_model(target: Path, train_rows: list[dict]) -> Path:
-    """A byte-level BPE tokenizer trained on the demo data and a random-weight Llama, both seeded."""
+    """A byte-level BPE tokenizer trained on the demo data and a random-weight Llama, both seeded, saved into
+    `target` (gpupoor.builtin_models commits it atomically as `gpupoor:demo`)."""
     from gpupoor.tiny import build_tiny_llama, train_tokenizer
 
     texts = [alpaca_prompt(r["instruction"], r["input"]) + r["output"] for r in train_rows]
     tokenizer = train_tokenizer(texts, vocab_size=1000)
-    tmp = target.with_name(target.name + ".tmp")
-    build_tiny_llama(tmp, tokenizer, hidden=MODEL_DIMS["hidden"], layers=MODEL_DIMS["layers"],
+    build_tiny_llama(target, tokenizer, hidden=MODEL_DIMS["hidden"], layers=MODEL_DIMS["layers"],
                      heads=MODEL_DIMS["heads"], kv_heads=MODEL_DIMS["kv_heads"], seed=0)
-    tmp.rename(target)
     return target
 
 
@@ -75,14 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from gpupoor.recipe import load_recipe
 
+    from gpupoor.builtin_models import resolve_model_path
+
     loaded = load_recipe(args.recipe)
     recipe = loaded.recipe
-    model_dir = loaded.base_dir / recipe.model.name_or_path
-    train_rows = read_jsonl(loaded.base_dir / recipe.data.path)
+    model_dir = resolve_model_path(recipe.model.name_or_path, loaded.base_dir)  # gpupoor:demo: built on first use
     eval_rows = read_jsonl(loaded.base_dir / recipe.data.eval_path)
-    if not model_dir.exists():
-        print(f"building the demo model (random weights, seed 0) in {model_dir}")
-        build_demo_model(model_dir, train_rows)
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import types
+import typing
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -22,11 +24,29 @@ recipe (or generate the schema with `gpupoor schema > recipe.schema.json`).
 
 
 def _type_name(annotation) -> str:
-    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation)
-    for noise in ("typing.", "Literal", "NoneType"):
-        text = text.replace(noise, "" if noise != "NoneType" else "null")
-    return text.replace("[", "").replace("]", "").replace(", ", " \\| ").replace(" | ", " \\| ")
+    """An annotation as a reader writes it in YAML terms: `list[str] | "all-linear"`, `4 | 8 | null`, `str`.
+
+    Built from typing.get_origin/get_args, never from the repr, so `Optional[...]`, `Union[...]` and
+    `typing.` never leak into the reference. `|` is escaped for a markdown table cell."""
+    return _render_type(annotation).replace("|", "\\|")
+
+
+def _render_type(annotation) -> str:
+    if annotation is None or annotation is type(None):
+        return "null"
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(json.dumps(value) for value in args)
+    if origin is typing.Union or origin is types.UnionType:
+        # None last, as `null`, whatever order the annotation names it in
+        parts = [_render_type(arg) for arg in args if arg is not type(None)]
+        return " | ".join(parts + ["null"] * (type(None) in args))
+    if origin is not None:
+        name = getattr(origin, "__name__", None) or str(origin).removeprefix("typing.")
+        return f"{name}[{', '.join(_render_type(arg) for arg in args)}]" if args else name
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).removeprefix("typing.")
 
 
 def _default(field) -> str:
@@ -58,7 +78,8 @@ def render_recipe_reference() -> str:
     out += ["## Top-level keys", "", "| key | type | default | description |", "|---|---|---|---|"]
     for name in scalars:
         field = Recipe.model_fields[name]
-        out.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {field.description} |")
+        description = (field.description or "").replace("|", "\\|")
+        out.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {description} |")
     return "\n".join(out) + "\n"
 
 

@@ -6,6 +6,8 @@ where only a real crash would, so tests can prove that nothing is lost.
 - `enospc@STAGE[:STEP]`: raise "No space left on device" there instead.
 - `nan@STEP`: make the loss of optimizer step STEP non-finite.
 - `sigterm@STEP`: send this process SIGTERM right after optimizer step STEP (a preemption at a known step).
+- `sigterm@startup`: SIGTERM once the model is built, before the first step; `sigterm@stopped`: SIGTERM after the
+  stop checkpoint is committed, while the process winds down (a scheduler's repeated signal).
 
 Unset in normal use; reading one environment variable costs nothing.
 """
@@ -28,12 +30,14 @@ def at_stage(stage: str, step: int | None = None) -> None:
             continue
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
         if action == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(injected at {stage})")
 
 
 def steps_for(action: str) -> set[int]:
-    return {int(where) for name, where in _faults() if name == action}
+    return {int(where) for name, where in _faults() if name == action and where.isdigit()}
 
 
 def after_step(step: int) -> None:

@@ -21,7 +21,6 @@ class Generator:
 def load_generator(path: Path, checkpoint: str = "final", base: str | None = None, fmt: str | None = None,
                    device: str = "auto") -> Generator:
     """A run dir or adapter (base + adapter, quantized as trained) or a plain model directory."""
-    from transformers import AutoModelForCausalLM
 
     from gpupoor.data.build import make_encoder
     from gpupoor.hardware import dtype_of, resolve_device
@@ -43,15 +42,20 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
         trained_precision = read_manifest(source.adapter_dir).get("precision")
         precision = "fp32" if target == "cpu" else (trained_precision or "bf16")
         quantization = quantization_config(quant, precision) if quant.bits else None
-        model = AutoModelForCausalLM.from_pretrained(
-            base_name, dtype=dtype_of(precision), quantization_config=quantization,
-            revision=None if base else adapter_config.get("revision"),
-            device_map={"": target} if quantization else None)
-        model = PeftModel.from_pretrained(model, source.adapter_dir)
+        model = _load_base(base_name, dtype=dtype_of(precision), quantization_config=quantization,
+                           revision=None if base else adapter_config.get("revision"),
+                           device_map={"": target} if quantization else None)
+        try:
+            model = PeftModel.from_pretrained(model, source.adapter_dir)
+        except (RuntimeError, ValueError, KeyError) as exc:  # size mismatches, target modules not found
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"the adapter in {source.adapter_dir} does not fit the base {base_name}: it was trained "
+                            f"on another model ({first_line[:300]})",
+                            hint="pass --base with the model the run trained on, or leave --base out") from None
         tokenizer = load_tokenizer(str(source.adapter_dir), ModelSection(name_or_path=str(source.adapter_dir)))
         data = recipe.data if recipe else DataSection(path="-", format=fmt or "text")
     elif (path / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if target == "cpu" else "auto")
+        model = _load_base(str(path), dtype=torch.float32 if target == "cpu" else "auto")
         tokenizer = load_tokenizer(str(path), ModelSection(name_or_path=str(path)))
         data = DataSection(path="-", format=fmt or ("chat" if tokenizer.chat_template else "text"))
     else:
@@ -63,6 +67,44 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
         model.to(target)
     model.eval()
     return Generator(model, tokenizer, make_encoder(data, tokenizer))
+
+
+def _load_base(name: str, **kwargs):
+    """A base model by hub id or directory; what cannot be loaded is bad input, named."""
+    from transformers import AutoModelForCausalLM
+
+    local = Path(name).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise UserError(f"base model {local} has no config.json: it is not a model directory saved with "
+                        "save_pretrained", hint="pass --base with the model directory (or hub id) the run trained on")
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load the base model {name!r}: {exc}",
+                        hint="pass --base with a local model directory or a hub id you can reach") from None
+
+
+def context_length(model) -> int | None:
+    """Tokens the model attends over (prompt and generated together), when its config says."""
+    config = getattr(model, "config", None)
+    value = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def cap_new_tokens(model, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, str | None]:
+    """--max-new-tokens bounded by the context left after the longest prompt, and a note when it was capped."""
+    context = context_length(model)
+    if context is None:
+        return max_new_tokens, None
+    longest = max(len(p) for p in prompts)
+    room = context - longest
+    if room <= 0:
+        raise UserError(f"a prompt has {longest} tokens but the model's context is {context}: nothing can be generated",
+                        hint="shorten the prompt")
+    if max_new_tokens > room:
+        return room, (f"--max-new-tokens {max_new_tokens} capped at {room}: the model's context is {context} tokens "
+                      f"and the longest prompt takes {longest}")
+    return max_new_tokens, None
 
 
 def prompt_row(text: str, fmt: str) -> dict:

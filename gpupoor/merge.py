@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from gpupoor.checkpoint import read_manifest
+from gpupoor.checkpoint import read_manifest, verify_adapter_dir
 from gpupoor.errors import UserError
+from gpupoor.files import give_default_modes
 from gpupoor.train.report import read_metrics
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -34,8 +35,9 @@ class AdapterSource:
     run_dir: Path | None  # set when given a run directory: its recipe and metrics describe the adapter
 
 
-def resolve_adapter(path: Path, checkpoint: str) -> AdapterSource:
-    """A run dir (with --checkpoint final | step-N) or an adapter directory."""
+def resolve_adapter(path: Path, checkpoint: str, check_files: bool = True) -> AdapterSource:
+    """A run dir (with --checkpoint final | step-N) or an adapter directory, verified against its manifest
+    (unless `check_files` is off) before anything reads it."""
     if (path / "recipe.yaml").is_file():
         adapter = path / "final" if checkpoint == "final" else path / "checkpoints" / checkpoint
         if not (adapter / "adapter_config.json").is_file():
@@ -44,8 +46,10 @@ def resolve_adapter(path: Path, checkpoint: str) -> AdapterSource:
                             + (" (the run has not finished)" if checkpoint == "final" else ""),
                             hint="pick one with --checkpoint: " + ", ".join(available) if available
                             else "train the run to the end first (gpupoor resume)")
+        verify_adapter_dir(adapter, skip=not check_files, in_run=True)
         return AdapterSource(adapter, path)
     if (path / "adapter_config.json").is_file():
+        verify_adapter_dir(path, skip=not check_files)
         return AdapterSource(path, None)
     raise UserError(f"{path} is neither a gpupoor run directory nor a PEFT adapter directory "
                     "(no recipe.yaml, no adapter_config.json)")
@@ -55,6 +59,9 @@ def base_files(base: str, revision: str | None = None) -> Path:
     """A directory with the base's config and safetensors weights: local, or downloaded from the hub."""
     local = Path(base).expanduser()
     if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise UserError(f"base model {local} has no config.json: it is not a model directory saved with "
+                            "save_pretrained", hint="pass --base with the model directory (or hub id) the run trained on")
         return local
     from huggingface_hub import snapshot_download
 
@@ -324,6 +331,7 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
                 shutil.copy(tokenizer_source / name, tmp / name)
         (tmp / "README.md").write_text(model_card(base_name, recipe, metrics, str(target_dtype).removeprefix("torch."),
                                                   qlora_base if quantization.get("bits") else None))
+        give_default_modes(tmp)  # not the 0600 of safetensors' temporary files
         os.rename(tmp, output)  # the output appears whole or not at all
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,7 @@ import torch
 
 from gpupoor.errors import UserError
 from gpupoor.hardware import dtype_of
-from gpupoor.recipe import ModelSection, PeftSection, QuantizationSection, resolve_local_path
+from gpupoor.recipe import ModelSection, PeftSection, QuantizationSection
 
 # Dimensions of the shrunken model `--smoke` builds from the real config: small enough to step in
 # milliseconds on a CPU, same architecture class so the recipe's code path is the real one.
@@ -30,7 +30,9 @@ class ModelSummary:
 
 def model_location(model: ModelSection, base_dir: Path) -> str:
     """A local directory (absolute) or the hub id, as transformers' from_pretrained takes it."""
-    local = resolve_local_path(model.name_or_path, base_dir)
+    from gpupoor.builtin_models import resolve_model_path
+
+    local = resolve_model_path(model.name_or_path, base_dir)
     return str(local) if local is not None else model.name_or_path
 
 
@@ -150,6 +152,7 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
         # only means something when they live on a GPU.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               offload=gradient_checkpointing == "offload" and device == "cuda")
+    check_module_names(model, peft_cfg)
     torch.manual_seed(seed)  # LoRA A is randomly initialized: make it a function of the seed
     lora = LoraConfig(r=peft_cfg.rank, lora_alpha=peft_cfg.effective_alpha, lora_dropout=peft_cfg.dropout,
                       target_modules=peft_cfg.target_modules, modules_to_save=peft_cfg.modules_to_save or None,
@@ -167,6 +170,29 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
     model.peft_config["default"].base_model_name_or_path = location
     model.peft_config["default"].revision = model_cfg.revision
     return model
+
+
+def _matches(module_name: str, wanted: str) -> bool:
+    """peft's rule for a name in target_modules / modules_to_save: the whole name or its dotted tail."""
+    return module_name == wanted or module_name.endswith("." + wanted)
+
+
+def check_module_names(model, peft_cfg: PeftSection) -> None:
+    """Names in peft.target_modules / peft.modules_to_save that match no module are an error, not a silent
+    no-op (peft only complains when *no* target matches, and never about modules_to_save)."""
+    names = [name for name, _ in model.named_modules() if name]
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in names if not name.rsplit(".", 1)[-1].isdigit()})
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear)})
+    keys = {"peft.target_modules": peft_cfg.target_modules if isinstance(peft_cfg.target_modules, list) else [],
+            "peft.modules_to_save": peft_cfg.modules_to_save}
+    for key, wanted in keys.items():
+        unmatched = [w for w in wanted if not any(_matches(name, w) for name in names)]
+        if unmatched:
+            choices = linear if key == "peft.target_modules" else leaves
+            raise UserError(f"{key}: {', '.join(map(repr, unmatched))} match no module of this model",
+                            hint=f"its {'linear layers' if key == 'peft.target_modules' else 'modules'} are named: "
+                            + ", ".join(choices))
 
 
 def _prepare_quantized(model) -> None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.recipe import LoadedRecipe, Recipe, parse_size, resolve_local_path
+from gpupoor.builtin_models import resolve_model_path
+from gpupoor.recipe import LoadedRecipe, Recipe, parse_size
 
 MiB = 2**20
 GiB = 2**30
@@ -107,7 +108,7 @@ FILE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 def tokenizer_rows(name_or_path: str, base_dir: Path) -> int | None:
     """How many ids a local model's tokenizer can produce (tokenizer.json), or None when unknown."""
-    local = resolve_local_path(name_or_path, base_dir)
+    local = resolve_model_path(name_or_path, base_dir)
     path = local / "tokenizer.json" if local is not None else None
     if path is None or not path.is_file():
         return None
@@ -170,7 +171,7 @@ def _read_json(path: Path) -> dict:
 def find_config(name_or_path: str, base_dir: Path, revision: str | None = None) -> tuple[dict, str]:
     """The model's config.json without its weights: a local directory, the hub cache, the configs gpupoor
     ships for its own recipes, or (network allowing) the hub's config.json alone. Returns (config, source)."""
-    local = resolve_local_path(name_or_path, base_dir)
+    local = resolve_model_path(name_or_path, base_dir)
     if local is not None:
         path = local / "config.json"
         if not path.is_file():

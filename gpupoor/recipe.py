@@ -19,7 +19,8 @@ from gpupoor.errors import UserError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `.inf` / `.nan` in YAML is a schema error on every float key, not a NaN loss later.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):
@@ -157,6 +158,13 @@ class TrainingSection(_Section):
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _check_betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in value):
+            raise ValueError("each beta must be in [0, 1), e.g. [0.9, 0.999]")
+        return value
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd",
                        "lion_8bit"] = Field(
         "adamw", description="`adamw`: torch AdamW (fused kernel on CUDA, foreach on CPU). `adamw_8bit`: "
@@ -280,7 +288,7 @@ class Recipe(_Section):
     memory: MemorySection = Field(default_factory=MemorySection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
-    seed: int = Field(42, description="Seeds weights init of adapters, data order and dropout.")
+    seed: int = Field(42, ge=0, le=2**64 - 1, description="Seeds weights init of adapters, data order and dropout.")
     output_dir: str | None = Field(
         None, description="Run directory. Relative paths resolve against the recipe file; default "
         "`runs/<recipe name>` in the current directory. Must be empty or absent."
@@ -347,7 +355,7 @@ def _line_map(text: str) -> dict[str, int]:
                 walk(value_node, key)
 
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_RecipeLoader)
     except yaml.YAMLError:
         return lines
     if root is not None:
@@ -355,8 +363,55 @@ def _line_map(text: str) -> dict[str, int]:
     return lines
 
 
-class _NoDuplicatesLoader(yaml.SafeLoader):
-    pass
+MAX_YAML_VALUES = 10_000  # values in a recipe with every alias expanded; real recipes have a few hundred
+
+
+class _RefusedYAML(yaml.composer.ComposerError):
+    """YAML that parses but that a recipe refuses (alias bombs); reported without "not valid YAML"."""
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys and alias bombs.
+
+    An alias (`*name`) reuses its anchor's node, so nested aliases ("billion laughs") build a document of
+    billions of values from a few hundred bytes; validating or printing it then runs out of memory. Count the
+    values the document has with every alias expanded, and refuse past MAX_YAML_VALUES at the alias that
+    crosses the limit. Small reuse (`lr: &lr 1e-4` ... `*lr`) still works."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._expanded_values = 0
+        self._done: set[int] = set()  # ids of nodes fully composed
+        self._sizes: dict[int, int] = {}  # id(node) -> values in it, aliases expanded
+
+    def compose_node(self, parent, index):
+        if not self.check_event(yaml.AliasEvent):
+            self._expanded_values += 1  # its children are counted as they are composed
+            node = super().compose_node(parent, index)
+            self._done.add(id(node))
+            return node
+        event = self.peek_event()
+        node = super().compose_node(parent, index)
+        if id(node) not in self._done:  # `&a [*a]`: the alias is inside its own anchor
+            raise _RefusedYAML(None, None, f"alias *{event.anchor} is inside its own anchor "
+                                              f"&{event.anchor} (a recursive document)", event.start_mark)
+        self._expanded_values += self._size(node)
+        if self._expanded_values > MAX_YAML_VALUES:
+            raise _RefusedYAML(
+                None, None, f"alias *{event.anchor} expands the recipe past {MAX_YAML_VALUES} values (aliases "
+                "of aliases, a \"billion laughs\" document); a recipe is small: write its values out, or use "
+                "aliases only for a few small values", event.start_mark)
+        return node
+
+    def _size(self, node: yaml.Node) -> int:
+        if id(node) not in self._sizes:
+            size = 1
+            if isinstance(node, yaml.SequenceNode):
+                size += sum(self._size(child) for child in node.value)
+            elif isinstance(node, yaml.MappingNode):
+                size += sum(self._size(key) + self._size(value) for key, value in node.value)
+            self._sizes[id(node)] = min(size, MAX_YAML_VALUES + 1)  # past the limit the exact count is moot
+        return self._sizes[id(node)]
 
 
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -371,7 +426,7 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
     return loader.construct_mapping(node, deep=deep)
 
 
-_NoDuplicatesLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> list[str]:
@@ -383,9 +438,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[str]:
         key, raw = item.split("=", 1)
         key = key.strip()
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.load(raw, Loader=_RecipeLoader) if raw.strip() else None
         except yaml.YAMLError as exc:
-            raise UserError(f"--set {key}: cannot parse value {raw!r} as YAML: {exc}") from None
+            raise UserError(f"--set {key}: cannot parse value {_short(raw)} as YAML: {exc}") from None
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -411,13 +466,25 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return list(model.model_fields) if model else []
 
 
+MAX_REPORTED_ERRORS = 10
+MAX_VALUE_CHARS = 200
+
+
+def _short(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    """repr(value), cut to `limit` characters: a huge value must not make a huge error message."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def format_validation_error(exc: ValidationError, source: str, lines: dict[str, int],
                             overridden: set[str]) -> str:
     messages = []
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        dotted = ".".join(str(p) for p in loc) or "(top level)"
-        where = _where(dotted, source, lines, overridden)
+    errors = exc.errors()
+    for err in errors[:MAX_REPORTED_ERRORS]:
+        where = _where(".".join(str(p) for p in err["loc"]), source, lines, overridden)
+        loc = tuple(str(p) if len(str(p)) <= MAX_VALUE_CHARS else str(p)[: MAX_VALUE_CHARS - 3] + "..."
+                    for p in err["loc"])  # a huge unknown key must not make a huge message
+        dotted = ".".join(loc) or "(top level)"
         if err["type"] == "extra_forbidden":
             allowed = _allowed_keys(loc)
             guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
@@ -430,8 +497,10 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[str, 
             msg = f"{where}: '{dotted}' is required"
         else:
             detail = err["msg"].removeprefix("Value error, ")
-            msg = f"{where}: '{dotted}' = {err.get('input')!r}: {detail}"
+            msg = f"{where}: '{dotted}' = {_short(err.get('input'))}: {detail}"
         messages.append(msg)
+    if len(errors) > MAX_REPORTED_ERRORS:
+        messages.append(f"... and {len(errors) - MAX_REPORTED_ERRORS} more errors")
     return "invalid recipe:\n  " + "\n  ".join(messages) + \
         "\n  see docs/recipe.md or `gpupoor schema` for every key"
 
@@ -451,14 +520,21 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedR
     """Read, override and validate a recipe file. Raises UserError with file:line on any problem."""
     path = Path(path)
     if not path.is_file():
+        if path.exists():  # a directory, a FIFO, a device: reading it would fail or block
+            raise UserError(f"{path}: not a regular file", hint="pass the path of a .yaml recipe file")
         raise UserError(f"recipe not found: {path}", hint="pass the path of a .yaml recipe, e.g. recipes/demo.yaml")
-    text = path.read_text(encoding="utf-8")
     try:
-        data = yaml.load(text, Loader=_NoDuplicatesLoader)
+        text = decode_utf8(path, path.read_bytes())
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the recipe: {exc.strerror or exc}") from None
+    try:
+        data = yaml.load(text, Loader=_RecipeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc)
+        if isinstance(exc, _RefusedYAML):
+            raise UserError(f"{where}: {problem}") from None
         raise UserError(f"{where}: not valid YAML: {problem}") from None
     if data is None:
         data = {}
@@ -474,6 +550,20 @@ def validate_recipe_data(data: dict, source: str = "<recipe>", lines: dict[str, 
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise UserError(format_validation_error(exc, source, lines or {}, overridden or set())) from None
+
+
+def decode_utf8(path: Path | str, raw: bytes) -> str:
+    """The text of a file's bytes, or a UserError naming the file, line and byte offset of the first byte that is
+    not UTF-8 (the recipe and data files are read as UTF-8)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at byte offset {exc.start} "
+                        f"(line {line}, column {column}): {exc.reason}",
+                        hint="save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > OUT`, or your editor's "
+                        "\"save with encoding\")") from None
 
 
 def recipe_to_yaml(recipe: Recipe, header: str = "") -> str:

@@ -6,6 +6,7 @@ progress, checkpoints, signals and time limits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -65,6 +66,19 @@ def quiet_libraries() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
+def check_launch(environ=os.environ) -> None:
+    """`accelerate launch --num_processes N` without --multi_gpu (e.g. with --cpu) runs accelerate's simple
+    launcher: ONE process, which only exports MASTER_ADDR/PORT for an mpirun that is not there. Training would
+    silently run on one process; say how to launch N instead."""
+    launched_by_accelerate = "ACCELERATE_USE_CPU" in environ or "ACCELERATE_MIXED_PRECISION" in environ
+    ranked = any(key in environ for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK"))
+    if launched_by_accelerate and "MASTER_ADDR" in environ and not ranked:
+        raise UserError("accelerate launch started a single process although more were asked for: without "
+                        "--multi_gpu (or with --cpu) it uses its one-process launcher, which expects mpirun",
+                        hint="on CPUs: torchrun --nproc-per-node N -m gpupoor train RECIPE; on GPUs: accelerate "
+                        "launch --multi_gpu --num_processes N -m gpupoor train RECIPE")
+
+
 def make_accelerator(device: str, precision: str):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -122,11 +136,36 @@ def resolve_run_dir(loaded: LoadedRecipe, output_dir: str | None, stem: str) -> 
 
 
 def check_run_dir(run_dir: Path) -> None:
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+    if run_dir.exists() and not run_dir.is_dir():
+        kind = "a file" if run_dir.is_file() else "not a directory"
+        raise UserError(f"run directory {run_dir} is {kind}",
+                        hint="pass --output-dir NEW_DIR (or set output_dir) naming a new or empty directory")
+    if run_dir.exists() and any(run_dir.iterdir()):
         hint = (f"to continue it: gpupoor resume {run_dir}" if (run_dir / "recipe.yaml").is_file()
                 else "pass --output-dir NEW_DIR (or set output_dir), or delete the old run")
         raise UserError(f"run directory {run_dir} is not empty; gpupoor never trains over an earlier run",
                         hint=hint)
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create the run directory (and a file in it) and remove them again, before anything slow: a read-only or
+    impossible location is bad input, said at once, not an OSError after the model has loaded."""
+    missing = []
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot create the run directory {run_dir}: {exc.strerror or exc}",
+                        hint="pass --output-dir (or set output_dir) to a writable location") from None
+    finally:
+        for path in missing:  # deepest first; leave nothing behind
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> int:
@@ -150,10 +189,26 @@ def store_recipe(run_dir: Path, recipe: Recipe) -> None:
     write_text_atomic(run_dir / "recipe.yaml", recipe_to_yaml(recipe, header))
 
 
+@contextlib.contextmanager
+def _stop_requests(stop):
+    """The command's StopRequest, or one installed for the length of this call (the demo, a notebook). It is
+    installed before anything slow, so a SIGTERM while the model loads stops at step 0 with a checkpoint."""
+    if stop is not None:
+        yield stop
+        return
+    from gpupoor.signals import StopRequest
+
+    stop = StopRequest().install()
+    try:
+        yield stop
+    finally:
+        stop.uninstall()
+
+
 def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke: bool = False,
-                      say=print, started: float | None = None, plan=None) -> RunResult:
+                      say=print, started: float | None = None, plan=None, stop=None) -> RunResult:
     """`started`: time.monotonic() when the command began; the time limit counts from there. `plan`: the
-    memory plan the preflight made (made here when not given)."""
+    memory plan the preflight made (made here when not given). `stop`: the command's installed StopRequest."""
     started = time.monotonic() if started is None else started
     recipe = portable_recipe(loaded)
     if smoke:
@@ -162,30 +217,36 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
     temporary = smoke and not output_dir
     run_dir = Path(tempfile.mkdtemp(prefix="gpupoor-smoke-")) if temporary else resolve_run_dir(loaded, output_dir, stem)
     check_run_dir(run_dir)
+    check_launch()
+    if not temporary:
+        check_writable(run_dir)
     try:
         if plan is None and not smoke:
             plan = _plan_quietly(loaded)
-        return _execute(recipe, run_dir, None, smoke, say, started, plan=plan)
+        with _stop_requests(stop) as stop:
+            return _execute(recipe, run_dir, None, smoke, say, started, plan=plan, stop=stop)
     finally:
         if temporary:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=print,
-               started: float | None = None) -> RunResult:
+               started: float | None = None, stop=None) -> RunResult:
     started = time.monotonic() if started is None else started
     run_dir = run_dir.expanduser().resolve()
     if not (run_dir / "recipe.yaml").is_file():
         raise UserError(f"{run_dir} is not a gpupoor run directory (no recipe.yaml)",
                         hint="pass the directory `gpupoor train` wrote, e.g. runs/my-recipe")
+    check_launch()
     lock = RunLock(run_dir).acquire()
     try:
-        return _resume_locked(run_dir, overrides, force, say, started, lock)
+        with _stop_requests(stop) as stop:
+            return _resume_locked(run_dir, overrides, force, say, started, lock, stop)
     finally:
         lock.release()
 
 
-def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, started: float, lock) -> RunResult:
+def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, started: float, lock, stop) -> RunResult:
     from gpupoor.checkpoint import final_problem, latest_valid, sweep_temporary
     from gpupoor.resume import diff_recipes, format_changes
 
@@ -218,7 +279,7 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
             "  (to train further: gpupoor resume RUN_DIR --set training.max_steps=N)")
         return RunResult(run_dir, "already_done", checkpoint.manifest.get("loss"), checkpoint.step)
     plan = _plan_quietly(LoadedRecipe(recipe, None))
-    return _execute(recipe, run_dir, checkpoint, False, say, started, force=force, lock=lock, plan=plan)
+    return _execute(recipe, run_dir, checkpoint, False, say, started, force=force, lock=lock, plan=plan, stop=stop)
 
 
 def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
@@ -244,7 +305,12 @@ class RunLock:
     def acquire(self) -> "RunLock":
         import fcntl
 
-        self.handle = open(self.path, "a+")
+        try:
+            self.handle = open(self.path, "a+")
+        except OSError as exc:
+            raise UserError(f"cannot write in the run directory {self.path.parent}: {exc.strerror or exc}",
+                            hint="a run directory must be writable to train in it; copy it to a writable place "
+                            "and resume the copy") from None
         try:
             fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -296,7 +362,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: float,
-             force: bool = False, lock: RunLock | None = None, plan=None) -> RunResult:
+             force: bool = False, lock: RunLock | None = None, plan=None, stop=None) -> RunResult:
     import torch
     from safetensors.torch import load_file
 
@@ -306,11 +372,10 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     from gpupoor.hardware import (resolve_attention, resolve_device, resolve_precision, resolve_sampler,
                                   usable_cpu_count)
     from gpupoor.loss import find_fused_head, fused_loss_sum, plain_loss_sum
-    from gpupoor.model import build_model, load_tokenizer, summarize
+    from gpupoor.model import build_model, load_tokenizer, model_location, summarize
     from gpupoor.optim import build_optimizer, build_scheduler, optimizer_state_bytes, warmup_steps
     from gpupoor.resume import trajectory_hash
     from gpupoor.train.report import NullWriter
-    from gpupoor.signals import StopRequest
     from gpupoor.train.loop import Hooks, LoopSettings, TooManySkippedSteps, train
     from gpupoor.train.report import MetricsWriter, Progress
     from gpupoor.train.state import TrainState, restore_rng
@@ -330,7 +395,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     torch.manual_seed(recipe.seed)
 
     base_dir = Path.cwd()  # the portable recipe holds absolute local paths; hub ids need no base
-    location = recipe.model.name_or_path
+    location = model_location(recipe.model, base_dir)  # a local directory (built-in models built) or a hub id
     tokenizer = load_tokenizer(location, recipe.model)
     sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code)
     data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, base_dir,
@@ -385,6 +450,8 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     say(f"gpupoor {verb}: {recipe.model.name_or_path}" + (" (shrunken random-weight copy)" if smoke else ""))
     say(f"  device {device.value} ({device.reason}); precision {precision.value} ({precision.reason}); "
         f"attention {attention.value} ({attention.reason})")
+    say(f"  processes: {accelerator.num_processes}"
+        + (f" (DDP, {accelerator.state.backend})" if accelerator.num_processes > 1 else " (no data parallelism)"))
     say(f"  loss: {'fused chunked cross-entropy' if fused is not None else 'plain cross-entropy'} ({loss_reason}); "
         f"gradient checkpointing: {checkpointing}")
     say(f"  parameters {summary.total_params:,}; trainable {summary.trainable_params:,} "
@@ -526,7 +593,7 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
                             loss_fn=loss_fn if nan_steps else base_loss)
     metrics = MetricsWriter(run_dir / "metrics.jsonl") if main else NullWriter()
     progress = Progress(steps, state.step, recipe.logging.progress if main else "none", recipe.logging.every_steps)
-    stop = StopRequest().install()
+    faults.at_stage("startup")
     if resume is not None:
         restore_rng(state.rng)  # last, so nothing above consumes the restored stream
     try:
@@ -543,13 +610,19 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
         else:
             name = f"step-{state.step:06d}"
     finally:
-        stop.uninstall()
         metrics.close()
         if main:
             (run_dir / SESSION).unlink(missing_ok=True)
         if owns_lock:
             lock.release()
     if reason != "done":
+        faults.at_stage("stopped")
+        if reason == "time_limit" and state.step == first_step:
+            raise UserError(f"checkpoint.time_limit {recipe.checkpoint.time_limit} is too short for one optimizer "
+                            f"step: start-up took {time.monotonic() - started:.0f} s and a checkpoint needs "
+                            "time in reserve, so every resume would stop here again",
+                            hint=f"continue with a longer limit: gpupoor resume {run_dir} --time-limit DURATION "
+                            f"(the checkpoint checkpoints/{name} keeps this run)")
         why = f"time limit {recipe.checkpoint.time_limit} nearly reached" if reason == "time_limit" else reason
         say(f"{why}: stopped after step {state.step} with checkpoint checkpoints/{name}\n"
             f"continue with: gpupoor resume {run_dir}")

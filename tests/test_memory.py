@@ -75,15 +75,21 @@ def _loss_and_grads(model, batch, fused: bool):
 def test_fused_loss_equals_plain_loss_on_a_model(case, tiny_model, tiny_tied_model, tokenizer):
     model_dir = tiny_tied_model if case == "tied_embeddings" else tiny_model
     extra = {"modules_to_save": ["lm_head"]} if case == "trained_head" else {}
-    model = _peft(model_dir, **extra)
+    # float64, so the comparison does not hinge on float32 rounding (which differs between CPUs and BLAS
+    # builds). The fused loss then runs in float64; the plain loss still casts the logits to float32, so the
+    # two differ by a few float32 epsilons (measured: 3e-8 of the loss, 2e-7 of a gradient's norm), while a
+    # token counted wrongly or a missed gradient path is off by percents.
+    model = _peft(model_dir, **extra).double()
     batch = _batch(tokenizer)
     plain_loss, plain_grads = _loss_and_grads(model, batch, fused=False)
     fused_loss, fused_grads = _loss_and_grads(model, batch, fused=True)
-    assert torch.allclose(fused_loss, plain_loss, rtol=1e-6)
+    assert abs(float(fused_loss - plain_loss)) <= 1e-5 * abs(float(plain_loss))
     if case == "trained_head":
         assert any("lm_head" in name for name in fused_grads)
+    assert fused_grads.keys() == plain_grads.keys()
     for name, grad in plain_grads.items():
-        assert torch.allclose(fused_grads[name], grad, rtol=1e-4, atol=1e-6), name
+        assert fused_grads[name].dtype == torch.float64, name
+        assert (fused_grads[name] - grad).norm() <= 1e-5 * grad.norm(), name
 
 
 def test_fused_loss_falls_back_when_the_head_is_adapted(tiny_model):

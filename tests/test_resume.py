@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -102,9 +103,10 @@ def test_resume_is_bitwise_exact_with_packing(straight, tmp_path, monkeypatch):
 def test_resume_after_time_limit_finishes_the_same_run(straight, make_recipe, tmp_path, monkeypatch):
     recipe, reference = straight()
     run = tmp_path / "limited"
-    # A limit used up before the first step: it stops at step 0 with a checkpoint; a new budget finishes.
+    # A limit used up before the first step: every resume would stop there again, so it is bad input (exit 2,
+    # not 75, which a scheduler would requeue forever); the step-0 checkpoint keeps the run, a new budget finishes.
     result = invoke("train", recipe, "--output-dir", run, "--time-limit", "0.001s", monkeypatch=monkeypatch)
-    assert result.exit_code == 75 and "time limit" in result.output
+    assert result.exit_code == 2 and "is too short for one optimizer step" in result.output
     assert (run / "checkpoints" / "step-000000" / "manifest.json").is_file()
     resumed = invoke("resume", run, "--time-limit", "10m", monkeypatch=monkeypatch)
     assert resumed.exit_code == 0 and "checkpoint.time_limit: \"0.001s\" -> \"10m\"" in resumed.output
@@ -306,7 +308,10 @@ def test_a_run_dir_in_use_is_not_resumed_twice(straight, monkeypatch):
         assert other.stdout.readline().strip() == "locked"
         (run / "session.json").write_text(json.dumps({"pid": other.pid, "started": time.time() - 90,
                                                       "time_limit_s": 3600}))
-        assert f"running: pid {other.pid}, time limit left 58m" in invoke("status", run, monkeypatch=monkeypatch).output
+        # 3600 s from 90 s ago: 58m left, minus however long this machine takes to get here.
+        status = invoke("status", run, monkeypatch=monkeypatch).output
+        left = re.search(rf"running: pid {other.pid}, time limit left (\d+)m\b", status)
+        assert left and 50 <= int(left.group(1)) <= 58, status
         result = invoke("resume", run, monkeypatch=monkeypatch)
         assert result.exit_code == 2 and "another gpupoor process is training" in result.output
     finally:
@@ -336,5 +341,9 @@ def test_two_processes_train_like_one_with_accumulation(make_recipe, tmp_path):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
     first, second = adapter(tmp_path / "one"), adapter(tmp_path / "two")
+    assert first.keys() == second.keys()
+    # Two process layouts: gradients meet through gloo's all-reduce instead of in-place accumulation, so
+    # equality is to rounding, relative to each tensor's size (bitwise on the machines tried). A process
+    # that trained on the wrong micro-batch, or a wrong gradient scale, is off by far more.
     for name in first:
-        assert torch.allclose(first[name], second[name], atol=1e-6), name
+        assert (first[name].double() - second[name].double()).norm() <= 1e-5 * second[name].double().norm(), name

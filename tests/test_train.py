@@ -214,14 +214,20 @@ def test_qlora_4bit_trains_on_cpu(make_recipe, tmp_path):
 
 
 def test_time_limit_stops_with_a_checkpoint_and_exit_75(make_recipe, tmp_path):
-    import time
-
-    started = time.monotonic()
-    result = train(make_recipe(training={"max_steps": 100000}, checkpoint={"time_limit": "3s"}),
-                   "--output-dir", tmp_path / "run")
-    assert time.monotonic() - started < 3.0  # the whole command, checkpoint included, beat the deadline
+    # What the run records, not how fast this machine is: how many steps fit in the limit is not asserted; that
+    # the run stopped for the limit, with its last step checkpointed, is. (A limit that fits no step at all is
+    # exit 2: tests/test_resume.py.)
+    run = tmp_path / "run"
+    result = train(make_recipe(training={"max_steps": 100000}, checkpoint={"time_limit": "8s"}),
+                   "--output-dir", run)
     assert result.exit_code == 75, result.output
-    checkpoints = list((tmp_path / "run" / "checkpoints").iterdir())
-    assert len(checkpoints) == 1 and (checkpoints[0] / "manifest.json").is_file()
-    steps = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
-    assert 0 < len(steps) < 100000
+    steps = [r["step"] for r in read_metrics(run) if "loss" in r]
+    last = steps[-1] if steps else 0
+    assert steps == list(range(1, last + 1)) and last < 100000
+    assert (f"time limit 8s nearly reached: stopped after step {last} with checkpoint "
+            f"checkpoints/step-{last:06d}") in result.output
+    assert f"continue with: gpupoor resume {run}" in result.output
+    checkpoints = list((run / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints] == [f"step-{last:06d}"]
+    assert json.loads((checkpoints[0] / "manifest.json").read_text())["step"] == last
+    assert not (run / "final").exists()  # stopped early: no final adapter

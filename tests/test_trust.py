@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,186 @@ def test_extending_a_finished_run_follows_the_new_schedule_without_new_warmup(ma
     for step in range(9, 21):  # every resumed step takes the new schedule's value at that step
         assert lrs[step] == pytest.approx(peak * lr_factor(step - 1, warmup, 20, "cosine"), rel=1e-12), step
     assert lrs[9] > 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Signals and time limits end in exit 75 (requeue) or 2 (bad input), never a bare 143 or an endless requeue
+
+
+def _train_process(recipe: Path, run: Path, fault: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPUPOOR_FAULT": fault}
+    return subprocess.run([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run)],
+                          env=env, capture_output=True, text=True)
+
+
+def test_sigterm_during_startup_stops_at_step_0_with_a_checkpoint(make_recipe, tmp_path):
+    run = tmp_path / "run"
+    result = _train_process(make_recipe("s.yaml"), run, "sigterm@startup")
+    assert result.returncode == 75, result.stderr
+    assert (run / "checkpoints" / "step-000000" / "manifest.json").is_file()
+    resumed = invoke("resume", run)
+    assert resumed.exit_code == 0, resumed.output
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_sigterm_after_the_stop_checkpoint_still_exits_75(make_recipe, tmp_path):
+    run = tmp_path / "run"
+    result = _train_process(make_recipe("s.yaml"), run, "sigterm@2,sigterm@stopped")
+    assert result.returncode == 75, result.stderr
+    assert "stopped after step 2 with checkpoint checkpoints/step-000002" in result.stdout
+
+
+def test_a_bad_time_limit_names_the_option(make_recipe):
+    result = invoke("train", make_recipe(), "--time-limit", "5 parsecs")
+    assert result.exit_code == 2 and "--time-limit '5 parsecs': not a positive duration" in result.output
+    assert "--set" not in result.output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run directories that cannot be used are said to be so, before anything loads
+
+
+def test_an_output_dir_that_is_a_file(make_recipe, tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("x")
+    result = invoke("train", make_recipe(), "--output-dir", target)
+    assert result.exit_code == 2 and f"run directory {target} is a file" in result.output
+    assert "not empty" not in result.output
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_an_output_dir_that_cannot_be_created(make_recipe, tmp_path, where):
+    if where == "under-a-file":
+        (tmp_path / "plain").write_text("x")
+        target = tmp_path / "plain" / "run"
+    else:  # no process may create directories in /proc, root included
+        target = Path("/proc") / "gpupoor-test" / "run"
+    result = invoke("train", make_recipe(), "--output-dir", target)
+    assert result.exit_code == 2, result.output
+    assert f"cannot create the run directory {target}" in result.output and "Traceback" not in result.output
+    assert not target.exists()
+
+
+def test_a_run_that_fails_while_loading_leaves_no_directory_behind(make_recipe, tiny_model, tmp_path):
+    broken = tmp_path / "config-only"  # passes validate (it has a config), fails when the tokenizer loads
+    broken.mkdir()
+    shutil.copy(tiny_model / "config.json", broken / "config.json")
+    target = tmp_path / "new" / "deeper" / "run"
+    result = invoke("train", make_recipe(model={"name_or_path": str(broken)}), "--output-dir", target)
+    assert result.exit_code == 2 and "cannot load a tokenizer" in result.output, result.output
+    assert not (tmp_path / "new").exists()
+
+
+def test_final_and_checkpoint_files_get_the_modes_open_gives(finished_run, tmp_path):
+    probe = tmp_path / "probe"
+    probe.write_text("x")
+    expected = probe.stat().st_mode & 0o777
+    written = [p for p in (finished_run / "final").iterdir()] + \
+              [p for c in (finished_run / "checkpoints").iterdir() for p in c.iterdir()]
+    assert any(p.name == "adapter_model.safetensors" for p in written)
+    assert {p.name: p.stat().st_mode & 0o777 for p in written} == {p.name: expected for p in written}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate and merge-lora: bounded, and a wrong base is named
+
+
+def test_generate_caps_new_tokens_at_the_models_context(finished_run):
+    result = invoke("generate", finished_run, "--prompt", "sort lists", "--max-new-tokens", "1000000000")
+    assert result.exit_code == 0, result.output
+    assert "--max-new-tokens 1000000000 capped at" in result.output and "context is 1024 tokens" in result.output
+
+
+def test_generate_with_a_base_of_another_architecture(finished_run, tokenizer, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4)).save_pretrained(gpt2)
+    result = invoke("generate", finished_run, "--prompt", "hi", "--base", gpt2)
+    assert result.exit_code == 2 and "does not fit the base" in result.output and "--base" in result.output
+
+
+@pytest.mark.parametrize("command", ["merge-lora", "generate"])
+def test_a_base_directory_without_config(finished_run, tmp_path, command):
+    (tmp_path / "empty").mkdir()
+    extra = ["--output", tmp_path / "m"] if command == "merge-lora" else ["--prompt", "hi"]
+    result = invoke(command, finished_run, *extra, "--base", tmp_path / "empty")
+    assert result.exit_code == 2 and "has no config.json" in result.output, result.output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# peft names that match nothing are errors, not silently ignored
+
+
+@pytest.mark.parametrize("peft", [{"target_modules": ["q_proj", "qkv_projection"]},
+                                  {"modules_to_save": ["lm_heads"]}])
+def test_peft_names_that_match_no_module_fail_validate_and_train(make_recipe, tmp_path, peft):
+    key = next(iter(peft))
+    recipe = make_recipe(peft=peft)
+    validated = invoke("validate", recipe)
+    assert validated.exit_code == 2 and f"peft.{key}" in validated.output and "match no module" in validated.output
+    trained = invoke("train", recipe, "--output-dir", tmp_path / "run")
+    assert trained.exit_code == 2 and "match no module" in trained.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_dotted_name_is_checked_against_the_built_model(make_recipe, tmp_path):
+    recipe = make_recipe(peft={"modules_to_save": ["layers.9.mlp"]})  # the model has 2 layers
+    assert invoke("validate", recipe).exit_code == 0  # the config alone cannot tell
+    trained = invoke("train", recipe, "--output-dir", tmp_path / "run")
+    assert trained.exit_code == 2 and "peft.modules_to_save: 'layers.9.mlp' match no module" in trained.output
+    assert "post_attention_layernorm" in trained.output  # the hint lists the names it has
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launching: the README's accelerate form never silently trains on one process
+
+
+def test_accelerate_launch_cpu_with_two_processes_is_refused_with_how_to_launch(make_recipe, tmp_path):
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+                             "-m", "gpupoor", "train", str(make_recipe()), "--output-dir", str(run)],
+                            capture_output=True, text=True, env={**os.environ, "GPUPOOR_FAULT": ""})
+    # gpupoor exits 2 with the message; accelerate's launcher then reports its child's failure as its own exit 1.
+    assert result.returncode != 0 and "returned non-zero exit status 2" in result.stderr, result.stderr
+    assert "single process" in result.stderr and "torchrun --nproc-per-node" in result.stderr
+    assert not run.exists()
+
+
+def test_the_startup_summary_says_how_many_processes_train(finished_run, make_recipe, tmp_path):
+    result = invoke("train", make_recipe(), "--output-dir", tmp_path / "again")
+    assert "processes: 1 (no data parallelism)" in result.output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A shipped recipe works as shipped
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_demo_recipe_validates_and_trains_on_a_fresh_clone(tmp_path):
+    from gpupoor.files import default_cache_dir
+
+    built = default_cache_dir() / "models" / "demo-v1"  # the test's own empty cache: a fresh machine
+    assert not built.exists()
+    validated = invoke("validate", ROOT / "recipes" / "demo.yaml")
+    assert validated.exit_code == 0, validated.output
+    assert (built / "manifest.json").is_file() and (built / "config.json").is_file()
+    smoke = invoke("train", ROOT / "recipes" / "demo.yaml", "--smoke")
+    assert smoke.exit_code == 0 and "smoke test passed" in smoke.output
+
+
+def test_a_damaged_builtin_model_is_built_again(tmp_path):
+    from safetensors.torch import load_file as load
+
+    from gpupoor.builtin_models import builtin_model
+
+    first = builtin_model("demo")
+    reference = {k: v.clone() for k, v in load(first / "model.safetensors").items()}
+    flip_byte(first / "model.safetensors", 0.9)
+    again = builtin_model("demo")  # verified against its manifest, found damaged, built again from the seed
+    rebuilt = load(again / "model.safetensors")
+    assert again == first and all(torch.equal(rebuilt[k], reference[k]) for k in reference)
+    with pytest.raises(Exception, match="no built-in model gpupoor:nope"):
+        builtin_model("nope")

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
-from gpupoor.data.dataset import CacheEntryInvalid, TokenizedDataset, cache_key, default_cache_dir, tokenize_rows
+from gpupoor.data.dataset import CacheEntryInvalid, TokenizedDataset, cache_key, tokenize_rows
 from gpupoor.data.formats import IGNORE_INDEX, Encoder
 from gpupoor.data.loading import DataSource, read_rows, resolve_source
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
 from gpupoor.errors import UserError
+from gpupoor.files import default_cache_dir
 from gpupoor.recipe import DataSection
 
 

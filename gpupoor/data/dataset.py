@@ -147,6 +147,3 @@ def cache_key(data_fingerprint: str, tokenizer, encoder: Encoder) -> str:
     digest.update(json.dumps(settings, sort_keys=True).encode())
     return digest.hexdigest()[:32]
 
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("GPUPOOR_CACHE") or Path.home() / ".cache" / "gpupoor")

@@ -52,8 +52,15 @@ def _field(row: dict, name: str, where: str, fmt: str, required: bool = True) ->
     return value
 
 
-def check_row(row: dict, where: str, fmt: str, text_field: str = "text", messages_field: str = "messages") -> None:
-    """Raise a UserError naming file:line and the field when a row does not fit the format."""
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_row(row: dict, where: str, fmt: str, text_field: str = "text", messages_field: str = "messages",
+              needs_assistant: bool = True) -> None:
+    """Raise a UserError naming file:line and the field when a row does not fit the format.
+
+    `needs_assistant`: a chat row must have an assistant turn (training without data.train_on_prompt has
+    nothing else to learn from); a prompt for `generate` need not."""
     if fmt == "text":
         _field(row, text_field, where, fmt)
     elif fmt == "alpaca":
@@ -72,6 +79,19 @@ def check_row(row: dict, where: str, fmt: str, text_field: str = "text", message
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                     or not isinstance(message.get("content"), str):
                 raise UserError(f"{where}: {messages_field}[{index}] needs string fields 'role' and 'content'")
+            if message["role"] not in CHAT_ROLES:
+                raise UserError(f"{where}: {messages_field}[{index}] has role {message['role']!r}; allowed: "
+                                f"{', '.join(CHAT_ROLES)}", hint="rename the role (e.g. human -> user, gpt -> "
+                                "assistant)")
+        first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
+        if first is not None and messages[first]["role"] == "assistant":
+            raise UserError(f"{where}: {messages_field}[{first}] is an assistant turn before any user turn; after "
+                            "optional system turns a conversation starts with the user",
+                            hint="add the user turn it answers, or drop the row")
+        if needs_assistant and not any(m["role"] == "assistant" for m in messages):
+            raise UserError(f"{where}: {messages_field} has no assistant turn, so there is nothing to train on",
+                            hint="add the assistant's reply, or set data.train_on_prompt: true to train on the "
+                            "whole conversation")
 
 
 class Encoder:
@@ -86,6 +106,8 @@ class Encoder:
         self.text_field = text_field
         self.messages_field = messages_field
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        self.template_name = ("data.chat_template" if chat_template else "the tokenizer's chat template"
+                              if getattr(tokenizer, "chat_template", None) else "the default ChatML template")
         bos = tokenizer.bos_token_id
         # Add BOS only where the tokenizer itself would (Llama yes, Qwen no).
         self.bos = [bos] if bos is not None and tokenizer("a").input_ids[:1] == [bos] else []
@@ -106,12 +128,17 @@ class Encoder:
                     (_field(row, "completion", where, "completion"), True)]
         return self._chat_segments(row, where)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
-                                                  add_generation_prompt=generation_prompt)
+    def _render(self, messages: list[dict], generation_prompt: bool, where: str) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as exc:  # the template is user code: jinja2 errors, raise_exception(), TypeError...
+            raise UserError(f"{where}: {self.template_name} failed on this row ({len(messages)} messages, "
+                            f"add_generation_prompt={generation_prompt}): {type(exc).__name__}: {exc}",
+                            hint="fix the template, or the row if the template rejects it on purpose") from None
 
     def _chat_segments(self, row: dict, where: str) -> list[tuple[str, bool]]:
-        check_row(row, where, "chat", messages_field=self.messages_field)
+        check_row(row, where, "chat", messages_field=self.messages_field, needs_assistant=not self.train_on_prompt)
         messages = row[self.messages_field]
         # Render prefix by prefix: the text an assistant turn adds is its completion; the generation
         # prompt before it (e.g. "<|im_start|>assistant\n") stays a prompt.
@@ -119,13 +146,13 @@ class Encoder:
         rendered = ""
         for index, message in enumerate(messages):
             if message["role"] == "assistant":
-                before = self._render(messages[:index], generation_prompt=True)
-                after = self._render(messages[: index + 1], generation_prompt=False)
+                before = self._render(messages[:index], generation_prompt=True, where=where)
+                after = self._render(messages[: index + 1], generation_prompt=False, where=where)
                 self._check_prefix(rendered, before, where)
                 self._check_prefix(before, after, where)
                 pieces += [(before[len(rendered):], False), (after[len(before):], True)]
             else:
-                after = self._render(messages[: index + 1], generation_prompt=False)
+                after = self._render(messages[: index + 1], generation_prompt=False, where=where)
                 self._check_prefix(rendered, after, where)
                 pieces.append((after[len(rendered):], False))
             rendered = after
@@ -148,8 +175,8 @@ class Encoder:
                                    _field(row, "input", where, "alpaca", required=False)), False)]
         if self.fmt == "completion":
             return [(_field(row, "prompt", where, "completion"), False)]
-        check_row(row, where, "chat", messages_field=self.messages_field)
-        return [(self._render(row[self.messages_field], generation_prompt=True), False)]
+        check_row(row, where, "chat", messages_field=self.messages_field, needs_assistant=False)
+        return [(self._render(row[self.messages_field], generation_prompt=True, where=where), False)]
 
     def encode_prompt(self, row: dict, where: str) -> list[int]:
         """Token ids of the prompt, tokenized exactly as in training (same BOS rule, same segments)."""

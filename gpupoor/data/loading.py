@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.recipe import DATA_SUFFIXES, resolve_local_path
+from gpupoor.recipe import DATA_SUFFIXES, decode_utf8, resolve_local_path
 
 
 @dataclass
@@ -53,6 +53,9 @@ def resolve_source(value: str, base_dir: Path, split: str, key: str) -> DataSour
         return DataSource("hub", value, split)
     if local.is_dir():
         return DataSource("disk", str(local), split)
+    if local.exists() and not local.is_file():  # a FIFO, socket or device: reading it would block or fail
+        raise UserError(f"{key}: {local} is not a regular file (it is a FIFO, socket or device)",
+                        hint="point it at a .jsonl/.json/.csv/.parquet file or a datasets.save_to_disk directory")
     if not local.is_file():
         raise UserError(f"{key}: data file not found: {local}",
                         hint="relative paths resolve against the recipe file's directory")
@@ -67,13 +70,20 @@ def read_rows(source: DataSource, limit: int | None = None) -> list[Row]:
     if source.kind == "file":
         path = Path(source.location)
         suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            return _read_jsonl(path, limit)
-        if suffix == ".json":
-            return _read_json(path, limit)
-        if suffix == ".csv":
-            return _read_csv(path, limit)
-        return _read_parquet(path, limit)
+        try:
+            if suffix == ".jsonl":
+                return _read_jsonl(path, limit)
+            if suffix == ".json":
+                return _read_json(path, limit)
+            if suffix == ".csv":
+                return _read_csv(path, limit)
+            return _read_parquet(path, limit)
+        except UnicodeDecodeError:
+            # The text readers decode in blocks, so the error's offset is not the file's: find it in the bytes.
+            decode_utf8(path, path.read_bytes())
+            raise
+        except OSError as exc:
+            raise UserError(f"{path}: cannot read: {exc.strerror or exc}") from None
     dataset = _load_disk(source) if source.kind == "disk" else _load_hub(source)
     count = len(dataset) if limit is None else min(limit, len(dataset))
     return [Row(dict(dataset[i]), f"{source.location}[{i}]") for i in range(count)]

@@ -1,0 +1,305 @@
+"""Bad input gets a clear error (issue #12): what, where (file:line or dotted key), what is allowed, what to do;
+raised as a UserError, so the CLI exits 2 with no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from gpupoor.cli import app
+from gpupoor.data.formats import Encoder
+from gpupoor.errors import UserError
+from gpupoor.recipe import load_recipe
+
+runner = CliRunner()
+
+MINIMAL = "model:\n  name_or_path: some/model\ndata:\n  path: train.jsonl\n"  # lines 1-4
+
+
+def write(tmp_path, text: str, name: str = "r.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_of(path, overrides: list[str] | None = None) -> str:
+    with pytest.raises(UserError) as info:
+        load_recipe(path, overrides)
+    return str(info.value)
+
+
+def validate(*paths) -> tuple[int, str]:
+    result = runner.invoke(app, ["validate", *map(str, paths)])
+    return result.exit_code, result.output
+
+
+# 1. Bytes that are not UTF-8 -------------------------------------------------------------------------------
+
+
+def test_recipe_not_utf8_names_line_and_byte_offset(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(MINIMAL.encode() + b"output_dir: caf\xe9\n")  # latin-1 e-acute on line 5
+    message = error_of(path)
+    offset = len(MINIMAL.encode()) + len(b"output_dir: caf")
+    assert f"r.yaml:5: not UTF-8 text: byte 0xe9 at byte offset {offset}" in message
+    assert "save the file as UTF-8" in message
+
+
+BAD_DATA = {
+    ".jsonl": b'{"instruction": "a", "output": "b"}\n{"instruction": "caf\xe9", "output": "b"}\n',
+    ".json": b'[\n  {"instruction": "a", "output": "b"},\n  {"instruction": "caf\xe9", "output": "b"}\n]\n',
+    ".csv": b'instruction,output\na,b\ncaf\xe9,b\n',
+}
+BAD_LINE = {".jsonl": 2, ".json": 3, ".csv": 3}
+
+
+@pytest.mark.parametrize("key", ["path", "eval_path"])
+@pytest.mark.parametrize("suffix", sorted(BAD_DATA))
+def test_data_file_not_utf8_names_line_at_validate(make_recipe, alpaca_file, tmp_path, suffix, key):
+    bad = tmp_path / f"bad{suffix}"
+    bad.write_bytes(BAD_DATA[suffix])
+    data = {"path": str(bad)} if key == "path" else {"path": str(alpaca_file), "eval_path": str(bad)}
+    code, output = validate(make_recipe(data=data))
+    assert code == 2, output
+    assert f"bad{suffix}:{BAD_LINE[suffix]}: not UTF-8 text: byte 0xe9 at byte offset" in output
+    assert "save the file as UTF-8" in output and "Traceback" not in output
+
+
+def test_generate_file_not_utf8(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(b'{"prompt": "sort"}\n{"prompt": "caf\xe9"}\n')
+    result = runner.invoke(app, ["generate", str(tiny_model), "--file", str(prompts), "--format", "text"])
+    assert result.exit_code == 2, result.output
+    offset = len(b'{"prompt": "sort"}\n{"prompt": "caf')
+    assert f"prompts.jsonl:2: not UTF-8 text: byte 0xe9 at byte offset {offset} (line 2, column 16)" \
+        in result.output
+
+
+def test_validate_checks_the_next_recipe_after_a_non_utf8_one(make_recipe, tmp_path):
+    bad = tmp_path / "a.yaml"
+    bad.write_bytes(b"model:\n  name_or_path: \xff\n")
+    good = make_recipe("b.yaml")
+    code, output = validate(bad, good)
+    assert code == 2
+    assert "a.yaml:2: not UTF-8 text" in output and f"{good}: ok" in output
+
+
+def test_validate_checks_the_next_recipe_after_a_crash(make_recipe, monkeypatch):
+    import gpupoor.preflight
+
+    real = gpupoor.preflight.preflight
+
+    def crash_on_a(loaded):
+        if loaded.source.name == "a.yaml":
+            raise RuntimeError("boom")
+        return real(loaded)
+
+    monkeypatch.setattr(gpupoor.preflight, "preflight", crash_on_a)
+    code, output = validate(make_recipe("a.yaml"), make_recipe("b.yaml"))
+    assert code == 1 and "a.yaml: error: RuntimeError: boom" in output and "b.yaml: ok" in output
+
+
+# 2. Chat rows ------------------------------------------------------------------------------------------------
+
+SYSTEM = {"role": "system", "content": "be brief"}
+USER = {"role": "user", "content": "sort lists"}
+ASSISTANT = {"role": "assistant", "content": "done"}
+
+BAD_CHATS = {
+    "assistant_first": ([SYSTEM, ASSISTANT, USER, ASSISTANT],
+                        "messages[1] is an assistant turn before any user turn"),
+    "no_assistant": ([SYSTEM, USER], "messages has no assistant turn, so there is nothing to train on"),
+    "unknown_role": ([USER, {"role": "human", "content": "x"}, ASSISTANT],
+                     "messages[1] has role 'human'; allowed: system, user, assistant, tool"),
+}
+
+
+def chat_file(tmp_path, *conversations, name="chat.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in conversations))
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHATS))
+def test_bad_chat_row_fails_validate(make_recipe, tmp_path, case):
+    messages, expected = BAD_CHATS[case]
+    data = chat_file(tmp_path, [USER, ASSISTANT], messages)
+    code, output = validate(make_recipe(data={"path": str(data), "format": "chat"}))
+    assert code == 2 and f"chat.jsonl:2: {expected}" in output, output
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHATS))
+def test_bad_chat_row_fails_training_encoder(tokenizer, case):
+    messages, expected = BAD_CHATS[case]
+    with pytest.raises(UserError, match="chat.jsonl:7: " + expected.replace("[", r"\[").replace("]", r"\]")):
+        Encoder(tokenizer, "chat", 128).encode({"messages": messages}, "chat.jsonl:7")
+
+
+def test_chat_row_without_assistant_is_fine_with_train_on_prompt(make_recipe, tmp_path, tokenizer):
+    data = chat_file(tmp_path, [SYSTEM, USER])
+    code, output = validate(make_recipe(data={"path": str(data), "format": "chat", "train_on_prompt": True}))
+    assert code == 0, output
+    encoded = Encoder(tokenizer, "chat", 128, train_on_prompt=True).encode({"messages": [SYSTEM, USER]}, "x:1")
+    assert len(encoded.input_ids) > 2
+
+
+def test_tool_role_is_allowed(make_recipe, tmp_path):
+    tool = {"role": "tool", "content": "42"}
+    data = chat_file(tmp_path, [USER, ASSISTANT, tool, ASSISTANT])
+    code, output = validate(make_recipe(data={"path": str(data), "format": "chat"}))
+    assert code == 0, output
+
+
+# 3. data.chat_template --------------------------------------------------------------------------------------
+
+GOOD_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.tool_calls %}[tools]{% endif %}"
+                 "[{{ m['role'] }}]{% if m.role == 'assistant' %}{% generation %}{{ m['content'] }}"
+                 "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
+BAD_TEMPLATES = {
+    "raises": ("{% for m in messages %}{% if m.role == 'assistant' and loop.index0 > 2 %}"
+               "{{ raise_exception('only one assistant turn') }}{% endif %}{{ m.content }}{% endfor %}",
+               "TemplateError: only one assistant turn"),
+    "undefined_name": ("{% for m in messages %}{{ m.content }}{{ end_of_turn }}{% endfor %}",
+                       "'end_of_turn' is undefined"),
+}
+
+
+def chat_recipe(make_recipe, tmp_path, template):
+    data = chat_file(tmp_path, [USER, ASSISTANT], [USER, ASSISTANT, USER, ASSISTANT])
+    return make_recipe(data={"path": str(data), "format": "chat", "chat_template": template})
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TEMPLATES))
+def test_chat_template_that_fails_on_a_row_fails_validate(make_recipe, tmp_path, case):
+    template, expected = BAD_TEMPLATES[case]
+    code, output = validate(chat_recipe(make_recipe, tmp_path, template))
+    assert code == 2, output
+    assert "data.chat_template fails on" in output and "chat.jsonl:" in output and expected in output
+
+
+def test_chat_template_with_a_syntax_error_fails_validate(make_recipe, tmp_path):
+    code, output = validate(chat_recipe(make_recipe, tmp_path, "{% for m in messages %}{{ m.content }}"))
+    assert code == 2 and "data.chat_template: not a valid Jinja template" in output, output
+
+
+def test_chat_template_using_special_tokens_and_optional_fields_passes_validate(make_recipe, tmp_path):
+    code, output = validate(chat_recipe(make_recipe, tmp_path, GOOD_TEMPLATE))
+    assert code == 0, output
+
+
+def test_chat_template_that_raises_in_training_is_a_user_error(tokenizer):
+    template = BAD_TEMPLATES["raises"][0]
+    encoder = Encoder(tokenizer, "chat", 128, chat_template=template)
+    with pytest.raises(UserError, match=r"chat.jsonl:3: data.chat_template failed on this row .*only one"):
+        encoder.encode({"messages": [USER, ASSISTANT, USER, ASSISTANT]}, "chat.jsonl:3")
+
+
+# 4. Schema: betas, seed, non-finite floats ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("betas", ["[0.9, 1.0]", "[-0.1, 0.999]", "[.nan, 0.999]"])
+def test_adam_betas_must_be_in_0_1(tmp_path, betas):
+    message = error_of(write(tmp_path, MINIMAL + f"training:\n  adam_betas: {betas}\n"))
+    assert "r.yaml:6" in message and "'training.adam_betas" in message
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_seed_must_fit_torch_manual_seed(tmp_path, seed):
+    message = error_of(write(tmp_path, MINIMAL + f"seed: {seed}\n"))
+    assert "r.yaml:5: 'seed'" in message
+
+
+def test_largest_seed_is_accepted(tmp_path):
+    assert load_recipe(write(tmp_path, MINIMAL + f"seed: {2**64 - 1}\n")).recipe.seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("key", ["training.learning_rate", "training.adam_eps", "training.weight_decay",
+                                 "training.max_grad_norm", "training.epochs", "training.warmup_ratio",
+                                 "training.momentum", "checkpoint.every_minutes", "peft.alpha", "peft.dropout"])
+@pytest.mark.parametrize("value", [".inf", ".nan", "-.inf"])
+def test_non_finite_floats_are_schema_errors(tmp_path, key, value):
+    section, name = key.split(".")
+    message = error_of(write(tmp_path, MINIMAL + f"{section}:\n  {name}: {value}\n"))
+    assert f"r.yaml:6: '{key}'" in message, message
+
+
+def test_non_finite_learning_rate_from_set_is_named(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL), ["training.learning_rate=.inf"])
+    assert "--set training.learning_rate: 'training.learning_rate' = inf" in message
+
+
+# 5. YAML alias bombs and huge values ------------------------------------------------------------------------
+
+def laughs(prefix: str = "") -> str:
+    """Billion laughs: `a` is 9 strings, `b` 9 `a`s, ... `i` 9**9 strings, in under a kilobyte."""
+    lines = [f'{prefix}a: &a ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"{prefix}{chr(c)}: &{chr(c)} [{','.join([f'*{chr(c - 1)}'] * 9)}]" for c in range(ord("b"), ord("j"))]
+    return "\n".join(lines) + "\n"
+
+
+def test_nested_aliases_are_refused_at_the_alias(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL + laughs()))
+    # With aliases expanded a holds 10 values, b 91, c 820, d 7381: the first *d in e (line 9) crosses 10000
+    assert "r.yaml:9: alias *d expands the recipe past 10000 values" in message
+    assert "not valid YAML" not in message and len(message) < 1000
+
+
+def test_nested_aliases_under_a_known_key_are_refused(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL + "seed:\n" + laughs("  ")))
+    assert "r.yaml:10: alias *d expands the recipe past 10000 values" in message and len(message) < 1000
+
+
+def test_recursive_alias_is_refused(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL + "output_dir: &o [*o]\n"))
+    assert "r.yaml:5: alias *o is inside its own anchor" in message
+
+
+def test_small_aliases_still_work(tmp_path):
+    text = MINIMAL + "peft:\n  dropout: &p 0.1\n  rank: &r 8\ntraining:\n  momentum: *p\n  micro_batch_size: *r\n"
+    recipe = load_recipe(write(tmp_path, text)).recipe
+    assert recipe.training.momentum == 0.1 and recipe.training.micro_batch_size == 8
+
+
+def test_aliases_in_set_values_are_bounded(tmp_path):
+    value = "[" + ",".join(["&a [1,1,1,1,1,1,1,1,1,1]"] + ["*a"] * 2000) + "]"
+    message = error_of(write(tmp_path, MINIMAL), [f"seed={value}"])
+    assert "--set seed" in message and "past 10000 values" in message and len(message) < 2000
+
+
+@pytest.mark.parametrize("value", ['"' + "x" * 1_000_000 + '"', "[" + ",".join(["1"] * 100_000) + "]"])
+def test_huge_value_under_a_known_key_gives_a_short_error(tmp_path, value):
+    message = error_of(write(tmp_path, MINIMAL + f"training:\n  learning_rate: {value}\n"))
+    assert "r.yaml:6: 'training.learning_rate'" in message and len(message) < 2000
+
+
+def test_many_errors_are_capped(tmp_path):
+    items = ",".join(["1"] * 5000)
+    message = error_of(write(tmp_path, MINIMAL + f"peft:\n  target_modules: [{items}]\n"))
+    assert "more errors" in message and len(message) < 4000
+
+
+def test_huge_unknown_key_gives_a_short_error(tmp_path):
+    # an explicit key (`? KEY`): YAML caps implicit keys at 1024 characters, not explicit ones
+    message = error_of(write(tmp_path, MINIMAL + "training:\n  ? " + "k" * 100_000 + "\n  : 1\n"))
+    assert "r.yaml:6: unknown key" in message and len(message) < 2000
+
+
+# 6. Misleading messages -------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_data_path_is_not_a_regular_file(make_recipe, tmp_path):
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    code, output = validate(make_recipe(data={"path": str(fifo)}))
+    assert code == 2 and "data.path:" in output and "is not a regular file" in output and "not found" not in output
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_recipe_is_not_a_regular_file(tmp_path):
+    os.mkfifo(tmp_path / "r.yaml")
+    assert "r.yaml: not a regular file" in error_of(tmp_path / "r.yaml")
