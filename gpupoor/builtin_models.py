@@ -16,10 +16,17 @@ REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def _build_demo(target: Path) -> None:
-    from gpupoor.demo import build_demo_model, reverse_split
+    import contextlib
+    import sys
 
+    from gpupoor.demo_task import build_demo_model, reverse_split
+    from gpupoor.quiet import quiet_libraries
+
+    quiet_libraries()
     train_rows, _ = reverse_split(2400, 100)  # the rows of recipes/data/reverse-train.jsonl
-    build_demo_model(target, train_rows)
+    # Nothing of the build reaches stdout: it may be `gpupoor plan --json` output.
+    with contextlib.redirect_stdout(sys.stderr):
+        build_demo_model(target, train_rows)
 
 
 BUILDERS = {"demo": (_build_demo, "the demo's 1.1M-parameter random-weight Llama with a BPE tokenizer")}

@@ -10,7 +10,6 @@ removes the newest valid checkpoint.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from gpupoor import faults
 from gpupoor.errors import UserError
-from gpupoor.files import give_default_modes
+from gpupoor.files import atomic_dir, sha256_file
 
 MANIFEST = "manifest.json"
 STATE = "train_state.json"
@@ -39,31 +38,6 @@ class CheckpointError(Exception):
     """A checkpoint could not be written; the previous one is intact."""
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 @dataclass
 class Checkpoint:
     path: Path
@@ -72,51 +46,30 @@ class Checkpoint:
 
 
 def write_checkpoint(target: Path, save_files, step: int, manifest_extra: dict, expected_bytes: int) -> float:
-    """Atomically create `target` with what `save_files(tmp_dir)` writes. Returns the seconds it took.
-
-    Raises CheckpointError (disk full, before or during the write) with the previous checkpoint untouched.
-    """
+    """Atomically create `target` with what `save_files(tmp_dir)` writes, plus its manifest. Returns the
+    seconds it took. Raises CheckpointError (disk full, before or during the write) with the previous
+    checkpoint untouched."""
     started = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(target.parent).free
     if free < expected_bytes:
         raise CheckpointError(f"not enough disk space for checkpoint {target.name}: needs about "
                               f"{_mb(expected_bytes)}, {_mb(free)} free on {target.parent}")
-    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     try:
         faults.at_stage("start", step)
-        tmp.mkdir()
-        save_files(tmp)  # calls faults.at_stage for weights / optimizer / state
-        give_default_modes(tmp)  # final/ is what users share: not the 0600 of safetensors' temporary files
-        files = {}
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            _fsync_file(path)
-            files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-        faults.at_stage("manifest", step)
-        manifest = {"step": step, "files": files, "created": time.time(), **manifest_extra}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: its presence means complete
-        _fsync_file(tmp / MANIFEST)
-        _fsync_dir(tmp)  # the directory entries too, before the rename publishes them
-        faults.at_stage("rename", step)
-        old = None
-        if target.exists():  # e.g. final/ of a run that is being extended: swap, then delete the old one
-            old = target.parent / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}"
-            os.rename(target, old)
-        os.rename(tmp, target)
-        _fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with atomic_dir(target, f"{TMP_PREFIX}{target.name}-{os.getpid()}") as tmp:
+            save_files(tmp)  # calls faults.at_stage for weights / optimizer / state
+            files = {str(path.relative_to(tmp)): {"size": path.stat().st_size, "sha256": sha256_file(path)}
+                     for path in sorted(p for p in tmp.rglob("*") if p.is_file())}
+            faults.at_stage("manifest", step)
+            manifest = {"step": step, "files": files, "created": time.time(), **manifest_extra}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: its presence means complete
+            faults.at_stage("rename", step)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CheckpointError(f"disk full while writing checkpoint {target.name}: it needs about "
                                   f"{_mb(expected_bytes)} on {target.parent}; the partial checkpoint was removed "
                                   "and the previous one is intact") from None
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written checkpoint behind
         raise
     return time.perf_counter() - started
 

@@ -40,7 +40,7 @@ def _time_limit_override(time_limit: str | None) -> list[str]:
     """--time-limit as the checkpoint.time_limit override, checked here so an error names the option."""
     if time_limit is None:
         return []
-    from gpupoor.recipe import parse_duration
+    from gpupoor.units import parse_duration
 
     try:
         seconds = parse_duration(time_limit)
@@ -164,10 +164,10 @@ def status(
 
     def action() -> int:
         from gpupoor.checkpoint import final_problem
-        from gpupoor.resume import status_report
+        from gpupoor.rundir import require_run_dir
+        from gpupoor.status import status_report
 
-        if not (run_dir / "recipe.yaml").is_file():
-            raise UserError(f"{run_dir} is not a gpupoor run directory (no recipe.yaml)")
+        require_run_dir(run_dir)
         typer.echo(status_report(run_dir.resolve()))
         problem = final_problem(run_dir)
         if problem not in (None, "absent"):
@@ -200,18 +200,19 @@ def merge_lora(
     against its manifest first."""
 
     def action() -> int:
-        from gpupoor.merge import DTYPES, merge_lora as merge, resolve_adapter, verify_merge
-        from gpupoor.recipe import parse_size
+        from gpupoor.hardware import DTYPES
+        from gpupoor.merge import merge_lora as merge, resolve_adapter, verify_merge
+        from gpupoor.units import parse_size
 
         if dtype != "auto" and dtype not in DTYPES:
             raise UserError(f"--dtype {dtype!r}: use auto, fp16, bf16 or fp32")
         if qlora_base not in ("dequantized", "original"):
             raise UserError(f"--qlora-base {qlora_base!r}: use dequantized or original")
-        from gpupoor.run import quiet_libraries
+        from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
         adapter = resolve_adapter(source, checkpoint, check_files=not skip_manifest_check)
-        merged = merge(adapter, output, dtype, base, parse_size(max_shard_size), qlora_base, say=typer.echo)
+        merged = merge(adapter, output, dtype, base, parse_size(max_shard_size, "--max-shard-size"), qlora_base, say=typer.echo)
         typer.echo(f"merged model written to {merged}")
         if verify:
             gap = verify_merge(adapter, merged, base)
@@ -245,7 +246,7 @@ def generate(
         if fmt is not None and fmt not in ("text", "alpaca", "chat", "completion"):
             raise UserError(f"--format {fmt!r}: use text, alpaca, chat or completion")
         from gpupoor.generate import cap_new_tokens, complete, load_generator, prompt_row, rows_from_file
-        from gpupoor.run import quiet_libraries
+        from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
         generator = load_generator(source, checkpoint, base, fmt)
@@ -279,7 +280,8 @@ def validate(
     the memory plan (a recipe predicted not to fit the GPU fails)."""
 
     def action() -> int:
-        from gpupoor.plan import format_bytes, preflight_plan
+        from gpupoor.plan import preflight_plan
+        from gpupoor.units import format_bytes
         from gpupoor.preflight import preflight
         from gpupoor.recipe import load_recipe
 
@@ -330,7 +332,8 @@ def plan(
         import json
 
         from gpupoor.plan import make_plan, render, write_fit
-        from gpupoor.recipe import load_recipe, parse_size
+        from gpupoor.recipe import load_recipe
+        from gpupoor.units import parse_size
 
         if device is not None and device not in ("cpu", "cuda"):
             raise UserError(f"--device {device!r}: use cpu or cuda")

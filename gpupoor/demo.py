@@ -1,31 +1,14 @@
 """The offline demo (`make demo`): teach a tiny random-weight model to reverse letters with LoRA, then show
 its answers and its accuracy before and after training. Nothing is downloaded: the data ships in
-recipes/data/ and the model is built from a seed into build/demo-model on first use."""
+recipes/data/ and the model (`gpupoor:demo`) is built from a seed into the cache on first use."""
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import random
 import sys
 import time
 from pathlib import Path
-
-from gpupoor.data.formats import alpaca_prompt
-
-LETTERS = "abcdefgh"
-INSTRUCTION = "Reverse the letters."
-MODEL_DIMS = {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2}
-
-
-def reverse_split(train: int, evaluation: int, seed: int = 0, length: int = 4) -> tuple[list[dict], list[dict]]:
-    """Alpaca rows: `input` is `length` letters, `output` the same letters reversed. No evaluation input
-    appears in the training rows, so accuracy measures the learned rule, not memory."""
-    sequences = list(itertools.product(LETTERS, repeat=length))
-    random.Random(seed).shuffle(sequences)
-    rows = [{"instruction": INSTRUCTION, "input": " ".join(s), "output": " ".join(reversed(s))} for s in sequences]
-    return rows[evaluation:evaluation + train], rows[:evaluation]
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -34,18 +17,6 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def build_demo_model(target: Path, train_rows: list[dict]) -> Path:
-    """A byte-level BPE tokenizer trained on the demo data and a random-weight Llama, both seeded, saved into
-    `target` (gpupoor.builtin_models commits it atomically as `gpupoor:demo`)."""
-    from gpupoor.tiny import build_tiny_llama, train_tokenizer
-
-    texts = [alpaca_prompt(r["instruction"], r["input"]) + r["output"] for r in train_rows]
-    tokenizer = train_tokenizer(texts, vocab_size=1000)
-    build_tiny_llama(target, tokenizer, hidden=MODEL_DIMS["hidden"], layers=MODEL_DIMS["layers"],
-                     heads=MODEL_DIMS["heads"], kv_heads=MODEL_DIMS["kv_heads"], seed=0)
-    return target
 
 
 def accuracy(model, tokenizer, rows: list[dict]) -> tuple[float, list[str]]:
@@ -65,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default=None, help="default: runs/demo-<time>")
     args = parser.parse_args(argv)
 
-    from gpupoor.run import quiet_libraries, train_from_recipe
+    from gpupoor.quiet import quiet_libraries
+    from gpupoor.run import train_from_recipe
 
     quiet_libraries()  # before peft imports bitsandbytes, which warns about an optional kernel
     import torch

@@ -10,13 +10,15 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from gpupoor.recipe import Recipe
+from gpupoor.recipe import Recipe, is_resume_safe
 
 HEADER = """# Recipe reference
 
 A recipe is one YAML file. Generated from the schema in `gpupoor/recipe.py` by `python -m gpupoor.docs`; do not
 edit by hand. Unknown keys are errors (with a "did you mean"). Relative paths resolve against the recipe file.
 Any key can be overridden on the command line: `--set training.max_steps=100` (values are parsed as YAML).
+Keys marked *May change on resume* can be changed with `gpupoor resume RUN --set KEY=VALUE`; any other change
+alters the training trajectory and is refused unless `--force`.
 
 For editor completion, put `# yaml-language-server: $schema=<path>/docs/recipe.schema.json` at the top of a
 recipe (or generate the schema with `gpupoor schema > recipe.schema.json`).
@@ -58,12 +60,16 @@ def _default(field) -> str:
     return f"`{json.dumps(value)}`"
 
 
+def _row(key: str, field) -> str:
+    description = (field.description or "").replace("|", "\\|")
+    if is_resume_safe(field):
+        description += " *May change on resume.*"
+    return f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {description} |"
+
+
 def _table(model: type[BaseModel], prefix: str) -> list[str]:
-    lines = ["| key | type | default | description |", "|---|---|---|---|"]
-    for name, field in model.model_fields.items():
-        description = (field.description or "").replace("|", "\\|")
-        lines.append(f"| `{prefix}{name}` | {_type_name(field.annotation)} | {_default(field)} | {description} |")
-    return lines
+    return ["| key | type | default | description |", "|---|---|---|---|"] + \
+        [_row(f"{prefix}{name}", field) for name, field in model.model_fields.items()]
 
 
 def render_recipe_reference() -> str:
@@ -72,14 +78,13 @@ def render_recipe_reference() -> str:
     for name, field in Recipe.model_fields.items():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            out += [f"## `{name}`", "", (annotation.__doc__ or "").strip(), ""] + _table(annotation, f"{name}.") + [""]
+            safe = " Every key of this section may change on resume." if is_resume_safe(field) else ""
+            out += [f"## `{name}`", "", (annotation.__doc__ or "").strip() + safe, ""] + \
+                _table(annotation, f"{name}.") + [""]
         else:
             scalars.append(name)
     out += ["## Top-level keys", "", "| key | type | default | description |", "|---|---|---|---|"]
-    for name in scalars:
-        field = Recipe.model_fields[name]
-        description = (field.description or "").replace("|", "\\|")
-        out.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {description} |")
+    out += [_row(name, Recipe.model_fields[name]) for name in scalars]
     return "\n".join(out) + "\n"
 
 

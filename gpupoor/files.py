@@ -1,9 +1,107 @@
-"""File-system helpers every verb needs. A leaf: imports nothing of gpupoor's."""
+"""File-system primitives every verb needs: atomic files and directories, hashing, modes, the cache folder.
+
+A leaf: imports nothing of gpupoor's. Atomic means a reader (or a process started after a power cut) sees the
+old content or the whole new one: write beside the target on the same filesystem, fsync, rename, fsync the
+folder that holds the name.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path` to write; on success it replaces `path` durably, on failure it is
+    removed and `path` is untouched."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; outputs get the modes open() gives
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path, tmp_name: str) -> Iterator[Path]:
+    """Yield a new temporary directory `tmp_name` beside `target` to fill; on success every file in it is
+    fsynced, it gets default modes and is renamed to `target` (an existing `target` is swapped out, then
+    deleted); on failure it is removed and `target` is untouched."""
+    tmp = target.parent / tmp_name
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        give_default_modes(tmp)
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                fsync_file(path)
+        fsync_dir(tmp)  # the directory entries too, before the rename publishes them
+        publish_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def publish_dir(tmp: Path, target: Path) -> None:
+    """Rename a complete, synced directory into place; an existing `target` is swapped out, then deleted."""
+    old = None
+    if target.exists():
+        old = target.parent / f"{tmp.name}-old"
+        os.rename(target, old)
+    os.rename(tmp, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def hash_file_into(digest, path: Path) -> None:
+    """Feed a file's bytes to a running hashlib digest, 1 MiB at a time (files may be larger than memory)."""
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    hash_file_into(digest, path)
+    return digest.hexdigest()
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def current_umask() -> int:

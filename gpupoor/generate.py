@@ -23,24 +23,24 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
     """A run dir or adapter (base + adapter, quantized as trained) or a plain model directory."""
 
     from gpupoor.data.build import make_encoder
-    from gpupoor.hardware import dtype_of, resolve_device
+    from gpupoor.hardware import dtype_of, resolve_device, resolve_inference_precision
     from gpupoor.merge import resolve_adapter
     from gpupoor.checkpoint import read_manifest
     from gpupoor.model import load_tokenizer, quantization_config
-    from gpupoor.recipe import DataSection, ModelSection, QuantizationSection, load_recipe
+    from gpupoor.recipe import DataSection, ModelSection, QuantizationSection
+    from gpupoor.rundir import is_run_dir, stored_recipe
 
     target = resolve_device(device).value
-    if (path / "recipe.yaml").is_file() or (path / "adapter_config.json").is_file():
+    if is_run_dir(path) or (path / "adapter_config.json").is_file():
         from peft import PeftModel
 
         source = resolve_adapter(path, checkpoint)
-        recipe = load_recipe(source.run_dir / "recipe.yaml").recipe if source.run_dir else None
+        recipe = stored_recipe(source.run_dir) if source.run_dir else None
         adapter_config = json.loads((source.adapter_dir / "adapter_config.json").read_text())
         base_name = base or adapter_config["base_model_name_or_path"]
         quant = recipe.quantization if recipe else QuantizationSection()
         # Compute in the precision the run trained in, where this device has it (the manifest records it).
-        trained_precision = read_manifest(source.adapter_dir).get("precision")
-        precision = "fp32" if target == "cpu" else (trained_precision or "bf16")
+        precision = resolve_inference_precision(target, read_manifest(source.adapter_dir).get("precision"))
         quantization = quantization_config(quant, precision) if quant.bits else None
         model = _load_base(base_name, dtype=dtype_of(precision), quantization_config=quantization,
                            revision=None if base else adapter_config.get("revision"),

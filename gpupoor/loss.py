@@ -18,12 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gpupoor.data.formats import IGNORE_INDEX
-
-# Logit elements computed at once by the fused loss: 2^22 fp32 values = 16 MiB, e.g. 131 tokens at a 32k
-# vocabulary (at least MIN_CHUNK_TOKENS at any vocabulary). Measured on a 2-core CPU (1800 tokens, h256,
-# vocab 32k, forward+backward): 2^21 0.58 s, 2^22 0.49 s, 2^23 0.50 s, 2^24 0.57 s: smaller is not slower.
-CHUNK_ELEMENTS = 2**22
-MIN_CHUNK_TOKENS = 64
+from gpupoor.decisions import choose_fused_loss, logit_postprocessing, loss_chunk_tokens
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,7 +77,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     """Summed cross-entropy of `hidden @ weight.T` against `targets`, never holding all the logits."""
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0 + weight.sum() * 0.0  # keeps the graph connected for an empty batch
-    chunk = max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // weight.shape[0])
+    chunk = loss_chunk_tokens(weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
 
 
@@ -98,22 +93,18 @@ class FusedHead:
         return self.head.weight
 
 
-def find_fused_head(model: torch.nn.Module) -> tuple[FusedHead | None, str]:
-    """The decoder and output head to fuse, or None and why the plain loss must be used."""
+def find_fused_head(model: torch.nn.Module, enabled: bool = True) -> tuple[FusedHead | None, str]:
+    """The decoder and output head to fuse, or None and why the plain loss must be used (the rule is
+    gpupoor.decisions.choose_fused_loss; `enabled` is memory.fused_cross_entropy)."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = causal_lm.config
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
-        if getattr(config, attr, None) not in (None, 1, 1.0):
-            return None, f"the model post-processes its logits ({attr})"
     head = causal_lm.get_output_embeddings()
     if hasattr(head, "modules_to_save"):  # peft trains a copy of the head: use the active copy
         head = head.modules_to_save[head.active_adapter if isinstance(head.active_adapter, str) else head.active_adapter[0]]
-    if type(head) is not torch.nn.Linear or head.bias is not None:
-        return None, "the output head is adapted or has a bias"
     decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else None
-    if decoder is None:
-        return None, "the model has no separate decoder"
-    return FusedHead(decoder, head), "output head fused with the loss"
+    fused, reason = choose_fused_loss(
+        enabled, logit_postprocessing(lambda key: getattr(causal_lm.config, key, None)),
+        head_adapted=type(head) is not torch.nn.Linear or head.bias is not None, has_decoder=decoder is not None)
+    return (FusedHead(decoder, head) if fused else None), reason
 
 
 def fused_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: FusedHead) -> torch.Tensor:

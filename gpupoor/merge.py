@@ -20,10 +20,10 @@ import torch
 
 from gpupoor.checkpoint import read_manifest, verify_adapter_dir
 from gpupoor.errors import UserError
-from gpupoor.files import give_default_modes
+from gpupoor.files import atomic_dir
+from gpupoor.hardware import DTYPES
 from gpupoor.train.report import read_metrics
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PEFT_PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
@@ -38,7 +38,9 @@ class AdapterSource:
 def resolve_adapter(path: Path, checkpoint: str, check_files: bool = True) -> AdapterSource:
     """A run dir (with --checkpoint final | step-N) or an adapter directory, verified against its manifest
     (unless `check_files` is off) before anything reads it."""
-    if (path / "recipe.yaml").is_file():
+    from gpupoor.rundir import is_run_dir
+
+    if is_run_dir(path):
         adapter = path / "final" if checkpoint == "final" else path / "checkpoints" / checkpoint
         if not (adapter / "adapter_config.json").is_file():
             available = sorted(p.name for p in (path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() else []
@@ -205,9 +207,9 @@ def _run_summary(run_dir: Path | None) -> tuple[dict, dict]:
     """(recipe as a dict, last metrics) of the run that trained the adapter, when known."""
     if run_dir is None:
         return {}, {}
-    import yaml
+    from gpupoor.rundir import stored_recipe
 
-    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+    recipe = stored_recipe(run_dir).model_dump(mode="json")
     last: dict = {}
     for record in read_metrics(run_dir / "metrics.jsonl"):
         if "loss" in record:
@@ -244,9 +246,26 @@ def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: s
     return "\n".join(lines)
 
 
+@dataclass
+class MergePlan:
+    """What the merge reads and how it changes each base tensor."""
+
+    base_name: str
+    base_dir: Path
+    deltas: LoraDeltas
+    target_dtype: torch.dtype
+    quantization: dict  # the run's quantization section ({} when not quantized)
+    quantize: set[str]  # weight names put through the run's quantization first (QLoRA, dequantized base)
+    load_dtype: torch.dtype | None  # the dtype the base was loaded in before quantizing
+
+    def wrong_model(self, what: str, theirs: tuple, ours: tuple) -> UserError:
+        return UserError(f"the adapter's {what} has shape {theirs} but the base {self.base_name} has {ours}: it was "
+                         "trained on another model", hint="pass --base with the model the run trained on")
+
+
 def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: str | None = None,
                max_shard_bytes: int = 2 * 10**9, qlora_base: str = "dequantized", say=print) -> Path:
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig
 
     output = output.expanduser().resolve()
     if output.exists():
@@ -259,84 +278,84 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
     base_dir = base_files(base_name, None if base else deltas.config.get("revision"))
     config = AutoConfig.from_pretrained(base_dir)
     recipe, metrics = _run_summary(source.run_dir)
-    quantization = {k: v for k, v in (recipe.get("quantization") or {}).items()}
-    quantized = bool(quantization.get("bits")) and qlora_base == "dequantized"
+    quantization = dict(recipe.get("quantization") or {})
     base_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
-    target_dtype = base_dtype if dtype == "auto" else DTYPES[dtype]
-    quantize = set()
-    if quantized:
+    quantize, load_dtype = set(), None
+    if quantization.get("bits") and qlora_base == "dequantized":
         quantize = quantized_modules(config, quantization)
         # The dtype the base was loaded in before quantizing: the run's resolved precision (in the manifest).
         load_dtype = DTYPES[read_manifest(source.adapter_dir).get("precision") or _explicit_precision(recipe)]
         say(f"QLoRA run: merging into the base as the run saw it ({quantization['bits']}-bit, dequantized); "
             "--qlora-base original merges into the full-precision weights instead")
-
-    pending_lora = set(deltas.pairs)
-    pending_replace = set(deltas.replacements)
-    tmp = output.parent / f".tmp-{output.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        from safetensors import safe_open
-
-        writer = ShardWriter(tmp, max_shard_bytes)
-        for shard in weight_shards(base_dir):
-            with safe_open(shard, framework="pt") as handle:
-                for name in handle.keys():
-                    tensor = handle.get_tensor(name)
-                    if name in pending_replace:
-                        replacement = deltas.replacements[name]
-                        if replacement.shape != tensor.shape:
-                            raise UserError(f"the adapter's {name} has shape {tuple(replacement.shape)} but the base "
-                                            f"{base_name} has {tuple(tensor.shape)}: it was trained on another model",
-                                            hint="pass --base with the model the run trained on")
-                        tensor = replacement
-                        pending_replace.discard(name)
-                    elif tensor.is_floating_point() and name in quantize:
-                        tensor = quantize_roundtrip(tensor, quantization, load_dtype)
-                    if name in pending_lora:
-                        delta = deltas.delta(name)
-                        if delta.shape != tensor.shape:
-                            raise UserError(f"the adapter's update for {name} has shape {tuple(delta.shape)} but the "
-                                            f"base {base_name} has {tuple(tensor.shape)}: it was trained on another "
-                                            "model", hint="pass --base with the model the run trained on")
-                        tensor = tensor.float() + delta  # in fp32, then cast once
-                        pending_lora.discard(name)
-                    writer.add(name, tensor.to(target_dtype) if tensor.is_floating_point() else tensor)
-        if pending_lora:
-            raise UserError(f"the adapter targets weights the base {base_name} does not have, e.g. "
-                            f"{sorted(pending_lora)[0]}: it was trained on another architecture",
-                            hint="pass --base with the model the run trained on")
-        untied = False
-        for name in sorted(pending_replace):
-            # A tied output head trained in full (modules_to_save: [lm_head]) is not in the base's files:
-            # write it and untie, or loading would tie it back to the embeddings.
-            writer.add(name, deltas.replacements[name].to(target_dtype))
-            untied = True
-        writer.close()
-        if untied:
-            config.tie_word_embeddings = False
-        config.dtype = target_dtype
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        if (base_dir / "generation_config.json").is_file():
-            shutil.copy(base_dir / "generation_config.json", tmp / "generation_config.json")
-        else:
-            GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        tokenizer_source = source.adapter_dir if (source.adapter_dir / "tokenizer_config.json").is_file() else base_dir
-        for name in TOKENIZER_FILES:
-            if (tokenizer_source / name).is_file():
-                shutil.copy(tokenizer_source / name, tmp / name)
-        (tmp / "README.md").write_text(model_card(base_name, recipe, metrics, str(target_dtype).removeprefix("torch."),
-                                                  qlora_base if quantization.get("bits") else None))
-        give_default_modes(tmp)  # not the 0600 of safetensors' temporary files
-        os.rename(tmp, output)  # the output appears whole or not at all
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    plan = MergePlan(base_name, base_dir, deltas, base_dtype if dtype == "auto" else DTYPES[dtype], quantization,
+                     quantize, load_dtype)
+    with atomic_dir(output, f".tmp-{output.name}-{os.getpid()}") as tmp:  # the output appears whole or not at all
+        untied = _write_merged_weights(plan, tmp, max_shard_bytes)
+        _write_model_files(plan, tmp, config, untied, source, recipe, metrics, qlora_base)
     return output
+
+
+def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int) -> bool:
+    """Stream the base's tensors, add the LoRA deltas (in fp32, then cast once), write shards. Returns whether a
+    trained head had to be untied from the embeddings."""
+    from safetensors import safe_open
+
+    deltas = plan.deltas
+    pending_lora, pending_replace = set(deltas.pairs), set(deltas.replacements)
+    writer = ShardWriter(out_dir, max_shard_bytes)
+    for shard in weight_shards(plan.base_dir):
+        with safe_open(shard, framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                if name in pending_replace:
+                    if deltas.replacements[name].shape != tensor.shape:
+                        raise plan.wrong_model(name, tuple(deltas.replacements[name].shape), tuple(tensor.shape))
+                    tensor = deltas.replacements[name]
+                    pending_replace.discard(name)
+                elif tensor.is_floating_point() and name in plan.quantize:
+                    tensor = quantize_roundtrip(tensor, plan.quantization, plan.load_dtype)
+                if name in pending_lora:
+                    delta = deltas.delta(name)
+                    if delta.shape != tensor.shape:
+                        raise plan.wrong_model(f"update for {name}", tuple(delta.shape), tuple(tensor.shape))
+                    tensor = tensor.float() + delta
+                    pending_lora.discard(name)
+                writer.add(name, tensor.to(plan.target_dtype) if tensor.is_floating_point() else tensor)
+    if pending_lora:
+        raise UserError(f"the adapter targets weights the base {plan.base_name} does not have, e.g. "
+                        f"{sorted(pending_lora)[0]}: it was trained on another architecture",
+                        hint="pass --base with the model the run trained on")
+    for name in sorted(pending_replace):
+        # A tied output head trained in full (modules_to_save: [lm_head]) is not in the base's files:
+        # write it and untie, or loading would tie it back to the embeddings.
+        writer.add(name, deltas.replacements[name].to(plan.target_dtype))
+    writer.close()
+    return bool(pending_replace)
+
+
+def _write_model_files(plan: MergePlan, out_dir: Path, config, untied: bool, source: AdapterSource, recipe: dict,
+                       metrics: dict, qlora_base: str) -> None:
+    """config.json, generation_config.json, the tokenizer and a model card beside the merged weights."""
+    from transformers import GenerationConfig
+
+    if untied:
+        config.tie_word_embeddings = False
+    config.dtype = plan.target_dtype
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out_dir)
+    if (plan.base_dir / "generation_config.json").is_file():
+        shutil.copy(plan.base_dir / "generation_config.json", out_dir / "generation_config.json")
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    tokenizer_source = source.adapter_dir if (source.adapter_dir / "tokenizer_config.json").is_file() else plan.base_dir
+    for name in TOKENIZER_FILES:
+        if (tokenizer_source / name).is_file():
+            shutil.copy(tokenizer_source / name, out_dir / name)
+    (out_dir / "README.md").write_text(model_card(plan.base_name, recipe, metrics,
+                                                  str(plan.target_dtype).removeprefix("torch."),
+                                                  qlora_base if plan.quantization.get("bits") else None))
 
 
 def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -> float:

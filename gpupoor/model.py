@@ -11,6 +11,7 @@ import torch
 from gpupoor.errors import UserError
 from gpupoor.hardware import dtype_of
 from gpupoor.recipe import ModelSection, PeftSection, QuantizationSection
+from gpupoor.units import parse_size
 
 # Dimensions of the shrunken model `--smoke` builds from the real config: small enough to step in
 # milliseconds on a CPU, same architecture class so the recipe's code path is the real one.
@@ -133,7 +134,9 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
         try:
             placement = {}
             if cpu_offload:
-                placement = {"device_map": "auto", "max_memory": {0: max_gpu_memory.replace(" ", ""), "cpu": "1024GiB"}}
+                # bytes, read by the parser that validated the recipe (accelerate's own knows no TB)
+                gpu_bytes = parse_size(max_gpu_memory, "memory.max_gpu_memory")
+                placement = {"device_map": "auto", "max_memory": {0: gpu_bytes, "cpu": "1024GiB"}}
             elif quantization is not None or device.startswith("cuda"):
                 # straight onto the GPU: a free Colab has less host RAM than GPU memory for the weights
                 placement = {"device_map": {"": device}}

@@ -6,12 +6,9 @@ import math
 
 import torch
 
+from gpupoor.decisions import BITSANDBYTES_OPTIMIZERS
 from gpupoor.errors import UserError
 from gpupoor.recipe import TrainingSection
-
-
-BNB_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
-                  "paged_adamw_32bit": "PagedAdamW32bit"}
 
 
 def _bitsandbytes_optim(name: str):
@@ -39,11 +36,11 @@ def build_optimizer(training: TrainingSection, model: torch.nn.Module, device: s
     if training.optimizer == "sgd":
         return torch.optim.SGD(params, lr=training.learning_rate, momentum=training.momentum,
                                weight_decay=training.weight_decay)
-    if training.optimizer == "lion_8bit":
-        bnb_optim = _bitsandbytes_optim(training.optimizer)
-        return bnb_optim.Lion8bit(params, lr=training.learning_rate, weight_decay=training.weight_decay)
-    if training.optimizer in BNB_OPTIMIZERS:
-        return getattr(_bitsandbytes_optim(training.optimizer), BNB_OPTIMIZERS[training.optimizer])(params, **common)
+    if training.optimizer in BITSANDBYTES_OPTIMIZERS:
+        optimizer_class = getattr(_bitsandbytes_optim(training.optimizer), BITSANDBYTES_OPTIMIZERS[training.optimizer])
+        if training.optimizer == "lion_8bit":  # Lion: its own default betas (adam_betas are Adam's), no eps
+            return optimizer_class(params, lr=training.learning_rate, weight_decay=training.weight_decay)
+        return optimizer_class(params, **common)
     # The fused kernel is one launch per step on CUDA; foreach is the fast path on CPU.
     kernel = {"fused": True} if device == "cuda" else {"foreach": True}
     return torch.optim.AdamW(params, **common, **kernel)

@@ -9,18 +9,19 @@ holds beyond live tensors) are measured constants, named below with how they wer
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpupoor.errors import UserError
 from gpupoor.builtin_models import resolve_model_path
-from gpupoor.recipe import LoadedRecipe, Recipe, parse_size
-
-MiB = 2**20
-GiB = 2**30
+from gpupoor.decisions import (choose_attention, choose_device, choose_fused_loss, choose_precision, choose_sampler,
+                               logit_postprocessing, loss_chunk_tokens, needs_bitsandbytes)
+from gpupoor.errors import UserError
+from gpupoor.recipe import LoadedRecipe, Recipe
+from gpupoor.units import MiB, format_bytes, parse_size
 
 # What a CPU process holds before the first tensor: Python, torch, transformers, peft, accelerate, the
 # tokenizer and gpupoor, as resident memory. Measured on the CI machine (torch 2.13 CPU wheel): 387 MiB after
@@ -40,9 +41,8 @@ CUDA_ALLOCATOR_SLACK = 0.10
 # three calibration recipes each that are not in the accuracy table (`python bench/plan_accuracy.py
 # --calibrate`, docs/benchmarks.md). It varies from run to run by about 5-10% of the peak.
 CPU_HEAP_RETENTION = {"checkpointing": (82, 0.98), "none": (156, 1.15)}
-# The fused loss: logits of 2^22 elements at a time (gpupoor.loss.CHUNK_ELEMENTS), in fp32, with their
-# exponentials and gradient alive together.
-FUSED_CHUNK_ELEMENTS = 2**22
+# The fused loss: a chunk of logits (gpupoor.decisions.loss_chunk_tokens) in fp32, with their exponentials and
+# gradient alive together.
 FUSED_CHUNK_COPIES = 3
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -68,7 +68,7 @@ class Shape:
     tied: bool
     qkv_bias: bool
     file_dtype: str | None = None  # dtype of the weights on disk (config's dtype), fp32 | bf16 | fp16
-    post_processed_logits: bool = False  # soft-capped or scaled logits (Gemma 2, Cohere): no fused loss
+    logit_postprocessing: str | None = None  # the config key that soft-caps or scales the logits (Gemma 2, Cohere)
     tokenizer_rows: int | None = None  # ids the tokenizer can produce, when its files are at hand
 
     @property
@@ -143,9 +143,7 @@ def shape_from_config(config: dict, where: str, tokenizer_rows: int | None = Non
             head_dim=config.get("head_dim") or hidden // heads, vocab=config["vocab_size"],
             tied=bool(config.get("tie_word_embeddings", config.get("model_type") in TIED_BY_DEFAULT)),
             qkv_bias=bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2",
-            file_dtype=file_dtype, tokenizer_rows=tokenizer_rows,
-            post_processed_logits=any(config.get(key) not in (None, 1, 1.0) for key in
-                                      ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")))
+            file_dtype=file_dtype, tokenizer_rows=tokenizer_rows, logit_postprocessing=logit_postprocessing(config.get))
     except KeyError as exc:
         raise UserError(f"{where}: the model config has no {exc.args[0]!r}: gpupoor plan models decoder-only "
                         "transformers of the Llama family (Llama, Qwen2/3, Mistral, Gemma ...)") from None
@@ -254,6 +252,15 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class GpuFacts:
+    """What plan knows of the GPU it plans for: the facts gpupoor.decisions takes. `major` None: no GPU is
+    visible here (a plan for another machine): explicit requests stand, `auto` takes the larger memory bound."""
+
+    major: int | None = None  # the CUDA compute capability's major version
+    flash_installed: bool = False
+
+
+@dataclass(frozen=True)
 class Settings:
     """What the plan needs from the recipe, resolved for one device."""
 
@@ -277,6 +284,7 @@ class Settings:
     # On the CPU, weights whose file dtype is the run's stay memory-mapped from the safetensors file, and
     # pages of embedding rows the tokenizer never produces are never read: rows that become resident.
     resident_embedding_rows: int | None = None
+    loss_reason: str = ""  # why the fused loss is (not) used
 
     @property
     def half(self) -> bool:
@@ -288,31 +296,23 @@ class Settings:
         return 2 if self.half else 4
 
 
-def resolve_settings(recipe: Recipe, device: str, shape: Shape) -> Settings:
-    precision = recipe.precision
-    if precision == "auto":
-        # Mirrors gpupoor.hardware.resolve_precision without asking the GPU: bf16 is assumed on CUDA.
-        precision = "fp32" if device == "cpu" else "bf16"
-    attention = recipe.model.attention
-    if attention == "auto":
-        attention = "sdpa"  # flash-attn-2 is chosen only when installed on an Ampere GPU; sdpa is the bound
-    sampler = recipe.data.sampler
-    if sampler == "auto":
-        exact = not recipe.model.trust_remote_code and attention in ("sdpa", "eager", "flash_attention_2")
-        sampler = "packed" if exact else "length_grouped"
+def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = GpuFacts()) -> Settings:
+    """The recipe on `device`, each `auto` decided as training decides it (gpupoor.decisions)."""
+    precision = choose_precision(recipe.precision, device, gpu.major).value
+    attention = choose_attention(recipe.model.attention, device, gpu.flash_installed, gpu.major).value
+    sampler = choose_sampler(recipe.data.sampler, attention, recipe.model.trust_remote_code).value
     targets = tuple(LINEARS) if recipe.peft.target_modules == "all-linear" else \
         tuple(name for name in LINEARS if name in recipe.peft.target_modules)
-    # The fused loss needs a plain linear head: an adapted head or post-processed logits fall back to the
-    # plain loss (gpupoor.loss.find_fused_head).
-    fused = recipe.memory.fused_cross_entropy and not shape.post_processed_logits and not (
-        isinstance(recipe.peft.target_modules, list) and "lm_head" in recipe.peft.target_modules)
+    # peft puts LoRA on the output head only when lm_head is named (all-linear leaves the output layer out)
+    head_adapted = isinstance(recipe.peft.target_modules, list) and "lm_head" in recipe.peft.target_modules
+    fused, loss_reason = choose_fused_loss(recipe.memory.fused_cross_entropy, shape.logit_postprocessing, head_adapted)
     return Settings(device=device, precision=precision, attention=attention, sampler=sampler,
                     micro_batch=recipe.training.micro_batch_size, row_tokens=recipe.data.max_length,
                     rank=recipe.peft.rank, targets=targets, modules_to_save=tuple(recipe.peft.modules_to_save),
                     dropout=recipe.peft.dropout, bits=recipe.quantization.bits,
                     double_quant=recipe.quantization.double_quant, optimizer=recipe.training.optimizer,
                     momentum=recipe.training.momentum, checkpointing=recipe.memory.gradient_checkpointing,
-                    fused_loss=fused,
+                    fused_loss=fused, loss_reason=loss_reason,
                     max_gpu_weights=parse_size(recipe.memory.max_gpu_memory, "memory.max_gpu_memory")
                     if recipe.memory.max_gpu_memory and device == "cuda" else None,
                     resident_embedding_rows=shape.tokenizer_rows if device == "cpu" and shape.file_dtype == precision
@@ -448,7 +448,7 @@ def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
 def loss_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
     tokens = s.micro_batch * s.row_tokens
     if s.fused_loss:
-        chunk_tokens = max(64, FUSED_CHUNK_ELEMENTS // shape.vocab)
+        chunk_tokens = loss_chunk_tokens(shape.vocab)
         chunk = min(chunk_tokens, tokens) * shape.vocab * 4
         hidden = tokens * shape.hidden * 4 * 2  # targets' hidden states and their gradient
         if "lm_head" in s.modules_to_save or ("embed_tokens" in s.modules_to_save and shape.tied):
@@ -496,8 +496,7 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
                           f"caching-allocator slack {slack / MiB:.0f} MiB"))
     assumptions = [f"every micro-batch row is {s.row_tokens} tokens (data.max_length): the longest batch"]
     if not s.fused_loss:
-        assumptions.append("the plain loss: fused_cross_entropy is off, the head is adapted, or the logits are "
-                           "post-processed")
+        assumptions.append(f"the plain loss: {s.loss_reason}")
     return terms, assumptions
 
 
@@ -549,27 +548,23 @@ def apply_changes(recipe: Recipe, changes: dict) -> Recipe:
     return Recipe.model_validate(tree)
 
 
-def _peak(shape: Shape, recipe: Recipe, device: str) -> int:
-    settings = resolve_settings(recipe, device, shape)
-    terms, _ = plan_terms(shape, settings, _uses_bitsandbytes(recipe))
+def _peak(shape: Shape, recipe: Recipe, device: str, gpu: GpuFacts) -> int:
+    settings = resolve_settings(recipe, device, shape, gpu)
+    terms, _ = plan_terms(shape, settings, needs_bitsandbytes(recipe.training.optimizer, recipe.quantization.bits))
     return sum(t.bytes for t in terms)
 
 
-def _uses_bitsandbytes(recipe: Recipe) -> bool:
-    return recipe.quantization.bits is not None or recipe.training.optimizer in (
-        "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit")
-
-
-def suggest(shape: Shape, recipe: Recipe, device: str, memory: int) -> tuple[list[Suggestion], dict | None]:
+def suggest(shape: Shape, recipe: Recipe, device: str, memory: int,
+            gpu: GpuFacts = GpuFacts()) -> tuple[list[Suggestion], dict | None]:
     """Single changes that each make the recipe fit (cheapest first), or, when none does alone, every
     change that saves something; and the cheapest combination that fits (what --fit writes), if any."""
-    base = _peak(shape, recipe, device)
+    base = _peak(shape, recipe, device, gpu)
     singles = []
     for key, cost in CANDIDATES:
         changes = candidate_change(recipe, key, device)
         if changes is None:
             continue
-        peak = _peak(shape, apply_changes(recipe, changes), device)
+        peak = _peak(shape, apply_changes(recipe, changes), device, gpu)
         if peak < base:
             singles.append(Suggestion(changes, base - peak, cost, peak))
     fitting = [s for s in singles if s.peak <= memory]
@@ -581,7 +576,7 @@ def suggest(shape: Shape, recipe: Recipe, device: str, memory: int) -> tuple[lis
             if changes is None:
                 break
             trial = apply_changes(current, changes)
-            trial_peak = _peak(shape, trial, device)
+            trial_peak = _peak(shape, trial, device, gpu)
             if trial_peak >= current_peak:
                 break
             current, current_peak = trial, trial_peak
@@ -594,29 +589,66 @@ def suggest(shape: Shape, recipe: Recipe, device: str, memory: int) -> tuple[lis
         trial = recipe
         for changes in rest:
             trial = apply_changes(trial, changes)
-        if _peak(shape, trial, device) <= memory:
+        if _peak(shape, trial, device, gpu) <= memory:
             steps = rest
     combined = {key: value for changes in steps for key, value in changes.items()}
     return (fitting or singles), combined
 
 
 def default_device(recipe: Recipe) -> str:
-    """The device training would use here, found without importing torch."""
-    if recipe.training.device != "auto":
-        return recipe.training.device
+    """The device training would use here (gpupoor.decisions.choose_device), found without importing torch."""
+    requested = recipe.training.device
+    return choose_device(requested, _cuda_visible() if requested == "auto" else None).value
+
+
+def _cuda_visible() -> bool:
     if "torch" in sys.modules:
         import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.cuda.is_available()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
-        return "cpu"
+        return False
     gpus = Path("/proc/driver/nvidia/gpus")
     if gpus.is_dir() and any(gpus.iterdir()):
-        return "cuda"
+        return True
     import shutil
 
-    return "cuda" if shutil.which("nvidia-smi") else "cpu"  # WSL2 and some containers have no /proc entry
+    return bool(shutil.which("nvidia-smi"))  # WSL2 and some containers have no /proc entry
+
+
+def _nvidia_smi(fields: str) -> list[str] | None:
+    """`fields` (nvidia-smi --query-gpu) of the first GPU this process may use, or None when nothing answers."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", visible, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout.splitlines()
+        return [value.strip() for value in out[0].split(",", fields.count(","))]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_facts(device: str) -> GpuFacts:
+    """What the decisions need to know of the GPU a run on `device` would use here: torch's answer when a
+    caller already imported it, else nvidia-smi's; none when no GPU is visible."""
+    flash_installed = importlib.util.find_spec("flash_attn") is not None
+    if device != "cuda":
+        return GpuFacts(None, flash_installed)
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available():
+            return GpuFacts(torch.cuda.get_device_capability(0)[0], flash_installed)
+    answer = _nvidia_smi("compute_cap")
+    try:
+        return GpuFacts(int(answer[0].split(".")[0]), flash_installed)
+    except (TypeError, IndexError, ValueError):  # no GPU here, or an nvidia-smi too old to know compute_cap
+        return GpuFacts(None, flash_installed)
 
 
 def device_memory(device: str) -> tuple[int | None, str]:
@@ -638,20 +670,11 @@ def device_memory(device: str) -> tuple[int | None, str]:
             free, _ = torch.cuda.mem_get_info()
             # the context this process just created is counted in the plan's overhead term: give it back
             return free + CUDA_CONTEXT, f"free memory of {torch.cuda.get_device_name(0)}"
-    import shutil
-    import subprocess
-
-    if shutil.which("nvidia-smi"):
-        try:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
-            out = subprocess.run(["nvidia-smi", "-i", visible, "--query-gpu=memory.free,name",
-                                  "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10).stdout.splitlines()
-            free, name = out[0].split(",", 1)
-            return int(free) * MiB, f"free memory of {name.strip()} (nvidia-smi)"
-        except (OSError, IndexError, ValueError, subprocess.SubprocessError):
-            pass
-    return None, "unknown: no GPU visible (pass --memory)"
+    answer = _nvidia_smi("memory.free,name")
+    try:
+        return int(answer[0]) * MiB, f"free memory of {answer[1]} (nvidia-smi)"
+    except (TypeError, IndexError, ValueError):
+        return None, "unknown: no GPU visible (pass --memory)"
 
 
 def load_shape(loaded: LoadedRecipe) -> tuple[Shape, str]:
@@ -663,24 +686,22 @@ def load_shape(loaded: LoadedRecipe) -> tuple[Shape, str]:
 def make_plan(loaded: LoadedRecipe, device: str | None = None, memory: int | None = None) -> Plan:
     recipe = loaded.recipe
     device = device or default_device(recipe)
+    gpu = gpu_facts(device)
     shape, source = load_shape(loaded)
-    settings = resolve_settings(recipe, device, shape)
-    terms, assumptions = plan_terms(shape, settings, _uses_bitsandbytes(recipe))
+    settings = resolve_settings(recipe, device, shape, gpu)
+    terms, assumptions = plan_terms(shape, settings, needs_bitsandbytes(recipe.training.optimizer,
+                                                                         recipe.quantization.bits))
     if memory is not None:
         memory_source = "--memory"
     else:
         memory, memory_source = device_memory(device)
     assumptions.insert(0, f"model config: {source}")
-    if recipe.precision == "auto" and device == "cuda":
+    if recipe.precision == "auto" and device == "cuda" and gpu.major is None:
         assumptions.append("precision auto taken as bf16 (a GPU without bf16 uses fp16: the same bytes)")
     plan = Plan(device, settings.precision, terms, memory, memory_source, assumptions)
     if memory is not None and plan.peak > memory:
-        plan.suggestions, plan.fit_changes = suggest(shape, recipe, device, memory)
+        plan.suggestions, plan.fit_changes = suggest(shape, recipe, device, memory, gpu)
     return plan
-
-
-def format_bytes(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
 
 
 def render(plan: Plan, recipe_name: str) -> str:
@@ -719,7 +740,7 @@ def render_suggestions(plan: Plan) -> str:
 def write_fit(loaded: LoadedRecipe, changes: dict) -> Path:
     """Write RECIPE.fit.yaml beside the recipe (relative paths still resolve): the recipe with `changes`."""
     from gpupoor.recipe import recipe_to_yaml
-    from gpupoor.run import write_text_atomic
+    from gpupoor.files import write_text_atomic
 
     source = loaded.source or Path("recipe.yaml")
     target = source.with_name(source.stem + ".fit.yaml")

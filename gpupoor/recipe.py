@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +15,18 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpupoor.errors import UserError
+from gpupoor.units import MiB, parse_duration, parse_size
+
+
+# Marks a key a resume may change: it says how long to train, when to save, what to print or where to evaluate,
+# not what the trajectory is. Any key without it changes the trajectory (refused on resume unless --force).
+# A whole section is marked on its field in Recipe. gpupoor.recipe_diff reads these marks.
+RESUME_SAFE: dict = {"json_schema_extra": {"resume": "safe"}}
+
+
+def is_resume_safe(field) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("resume") == "safe"
 
 
 class _Section(BaseModel):
@@ -81,10 +92,10 @@ class DataSection(_Section):
     )
     max_rows: int | None = Field(None, ge=1, description="Use only the first N rows of the training data.")
     eval_path: str | None = Field(
-        None, description="Evaluation data in the same format: a file, a saved dataset or a hub name."
+        None, description="Evaluation data in the same format: a file, a saved dataset or a hub name.", **RESUME_SAFE
     )
     eval_split: str | None = Field(
-        None, description="Evaluate on this split of `path` (hub dataset or saved DatasetDict)."
+        None, description="Evaluate on this split of `path` (hub dataset or saved DatasetDict).", **RESUME_SAFE
     )
     eval_rows: int = Field(
         0, ge=0, description="Hold out this many rows of the training data (after a seeded shuffle) for eval."
@@ -92,7 +103,7 @@ class DataSection(_Section):
     cache_dir: str | None = Field(
         None,
         description="Where tokenized data is cached (default `$GPUPOOR_CACHE` or `~/.cache/gpupoor`). The "
-        "cache key covers the data bytes, tokenizer files, template, format and max_length.",
+        "cache key covers the data bytes, tokenizer files, template, format and max_length.", **RESUME_SAFE,
     )
 
     @model_validator(mode="after")
@@ -148,11 +159,11 @@ class TrainingSection(_Section):
         "tokens in the whole accumulation window, so batch 4 x accum 1 equals batch 1 x accum 4."
     )
     max_steps: int | None = Field(
-        None, ge=1, description="Stop after this many optimizer steps (takes precedence over `epochs`)."
+        None, ge=1, description="Stop after this many optimizer steps (takes precedence over `epochs`).", **RESUME_SAFE
     )
     epochs: float | None = Field(
         None, gt=0, description="Passes over the training data (fractions allowed). Default 1 when "
-        "`max_steps` is unset."
+        "`max_steps` is unset.", **RESUME_SAFE
     )
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
@@ -176,7 +187,7 @@ class TrainingSection(_Section):
     momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of `optimizer: sgd`.")
     max_consecutive_skips: int = Field(
         10, ge=1, description="Steps with a non-finite loss or gradient norm are skipped and counted; after this "
-        "many in a row the run stops with an error, keeping its last good checkpoint."
+        "many in a row the run stops with an error, keeping its last good checkpoint.", **RESUME_SAFE
     )
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="Decay after warmup: cosine or linear to zero, or constant."
@@ -185,11 +196,11 @@ class TrainingSection(_Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Warmup as a fraction of the total steps.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradient norm to this; unset to skip.")
     eval_every_steps: int | None = Field(
-        None, ge=1, description="Evaluate every N optimizer steps (and at the end) when eval data is set."
+        None, ge=1, description="Evaluate every N optimizer steps (and at the end) when eval data is set.", **RESUME_SAFE
     )
-    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="`auto`: CUDA when available, else CPU.")
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="`auto`: CUDA when available, else CPU.", **RESUME_SAFE)
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads on CPU. Default: the cores this process may use."
+        None, ge=1, description="torch threads on CPU. Default: the cores this process may use.", **RESUME_SAFE
     )
 
 
@@ -199,14 +210,19 @@ class MemorySection(_Section):
     @field_validator("max_gpu_memory")
     @classmethod
     def _check_memory(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"\s*\d+(\.\d+)?\s*([KMGT]i?B)\s*", value):
+        # The parser the model loader and `plan` use, so a size that validates is one that loads.
+        try:
+            ok = value is None or parse_size(value, "memory.max_gpu_memory") >= MiB
+        except UserError:
+            ok = False
+        if not ok:
             raise ValueError("use a size like 10GiB, 12GB or 8000MiB")
         return value
 
     gradient_checkpointing: bool | Literal["offload"] = Field(
         False, description="`true`: recompute each decoder layer's activations in backward (non-reentrant; "
         "LoRA gradients are bitwise those without it). `offload`: also keep each checkpointed layer input in "
-        "pinned CPU memory until backward (long contexts on a small GPU; on a CPU it is the same as `true`)."
+        "pinned CPU memory until backward (long contexts on a small GPU; on a CPU it is the same as `true`).", **RESUME_SAFE
     )
     max_gpu_memory: str | None = Field(
         None, description="On a GPU, load at most this much of the base model's weights onto it (e.g. "
@@ -286,46 +302,16 @@ class Recipe(_Section):
     )
     training: TrainingSection = Field(default_factory=TrainingSection)
     memory: MemorySection = Field(default_factory=MemorySection)
-    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
-    logging: LoggingSection = Field(default_factory=LoggingSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, **RESUME_SAFE)
+    logging: LoggingSection = Field(default_factory=LoggingSection, **RESUME_SAFE)
     seed: int = Field(42, ge=0, le=2**64 - 1, description="Seeds weights init of adapters, data order and dropout.")
     output_dir: str | None = Field(
         None, description="Run directory. Relative paths resolve against the recipe file; default "
-        "`runs/<recipe name>` in the current directory. Must be empty or absent."
+        "`runs/<recipe name>` in the current directory. Must be empty or absent.", **RESUME_SAFE
     )
 
 
 DEFAULT_CHECKPOINT_MINUTES = 30.0
-
-SECTIONS = ["model", "data", "peft", "quantization", "precision", "training", "memory", "checkpoint",
-            "logging", "seed", "output_dir"]
-
-_DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*$")
-
-
-def parse_size(text: str, option: str = "--max-shard-size") -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", text.upper())
-    if not match:
-        raise UserError(f"{option} {text!r}: use a size like 2GB, 500MB or 4GiB")
-    number, unit = float(match.group(1)), (match.group(2) or "B")
-    powers = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    return int(number * powers[unit])
-
-
-def parse_duration(text: str) -> float:
-    """'11h30m' -> 41400.0 seconds. A bare number means seconds."""
-    text = str(text)
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    match = _DURATION.match(text)
-    if not match or not any(match.groups()):
-        raise ValueError(f"not a duration: {text!r}; use e.g. 11h30m, 45m or 90s")
-    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
-    return hours * 3600 + minutes * 60 + seconds
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Loading: YAML with line numbers, --set overrides, and errors that say where.
@@ -539,7 +525,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedR
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"{path}:1: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
+        raise UserError(f"{path}:1: a recipe is a mapping of sections ({', '.join(Recipe.model_fields)})")
     overridden = set(apply_overrides(data, overrides or []))
     return LoadedRecipe(validate_recipe_data(data, str(path), _line_map(text), overridden), path.resolve())
 

@@ -1,7 +1,17 @@
 """Orchestration of `gpupoor train` and `gpupoor resume`: the one place that knows every part.
 
-Recipe -> builders -> (checkpoint state loaded into what the builders made) -> loop, with hooks for metrics,
-progress, checkpoints, signals and time limits.
+One run is a few stages, each a page or less, in the order they happen:
+
+    build_session   recipe -> hardware choices, tokenizer, data, model, optimizer     (builders: model, data, optim)
+    restore         a checkpoint's tensors and progress into what was built          (checkpoint)
+    print_summary   what was chosen and why
+    open_run_dir    lock it, store the recipe, trim metrics redone after the checkpoint (rundir)
+    train           the loop with RunHooks: metrics, progress, CheckpointPolicy, stop requests
+    finish          the final adapter, or why it stopped and how to continue
+
+Where new things go: a training method is built in model.py (its rules in decisions.py); a tracker is a writer
+beside MetricsWriter, called from RunHooks.on_step/on_eval; a distributed strategy is chosen in
+make_accelerator (its rules in decisions.py); a data source or mixture lands in gpupoor/data.
 """
 
 from __future__ import annotations
@@ -14,18 +24,17 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.recipe import DATA_SUFFIXES, LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
+from gpupoor.recipe import LoadedRecipe, Recipe
+from gpupoor.rundir import (RunLock, check_run_dir, check_writable, end_session, portable_recipe, resolve_run_dir,
+                            store_recipe, stored_recipe, write_session)
 
 SMOKE_ROWS = 16
 SMOKE_STEPS = 3
 SMOKE_MAX_LENGTH = 256
-ASSUMED_WRITE_BYTES_PER_S = 100 * 2**20  # save-time guess until the first checkpoint is measured
-MIN_SAVE_RESERVE_S = 1.0  # a save also writes the tokenizer and fsyncs: never assume less than this
-SESSION = "session.json"  # pid, start time and time limit of the process training in this run dir
 
 
 @dataclass
@@ -40,175 +49,14 @@ class RunFailed(Exception):
     """Training cannot go on (diverged, disk full); the last committed checkpoint is intact."""
 
 
-def library_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    versions = {}
-    for name in ("gpupoor", "torch", "transformers", "peft", "accelerate", "bitsandbytes"):
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
-
-def quiet_libraries() -> None:
-    """Silence library noise that says nothing to a user of gpupoor."""
-    import logging
-    import warnings
-
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
-    # peft still asks for the pre-5.x name of the checkpointing flag.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    # bitsandbytes tries to fetch an optional CPU kernel from the hub and warns when it can't; it falls back.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-
-
-def check_launch(environ=os.environ) -> None:
-    """`accelerate launch --num_processes N` without --multi_gpu (e.g. with --cpu) runs accelerate's simple
-    launcher: ONE process, which only exports MASTER_ADDR/PORT for an mpirun that is not there. Training would
-    silently run on one process; say how to launch N instead."""
-    launched_by_accelerate = "ACCELERATE_USE_CPU" in environ or "ACCELERATE_MIXED_PRECISION" in environ
-    ranked = any(key in environ for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK"))
-    if launched_by_accelerate and "MASTER_ADDR" in environ and not ranked:
-        raise UserError("accelerate launch started a single process although more were asked for: without "
-                        "--multi_gpu (or with --cpu) it uses its one-process launcher, which expects mpirun",
-                        hint="on CPUs: torchrun --nproc-per-node N -m gpupoor train RECIPE; on GPUs: accelerate "
-                        "launch --multi_gpu --num_processes N -m gpupoor train RECIPE")
-
-
-def make_accelerator(device: str, precision: str):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    # accelerate keeps one process-wide state; a second run in the same process (the demo, tests, a
-    # notebook) with another precision must start from a clean one. Launch settings (DDP etc.) survive.
-    AcceleratorState._reset_state()
-    return Accelerator(cpu=device == "cpu", mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision])
-
-
-def smoke_recipe(recipe: Recipe) -> Recipe:
-    """The same recipe shrunk for `--smoke`: a few rows, a few steps, CPU, fp32, no checkpoints."""
-    data = recipe.data.model_copy(update={
-        "max_rows": min(recipe.data.max_rows or SMOKE_ROWS, SMOKE_ROWS),
-        "max_length": min(recipe.data.max_length, SMOKE_MAX_LENGTH),
-        "eval_rows": min(recipe.data.eval_rows, 4)})
-    training = recipe.training.model_copy(update={
-        "max_steps": SMOKE_STEPS, "epochs": None, "device": "cpu",
-        "micro_batch_size": min(recipe.training.micro_batch_size, 2),
-        "gradient_accumulation_steps": min(recipe.training.gradient_accumulation_steps, 2),
-        "eval_every_steps": None})
-    checkpoint = recipe.checkpoint.model_copy(update={"every_steps": None, "every_minutes": None, "time_limit": None})
-    model = recipe.model.model_copy(update={"attention": "auto"})  # flash-attn does not run on the CPU
-    return recipe.model_copy(update={"model": model, "data": data, "training": training, "precision": "fp32",
-                                     "checkpoint": checkpoint})
-
-
-def portable_recipe(loaded: LoadedRecipe) -> Recipe:
-    """The recipe as stored in the run dir: local paths made absolute (they no longer resolve against the
-    recipe's folder) and no output_dir (the run dir is wherever it is now: copy or move it freely)."""
-    recipe = loaded.recipe
-    model = recipe.model
-    local_model = resolve_local_path(model.name_or_path, loaded.base_dir)
-    if local_model is not None:
-        model = model.model_copy(update={"name_or_path": str(local_model)})
-    data_updates = {}
-    for key in ("path", "eval_path"):
-        value = getattr(recipe.data, key)
-        local = resolve_local_path(value, loaded.base_dir, DATA_SUFFIXES) if value else None
-        if local is not None:
-            data_updates[key] = str(local)
-    if recipe.data.cache_dir:  # always a local directory, maybe not created yet
-        data_updates["cache_dir"] = str((loaded.base_dir / Path(recipe.data.cache_dir).expanduser()).resolve())
-    return recipe.model_copy(update={"model": model, "data": recipe.data.model_copy(update=data_updates),
-                                     "output_dir": None})
-
-
-def resolve_run_dir(loaded: LoadedRecipe, output_dir: str | None, stem: str) -> Path:
-    if output_dir:  # from the command line: relative to where the user is
-        return Path(output_dir).expanduser().resolve()
-    if loaded.recipe.output_dir:
-        path = Path(loaded.recipe.output_dir).expanduser()
-        return path if path.is_absolute() else (loaded.base_dir / path).resolve()
-    return (Path.cwd() / "runs" / stem).resolve()
-
-
-def check_run_dir(run_dir: Path) -> None:
-    if run_dir.exists() and not run_dir.is_dir():
-        kind = "a file" if run_dir.is_file() else "not a directory"
-        raise UserError(f"run directory {run_dir} is {kind}",
-                        hint="pass --output-dir NEW_DIR (or set output_dir) naming a new or empty directory")
-    if run_dir.exists() and any(run_dir.iterdir()):
-        hint = (f"to continue it: gpupoor resume {run_dir}" if (run_dir / "recipe.yaml").is_file()
-                else "pass --output-dir NEW_DIR (or set output_dir), or delete the old run")
-        raise UserError(f"run directory {run_dir} is not empty; gpupoor never trains over an earlier run",
-                        hint=hint)
-
-
-def check_writable(run_dir: Path) -> None:
-    """Create the run directory (and a file in it) and remove them again, before anything slow: a read-only or
-    impossible location is bad input, said at once, not an OSError after the model has loaded."""
-    missing = []
-    probe = run_dir
-    while not probe.exists() and probe != probe.parent:
-        missing.append(probe)
-        probe = probe.parent
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as exc:
-        raise UserError(f"cannot create the run directory {run_dir}: {exc.strerror or exc}",
-                        hint="pass --output-dir (or set output_dir) to a writable location") from None
-    finally:
-        for path in missing:  # deepest first; leave nothing behind
-            with contextlib.suppress(OSError):
-                path.rmdir()
-
-
-def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> int:
-    if recipe.training.max_steps is not None:
-        return recipe.training.max_steps
-    epochs = recipe.training.epochs if recipe.training.epochs is not None else 1.0
-    per_step = recipe.training.gradient_accumulation_steps * processes  # micro-batches one optimizer step uses
-    return max(1, math.ceil(epochs * batches_per_epoch / per_step))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def store_recipe(run_dir: Path, recipe: Recipe) -> None:
-    header = "# resolved recipe written by gpupoor\n" + "".join(f"# {k} {v}\n" for k, v in library_versions().items())
-    write_text_atomic(run_dir / "recipe.yaml", recipe_to_yaml(recipe, header))
-
-
-@contextlib.contextmanager
-def _stop_requests(stop):
-    """The command's StopRequest, or one installed for the length of this call (the demo, a notebook). It is
-    installed before anything slow, so a SIGTERM while the model loads stops at step 0 with a checkpoint."""
-    if stop is not None:
-        yield stop
-        return
-    from gpupoor.signals import StopRequest
-
-    stop = StopRequest().install()
-    try:
-        yield stop
-    finally:
-        stop.uninstall()
+# ----------------------------------------------------------------------------------------------------------
+# Entry points
 
 
 def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke: bool = False,
                       say=print, started: float | None = None, plan=None, stop=None) -> RunResult:
-    """`started`: time.monotonic() when the command began; the time limit counts from there. `plan`: the
-    memory plan the preflight made (made here when not given). `stop`: the command's installed StopRequest."""
+    """A new run. `started`: time.monotonic() when the command began; the time limit counts from there.
+    `plan`: the memory plan the preflight made (made here when not given). `stop`: the command's StopRequest."""
     started = time.monotonic() if started is None else started
     recipe = portable_recipe(loaded)
     if smoke:
@@ -232,11 +80,12 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
 
 def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=print,
                started: float | None = None, stop=None) -> RunResult:
+    """Continue a run from its newest valid checkpoint (or say it is already done)."""
+    from gpupoor.rundir import require_run_dir
+
     started = time.monotonic() if started is None else started
     run_dir = run_dir.expanduser().resolve()
-    if not (run_dir / "recipe.yaml").is_file():
-        raise UserError(f"{run_dir} is not a gpupoor run directory (no recipe.yaml)",
-                        hint="pass the directory `gpupoor train` wrote, e.g. runs/my-recipe")
+    require_run_dir(run_dir)
     check_launch()
     lock = RunLock(run_dir).acquire()
     try:
@@ -248,11 +97,11 @@ def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=pri
 
 def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, started: float, lock, stop) -> RunResult:
     from gpupoor.checkpoint import final_problem, latest_valid, sweep_temporary
-    from gpupoor.resume import diff_recipes, format_changes
+    from gpupoor.recipe_diff import diff_recipes, format_changes
 
-    stored = load_recipe(run_dir / "recipe.yaml").recipe
+    stored = stored_recipe(run_dir)
     # Paths given with --set resolve against the current directory and are stored absolute, like train's.
-    recipe = portable_recipe(LoadedRecipe(load_recipe(run_dir / "recipe.yaml", overrides).recipe, None))
+    recipe = portable_recipe(LoadedRecipe(stored_recipe(run_dir, overrides), None))
     trajectory, safe = diff_recipes(stored, recipe)
     if trajectory and not force:
         raise UserError("these changes alter the training trajectory, so the result would no longer be the "
@@ -282,6 +131,15 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
     return _execute(recipe, run_dir, checkpoint, False, say, started, force=force, lock=lock, plan=plan, stop=stop)
 
 
+def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
+    """The step count the resumed run aims for, when it can be told without loading data."""
+    if recipe.training.max_steps is not None:
+        return recipe.training.max_steps
+    if any(key in ("training.max_steps", "training.epochs") for key, _, _ in safe_changes):
+        return math.inf  # a new epoch count: the run works out the steps (and does nothing if already there)
+    return checkpoint.manifest.get("total_steps", math.inf)
+
+
 def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
     """The memory plan for the startup summary, or None when the model is not one it can describe."""
     from gpupoor.plan import make_plan
@@ -292,93 +150,122 @@ def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
         return None
 
 
-class RunLock:
-    """An exclusive lock on a run directory for as long as a process trains in it (flock: released by the
-    kernel when the process dies, so a crash never leaves a stale lock)."""
+@contextlib.contextmanager
+def _stop_requests(stop):
+    """The command's StopRequest, or one installed for the length of this call (the demo, a notebook). It is
+    installed before anything slow, so a SIGTERM while the model loads stops at step 0 with a checkpoint."""
+    if stop is not None:
+        yield stop
+        return
+    from gpupoor.signals import StopRequest
 
-    NAME = ".lock"
-
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / self.NAME
-        self.handle = None
-
-    def acquire(self) -> "RunLock":
-        import fcntl
-
-        try:
-            self.handle = open(self.path, "a+")
-        except OSError as exc:
-            raise UserError(f"cannot write in the run directory {self.path.parent}: {exc.strerror or exc}",
-                            hint="a run directory must be writable to train in it; copy it to a writable place "
-                            "and resume the copy") from None
-        try:
-            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.handle.close()
-            self.handle = None
-            raise UserError(f"another gpupoor process is training in {self.path.parent}",
-                            hint=f"wait for it to stop (gpupoor status {self.path.parent} shows it)") from None
-        return self
-
-    def release(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
-
-    @staticmethod
-    def held(run_dir: Path) -> bool:
-        import fcntl
-
-        path = run_dir / RunLock.NAME
-        if not path.is_file():
-            return False
-        with open(path) as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-        return False
+    stop = StopRequest().install()
+    try:
+        yield stop
+    finally:
+        stop.uninstall()
 
 
-def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
-    """The step count the resumed run aims for, when it can be told without loading data."""
+def check_launch(environ=os.environ) -> None:
+    """`accelerate launch --num_processes N` without --multi_gpu (e.g. with --cpu) runs accelerate's simple
+    launcher: ONE process, which only exports MASTER_ADDR/PORT for an mpirun that is not there. Training would
+    silently run on one process; say how to launch N instead."""
+    launched_by_accelerate = "ACCELERATE_USE_CPU" in environ or "ACCELERATE_MIXED_PRECISION" in environ
+    ranked = any(key in environ for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK"))
+    if launched_by_accelerate and "MASTER_ADDR" in environ and not ranked:
+        raise UserError("accelerate launch started a single process although more were asked for: without "
+                        "--multi_gpu (or with --cpu) it uses its one-process launcher, which expects mpirun",
+                        hint="on CPUs: torchrun --nproc-per-node N -m gpupoor train RECIPE; on GPUs: accelerate "
+                        "launch --multi_gpu --num_processes N -m gpupoor train RECIPE")
+
+
+def smoke_recipe(recipe: Recipe) -> Recipe:
+    """The same recipe shrunk for `--smoke`: a few rows, a few steps, CPU, fp32, no checkpoints."""
+    data = recipe.data.model_copy(update={
+        "max_rows": min(recipe.data.max_rows or SMOKE_ROWS, SMOKE_ROWS),
+        "max_length": min(recipe.data.max_length, SMOKE_MAX_LENGTH),
+        "eval_rows": min(recipe.data.eval_rows, 4)})
+    training = recipe.training.model_copy(update={
+        "max_steps": SMOKE_STEPS, "epochs": None, "device": "cpu",
+        "micro_batch_size": min(recipe.training.micro_batch_size, 2),
+        "gradient_accumulation_steps": min(recipe.training.gradient_accumulation_steps, 2),
+        "eval_every_steps": None})
+    checkpoint = recipe.checkpoint.model_copy(update={"every_steps": None, "every_minutes": None, "time_limit": None})
+    model = recipe.model.model_copy(update={"attention": "auto"})  # flash-attn does not run on the CPU
+    return recipe.model_copy(update={"model": model, "data": data, "training": training, "precision": "fp32",
+                                     "checkpoint": checkpoint})
+
+
+def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> int:
     if recipe.training.max_steps is not None:
         return recipe.training.max_steps
-    if any(key in ("training.max_steps", "training.epochs") for key, _, _ in safe_changes):
-        return math.inf  # a new epoch count: _execute works out the steps (and does nothing if already there)
-    return checkpoint.manifest.get("total_steps", math.inf)
+    epochs = recipe.training.epochs if recipe.training.epochs is not None else 1.0
+    per_step = recipe.training.gradient_accumulation_steps * processes  # micro-batches one optimizer step uses
+    return max(1, math.ceil(epochs * batches_per_epoch / per_step))
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after the checkpoint: they will be trained (and logged) again. So is an eval of the
-    checkpoint's own step: a process may have died between the checkpoint and that eval, and the resumed run
-    evaluates that step again (the same weights, so the same value) rather than lose it."""
-    from gpupoor.train.report import read_metrics
+def make_accelerator(device: str, precision: str):
+    """The Accelerator: one process, or DDP under torchrun / accelerate launch (a new strategy goes here)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
-    if path.is_file():
-        kept = [record for record in read_metrics(path) if record.get("step", 0) < step
-                or (record.get("step", 0) == step and "eval_loss" not in record)]
-        write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
+    # accelerate keeps one process-wide state that refuses a second mixed precision. A second run in the same
+    # process (the demo, tests, a notebook) must start from a clean one; accelerate has no public reset, so
+    # this private call is the one place gpupoor needs it. Launch settings (DDP etc.) come from the
+    # environment and survive.
+    AcceleratorState._reset_state()
+    return Accelerator(cpu=device == "cpu", mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision])
 
 
-def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: float,
-             force: bool = False, lock: RunLock | None = None, plan=None, stop=None) -> RunResult:
+# ----------------------------------------------------------------------------------------------------------
+# Stages
+
+
+@dataclass
+class Session:
+    """Everything one process built for a run, and its progress."""
+
+    recipe: Recipe
+    run_dir: Path
+    smoke: bool
+    accelerator: object
+    choices: dict  # name -> gpupoor.hardware.Choice (device, precision, attention, sampler)
+    tokenizer: object
+    data: object  # gpupoor.data.build.DataBundle
+    model: object  # as prepared by accelerate
+    unwrapped: object
+    raw_optimizer: object
+    optimizer: object
+    steps: int
+    warmup: int
+    summary: object  # gpupoor.model.ModelSummary
+    scheduler: object = None
+    state: object = None  # gpupoor.train.state.TrainState
+    memory_plan: object = None
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def device(self) -> str:
+        return self.choices["device"].value
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
+    """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed."""
     import torch
-    from safetensors.torch import load_file
 
-    from gpupoor import faults
-    from gpupoor.checkpoint import ADAPTER, STATE, CheckpointError, dir_size, load_torch, rotate, write_checkpoint
     from gpupoor.data.build import build_data
     from gpupoor.hardware import (resolve_attention, resolve_device, resolve_precision, resolve_sampler,
                                   usable_cpu_count)
-    from gpupoor.loss import find_fused_head, fused_loss_sum, plain_loss_sum
     from gpupoor.model import build_model, load_tokenizer, model_location, summarize
-    from gpupoor.optim import build_optimizer, build_scheduler, optimizer_state_bytes, warmup_steps
-    from gpupoor.resume import trajectory_hash
-    from gpupoor.train.report import NullWriter
-    from gpupoor.train.loop import Hooks, LoopSettings, TooManySkippedSteps, train
-    from gpupoor.train.report import MetricsWriter, Progress
-    from gpupoor.train.state import TrainState, restore_rng
+    from gpupoor.optim import build_optimizer, warmup_steps
+    from gpupoor.quiet import quiet_libraries
 
     quiet_libraries()
     device = resolve_device(recipe.training.device)
@@ -386,255 +273,74 @@ def _execute(recipe: Recipe, run_dir: Path, resume, smoke: bool, say, started: f
     attention = resolve_attention(recipe.model.attention, device.value)
     # The Accelerator first: under `accelerate launch` it says which GPU this process owns.
     accelerator = make_accelerator(device.value, precision.value)
-    main = accelerator.is_main_process
-    if not main:
-        say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
     if device.value == "cpu":
         # Oversubscribed cores are far slower than idle ones: use the cores we may run on, no more.
         torch.set_num_threads(recipe.training.cpu_threads or usable_cpu_count())
     torch.manual_seed(recipe.seed)
 
-    base_dir = Path.cwd()  # the portable recipe holds absolute local paths; hub ids need no base
-    location = model_location(recipe.model, base_dir)  # a local directory (built-in models built) or a hub id
+    location = model_location(recipe.model, Path.cwd())  # a local directory (built-ins built) or a hub id
     tokenizer = load_tokenizer(location, recipe.model)
     sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code)
-    data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, base_dir,
+    data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, Path.cwd(),
                       sampler=sampler.value)
-    if resume is not None and not force:
-        if resume.manifest.get("data_fingerprint") not in (None, data.fingerprint):
-            raise UserError("the training data (or tokenizer, format or max_length) is not what this run was "
-                            f"trained on: its fingerprint changed since checkpoint {resume.path.name}",
-                            hint="restore the original data, or pass --force to continue on the new data")
-        if resume.manifest.get("recipe_hash") not in (None, trajectory_hash(recipe)):
-            raise UserError(f"run_dir/recipe.yaml no longer describes the run that wrote {resume.path.name} "
-                            "(its trajectory settings were edited)",
-                            hint="restore them, or pass --force to continue with the edited recipe")
     for warning in data.warnings:
         say(f"warning: {warning}")
-    stats = data.train.stats
     model = build_model(location, recipe.model, recipe.peft, recipe.quantization, precision.value,
                         attention.value, str(accelerator.device), recipe.memory.gradient_checkpointing,
                         recipe.seed, smoke, recipe.memory.max_gpu_memory)
     summary = summarize(model)
     raw_optimizer = build_optimizer(recipe.training, model, device.value)
     steps = total_steps(recipe, len(data.plan), accelerator.num_processes)
-    warmup = warmup_steps(recipe.training, steps)
-    model, optimizer = accelerator.prepare(model, raw_optimizer)
-    unwrapped = accelerator.unwrap_model(model)
+    prepared_model, optimizer = accelerator.prepare(model, raw_optimizer)
+    choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler}
+    return Session(recipe, run_dir, smoke, accelerator, choices, tokenizer, data, prepared_model,
+                   accelerator.unwrap_model(prepared_model), raw_optimizer, optimizer, steps,
+                   warmup_steps(recipe.training, steps), summary)
 
-    state = TrainState()
-    if resume is not None:  # latest_valid verified every file the manifest must list
+
+def check_checkpoint_matches(session: Session, checkpoint) -> None:
+    """Refuse (unless --force) a checkpoint written for other data or other trajectory settings."""
+    from gpupoor.recipe_diff import trajectory_hash
+
+    if checkpoint.manifest.get("data_fingerprint") not in (None, session.data.fingerprint):
+        raise UserError("the training data (or tokenizer, format or max_length) is not what this run was "
+                        f"trained on: its fingerprint changed since checkpoint {checkpoint.path.name}",
+                        hint="restore the original data, or pass --force to continue on the new data")
+    if checkpoint.manifest.get("recipe_hash") not in (None, trajectory_hash(session.recipe)):
+        raise UserError(f"run_dir/recipe.yaml no longer describes the run that wrote {checkpoint.path.name} "
+                        "(its trajectory settings were edited)",
+                        hint="restore them, or pass --force to continue with the edited recipe")
+
+
+def restore(session: Session, checkpoint, force: bool) -> None:
+    """Load a checkpoint's adapter, optimizer (and GradScaler) state and progress; then build the schedule at
+    the restored step. `checkpoint` None: a new run at step 0. (latest_valid verified every listed file.)"""
+    from gpupoor.optim import build_scheduler
+    from gpupoor.train.state import TrainState
+
+    session.state = TrainState()
+    if checkpoint is not None:
         from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
 
-        result = set_peft_model_state_dict(unwrapped, load_file(resume.path / ADAPTER, device=str(accelerator.device)))
+        from gpupoor.checkpoint import ADAPTER, STATE, load_torch
+
+        device = str(session.accelerator.device)
+        result = set_peft_model_state_dict(session.unwrapped, load_file(checkpoint.path / ADAPTER, device=device))
         if getattr(result, "unexpected_keys", None):
-            raise UserError(f"checkpoint {resume.path.name} does not fit this model: unexpected "
+            raise UserError(f"checkpoint {checkpoint.path.name} does not fit this model: unexpected "
                             f"{result.unexpected_keys[:3]}")
-        optimizer.load_state_dict(load_torch(resume.path / "optimizer.pt"))
-        if accelerator.scaler is not None and (resume.path / "scaler.pt").is_file():
-            accelerator.scaler.load_state_dict(load_torch(resume.path / "scaler.pt"))
+        session.optimizer.load_state_dict(load_torch(checkpoint.path / "optimizer.pt"))
+        scaler = session.accelerator.scaler
+        if scaler is not None and (checkpoint.path / "scaler.pt").is_file():
+            scaler.load_state_dict(load_torch(checkpoint.path / "scaler.pt"))
         if force:
-            _apply_hyperparameters(recipe, optimizer)
-        state = TrainState.from_dict(json.loads((resume.path / STATE).read_text()))
-        warmup = resume.manifest.get("warmup_steps", warmup)  # the run's own warmup: it never restarts
+            _apply_hyperparameters(session.recipe, session.optimizer)
+        session.state = TrainState.from_dict(json.loads((checkpoint.path / STATE).read_text()))
+        session.warmup = checkpoint.manifest.get("warmup_steps", session.warmup)  # the run's own: never restarts
     # Built after the optimizer state is restored: it starts at the current step of the schedule for `steps`.
-    scheduler = build_scheduler(recipe.training, raw_optimizer, steps, warmup, state.step)
-
-    checkpointing = {False: "off", True: "on (non-reentrant)",
-                     "offload": "on, layer inputs offloaded to CPU" if device.value == "cuda"
-                     else "on (offload has no effect on a CPU)"}[recipe.memory.gradient_checkpointing]
-    fused, loss_reason = find_fused_head(unwrapped) if recipe.memory.fused_cross_entropy else (None, "memory.fused_cross_entropy: false")
-    base_loss = functools.partial(fused_loss_sum, fused=fused) if fused is not None else plain_loss_sum
-
-    verb = "smoke test" if smoke else ("resume" if resume is not None else "train")
-    say(f"gpupoor {verb}: {recipe.model.name_or_path}" + (" (shrunken random-weight copy)" if smoke else ""))
-    say(f"  device {device.value} ({device.reason}); precision {precision.value} ({precision.reason}); "
-        f"attention {attention.value} ({attention.reason})")
-    say(f"  processes: {accelerator.num_processes}"
-        + (f" (DDP, {accelerator.state.backend})" if accelerator.num_processes > 1 else " (no data parallelism)"))
-    say(f"  loss: {'fused chunked cross-entropy' if fused is not None else 'plain cross-entropy'} ({loss_reason}); "
-        f"gradient checkpointing: {checkpointing}")
-    say(f"  parameters {summary.total_params:,}; trainable {summary.trainable_params:,} "
-        f"({summary.trainable_percent:.2f}%); weights {summary.weight_bytes / 2**20:.1f} MiB")
-    say(f"  data {stats.kept} examples ({stats.rows} rows; {stats.truncated} truncated to "
-        f"{recipe.data.max_length} tokens; {stats.dropped_no_target} without targets dropped); "
-        f"{stats.target_tokens / max(stats.tokens, 1):.0%} of tokens are targets"
-        + ("; tokenized cache hit" if data.cache_hit else "")
-        + (f"; eval {len(data.eval)} examples" if data.eval is not None else ""))
-    unit = (f"{recipe.training.micro_batch_size} packed rows of up to {data.plan.row_length} tokens"
-            if sampler.value == "packed"
-            else f"{recipe.training.micro_batch_size} examples")
-    say(f"  {steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x {unit}; "
-        f"{len(data.plan)} micro-batches per epoch; sampler {sampler.value} ({sampler.reason})")
-    if plan is not None and plan.device != device.value:  # planned for another device than torch found
-        plan = _plan_quietly(LoadedRecipe(recipe, None), device.value)
-    predicted_mb = None
-    if plan is not None:
-        from gpupoor.plan import format_bytes
-
-        predicted_mb = round(plan.comparable_peak / 2**20, 1)
-        fits = "" if plan.fits is None else (" (fits)" if plan.fits else " (predicted NOT to fit)")
-        say(f"  memory plan: peak {format_bytes(plan.peak)} on {plan.device}{fits}; "
-            f"activations {format_bytes(next(t.bytes for t in plan.terms if t.key == 'activations'))} "
-            "(gpupoor plan RECIPE for every term)")
-    if resume is not None:
-        say(f"  resuming from {resume.path.name}: step {state.step}, epoch {state.epoch}, "
-            f"micro-batch {state.batch_in_epoch} of the epoch")
-    say(f"  run directory {run_dir}")
-
-    limit_s = recipe.checkpoint.time_limit_s
-    owns_lock = lock is None and main
-    if owns_lock:  # a new run: create and lock its directory, then make sure no other run got there first
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = RunLock(run_dir).acquire()
-        if any(p.name != RunLock.NAME for p in run_dir.iterdir()):
-            lock.release()
-            check_run_dir(run_dir)
-    accelerator.wait_for_everyone()
-    if main:
-        # Only now, with everything built and loaded, is the (possibly changed) recipe committed.
-        store_recipe(run_dir, recipe)
-        _truncate_metrics(run_dir / "metrics.jsonl", state.step)  # steps after the checkpoint are redone
-        write_text_atomic(run_dir / SESSION, json.dumps({
-            "pid": os.getpid(), "time_limit_s": limit_s, "started": time.time() - (time.monotonic() - started)}))
-    checkpoints_dir = run_dir / "checkpoints"
-    manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": data.fingerprint,
-                     "total_steps": steps, "warmup_steps": warmup, "precision": precision.value, "device": device.value,
-                     "versions": library_versions()}
-    trainable_bytes = sum(p.numel() * p.element_size() for p in unwrapped.parameters() if p.requires_grad)
-    saving = {"seconds": 0.0, "bytes": 3 * trainable_bytes + 2**20, "last_time": time.monotonic(),
-              "last_step": state.step}
-    last_loss: list[float | None] = [None]
-    first_step = state.step  # the step this process started from
-
-    def save_files(tmp: Path) -> None:
-        unwrapped.save_pretrained(tmp, safe_serialization=True)  # adapter_config.json + adapter_model.safetensors
-        tokenizer.save_pretrained(tmp)
-        faults.at_stage("weights", state.step)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        if accelerator.scaler is not None:
-            torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
-        faults.at_stage("optimizer", state.step)
-        from gpupoor.train.state import capture_rng
-
-        state.rng = capture_rng()
-        (tmp / STATE).write_text(json.dumps(state.to_dict()))
-        faults.at_stage("state", state.step)
-
-    def save_checkpoint() -> str:
-        """Commit checkpoints/step-N for the current state; rotate older ones. Returns its name."""
-        name = f"step-{state.step:06d}"
-        if not all(torch.isfinite(p).all() for p in unwrapped.parameters() if p.requires_grad):
-            raise RunFailed(f"refusing to save {name}: the trainable weights are not finite")
-        if accelerator.is_main_process:
-            try:
-                saving["seconds"] = write_checkpoint(checkpoints_dir / name, save_files, state.step,
-                                                     {**manifest_base, "loss": last_loss[0]},
-                                                     int(saving["bytes"] * 1.1))
-            except CheckpointError as exc:
-                raise RunFailed(f"{exc}\n  free some space, then continue with: gpupoor resume {run_dir}") from None
-            saving["bytes"] = dir_size(checkpoints_dir / name)
-            rotate(checkpoints_dir, recipe.checkpoint.keep_last, state.step)
-        accelerator.wait_for_everyone()
-        saving["last_time"], saving["last_step"] = time.monotonic(), state.step
-        metrics.write({"step": state.step, "checkpoint": name, "save_s": round(saving["seconds"], 3)})
-        return name
-
-    def on_step(record: dict, current: TrainState) -> None:
-        if predicted_mb is not None:
-            record["predicted_peak_mb"] = predicted_mb
-        if current.step - first_step in (1, 3) and main:
-            # after the first step (optimizer state now exists) and the third (the heap has settled)
-            if current.step - first_step == 1:
-                record["optimizer_state_mb"] = round(optimizer_state_bytes(optimizer) / 2**20, 2)
-            what = "process RSS" if device.value == "cpu" else "allocated, without context and allocator slack"
-            versus = "" if predicted_mb is None else \
-                f" vs {predicted_mb:.0f} MiB planned ({record['peak_mem_mb'] / predicted_mb - 1:+.0%}; {what})"
-            state_text = f"optimizer state {record['optimizer_state_mb']:.1f} MiB; " if "optimizer_state_mb" in record else ""
-            progress.message(f"  {state_text}peak memory after step {current.step}: "
-                             f"{record['peak_mem_mb']:.0f} MiB{versus}", always=True)
-        last_loss[0] = record["loss"]
-        metrics.write(record)
-        progress.step(record)
-        every_steps = recipe.checkpoint.every_steps
-        minutes = recipe.checkpoint.interval_minutes
-        due = (every_steps and current.step % every_steps == 0) or \
-              (minutes and time.monotonic() - saving["last_time"] >= 60 * minutes)
-        if due and current.step < steps:
-            save_checkpoint()
-        faults.after_step(current.step)
-
-    def on_eval(record: dict, current: TrainState) -> None:
-        metrics.write(record)
-        progress.message(f"step {record['step']}: eval_loss {record['eval_loss']:.4f}")
-
-    def should_stop(current: TrainState, last_step_s: float) -> str | None:
-        if stop.requested:
-            return stop.name
-        if limit_s is None:
-            return None
-        # Keep twice the save time plus one step in reserve, so the checkpoint lands before the deadline.
-        save_s = saving["seconds"] or max(MIN_SAVE_RESERVE_S, saving["bytes"] / ASSUMED_WRITE_BYTES_PER_S)
-        return "time_limit" if time.monotonic() - started + 2 * save_s + last_step_s >= limit_s else None
-
-    nan_steps = faults.steps_for("nan")
-
-    def loss_fn(model_, batch):
-        loss = base_loss(model_, batch)
-        return loss * float("nan") if state.step + 1 in nan_steps else loss
-
-    settings = LoopSettings(total_steps=steps, accumulation=recipe.training.gradient_accumulation_steps,
-                            max_grad_norm=recipe.training.max_grad_norm,
-                            eval_every=recipe.training.eval_every_steps, pad_id=tokenizer.pad_token_id,
-                            eval_micro_batch_size=recipe.training.micro_batch_size,
-                            # bitsandbytes 4-bit layers repack their weights in eval mode on some CPUs
-                            eval_in_train_mode=recipe.quantization.bits is not None and device.value == "cpu",
-                            max_consecutive_skips=recipe.training.max_consecutive_skips,
-                            loss_fn=loss_fn if nan_steps else base_loss)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl") if main else NullWriter()
-    progress = Progress(steps, state.step, recipe.logging.progress if main else "none", recipe.logging.every_steps)
-    faults.at_stage("startup")
-    if resume is not None:
-        restore_rng(state.rng)  # last, so nothing above consumes the restored stream
-    try:
-        try:
-            reason = train(model, optimizer, scheduler, accelerator, data, state, settings,
-                           Hooks(on_step=on_step, on_eval=on_eval, should_stop=should_stop))
-        except TooManySkippedSteps as exc:
-            raise RunFailed(f"{exc}. The last good checkpoint is kept; lower training.learning_rate or check the "
-                            f"data, then continue with: gpupoor resume {run_dir}") from None
-        finally:
-            progress.close()
-        if saving["last_step"] != state.step or not (checkpoints_dir / f"step-{state.step:06d}").is_dir():
-            name = save_checkpoint()  # also at the end, so `resume --set training.max_steps=N` can extend
-        else:
-            name = f"step-{state.step:06d}"
-    finally:
-        metrics.close()
-        if main:
-            (run_dir / SESSION).unlink(missing_ok=True)
-        if owns_lock:
-            lock.release()
-    if reason != "done":
-        faults.at_stage("stopped")
-        if reason == "time_limit" and state.step == first_step:
-            raise UserError(f"checkpoint.time_limit {recipe.checkpoint.time_limit} is too short for one optimizer "
-                            f"step: start-up took {time.monotonic() - started:.0f} s and a checkpoint needs "
-                            "time in reserve, so every resume would stop here again",
-                            hint=f"continue with a longer limit: gpupoor resume {run_dir} --time-limit DURATION "
-                            f"(the checkpoint checkpoints/{name} keeps this run)")
-        why = f"time limit {recipe.checkpoint.time_limit} nearly reached" if reason == "time_limit" else reason
-        say(f"{why}: stopped after step {state.step} with checkpoint checkpoints/{name}\n"
-            f"continue with: gpupoor resume {run_dir}")
-        return RunResult(run_dir, reason, last_loss[0], state.step)
-    if main:
-        write_checkpoint(run_dir / "final", _final_files(unwrapped, tokenizer), state.step,
-                         {**manifest_base, "loss": last_loss[0]}, 0)
-    accelerator.wait_for_everyone()
-    loss_text = f"{last_loss[0]:.4f}" if last_loss[0] is not None else "-"
-    where = "smoke test passed" if smoke else f"adapter in {run_dir / 'final'}"
-    say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {loss_text}; {where}")
-    return RunResult(run_dir, "done", last_loss[0], state.step)
+    session.scheduler = build_scheduler(session.recipe.training, session.raw_optimizer, session.steps,
+                                        session.warmup, session.state.step)
 
 
 def _apply_hyperparameters(recipe: Recipe, optimizer) -> None:
@@ -651,9 +357,342 @@ def _apply_hyperparameters(recipe: Recipe, optimizer) -> None:
             group["eps"] = training.adam_eps
 
 
-def _final_files(model, tokenizer):
+def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
+    """The startup summary: what was chosen and why, the data, the steps, the memory plan."""
+    recipe, data, choices, summary = session.recipe, session.data, session.choices, session.summary
+    stats, processes = data.train.stats, session.accelerator.num_processes
+    verb = "smoke test" if session.smoke else ("resume" if checkpoint is not None else "train")
+    say(f"gpupoor {verb}: {recipe.model.name_or_path}" + (" (shrunken random-weight copy)" if session.smoke else ""))
+    say("  " + "; ".join(f"{name} {choices[name].value} ({choices[name].reason})"
+                         for name in ("device", "precision", "attention")))
+    say(f"  processes: {processes}" + (f" (DDP, {session.accelerator.state.backend})" if processes > 1
+                                       else " (no data parallelism)"))
+    checkpointing = {False: "off", True: "on (non-reentrant)",
+                     "offload": "on, layer inputs offloaded to CPU" if session.device == "cuda"
+                     else "on (offload has no effect on a CPU)"}[recipe.memory.gradient_checkpointing]
+    say(f"  loss: {loss_path}; gradient checkpointing: {checkpointing}")
+    say(f"  parameters {summary.total_params:,}; trainable {summary.trainable_params:,} "
+        f"({summary.trainable_percent:.2f}%); weights {summary.weight_bytes / 2**20:.1f} MiB")
+    say(f"  data {stats.kept} examples ({stats.rows} rows; {stats.truncated} truncated to "
+        f"{recipe.data.max_length} tokens; {stats.dropped_no_target} without targets dropped); "
+        f"{stats.target_tokens / max(stats.tokens, 1):.0%} of tokens are targets"
+        + ("; tokenized cache hit" if data.cache_hit else "")
+        + (f"; eval {len(data.eval)} examples" if data.eval is not None else ""))
+    sampler = choices["sampler"]
+    unit = (f"{recipe.training.micro_batch_size} packed rows of up to {data.plan.row_length} tokens"
+            if sampler.value == "packed" else f"{recipe.training.micro_batch_size} examples")
+    say(f"  {session.steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x {unit}; "
+        f"{len(data.plan)} micro-batches per epoch; sampler {sampler.value} ({sampler.reason})")
+    if session.memory_plan is not None:
+        from gpupoor.units import format_bytes
+
+        plan = session.memory_plan
+        fits = "" if plan.fits is None else (" (fits)" if plan.fits else " (predicted NOT to fit)")
+        say(f"  memory plan: peak {format_bytes(plan.peak)} on {plan.device}{fits}; "
+            f"activations {format_bytes(next(t.bytes for t in plan.terms if t.key == 'activations'))} "
+            "(gpupoor plan RECIPE for every term)")
+    if checkpoint is not None:
+        state = session.state
+        say(f"  resuming from {checkpoint.path.name}: step {state.step}, epoch {state.epoch}, "
+            f"micro-batch {state.batch_in_epoch} of the epoch")
+    say(f"  run directory {session.run_dir}")
+
+
+def open_run_dir(session: Session, lock: RunLock | None, started: float) -> RunLock | None:
+    """Create and lock a new run's directory (a resume holds its lock already), then commit the recipe, trim
+    metrics the resumed steps will write again, and record this session. Returns a lock this call took."""
+    from gpupoor.rundir import METRICS
+    from gpupoor.train.report import truncate_metrics
+
+    owned = None
+    if lock is None and session.main:  # a new run: create and lock it, then make sure no other run got there first
+        session.run_dir.mkdir(parents=True, exist_ok=True)
+        owned = RunLock(session.run_dir).acquire()
+        if any(p.name != RunLock.NAME for p in session.run_dir.iterdir()):
+            owned.release()
+            check_run_dir(session.run_dir)
+    session.accelerator.wait_for_everyone()
+    if session.main:
+        # Only now, with everything built and loaded, is the (possibly changed) recipe committed.
+        store_recipe(session.run_dir, session.recipe)
+        truncate_metrics(session.run_dir / METRICS, session.state.step)
+        write_session(session.run_dir, session.recipe.checkpoint.time_limit_s, started)
+    return owned
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training: the loop's hooks, and when to checkpoint
+
+
+ASSUMED_WRITE_BYTES_PER_S = 100 * 2**20  # save-time guess until the first checkpoint is measured
+MIN_SAVE_RESERVE_S = 1.0  # a save also writes the tokenizer and fsyncs: never assume less than this
+
+
+@dataclass
+class CheckpointPolicy:
+    """When to save (every N steps, every M minutes), how long a save takes (measured, or guessed from its
+    size), and so how much time a time limit must keep in reserve to land the last checkpoint."""
+
+    every_steps: int | None
+    interval_minutes: float | None
+    time_limit_s: float | None
+    started: float  # time.monotonic() when the command began
+    expected_bytes: int  # size of the next checkpoint (measured after the first)
+    last_time: float = field(default_factory=time.monotonic)
+    last_step: int = 0
+    save_s: float = 0.0  # seconds the last save took (0: none yet)
+
+    def due(self, step: int, total_steps: int) -> bool:
+        if step >= total_steps:
+            return False  # the end of the run saves anyway
+        by_steps = bool(self.every_steps) and step % self.every_steps == 0
+        by_time = bool(self.interval_minutes) and time.monotonic() - self.last_time >= 60 * self.interval_minutes
+        return by_steps or by_time
+
+    def saved(self, step: int, seconds: float | None, size: int | None) -> None:
+        if seconds is not None:
+            self.save_s = seconds
+        if size is not None:
+            self.expected_bytes = size
+        self.last_time, self.last_step = time.monotonic(), step
+
+    def out_of_time(self, last_step_s: float) -> bool:
+        """Keep twice the save time plus one step in reserve, so the checkpoint lands before the deadline."""
+        if self.time_limit_s is None:
+            return False
+        save_s = self.save_s or max(MIN_SAVE_RESERVE_S, self.expected_bytes / ASSUMED_WRITE_BYTES_PER_S)
+        return time.monotonic() - self.started + 2 * save_s + last_step_s >= self.time_limit_s
+
+
+class RunHooks:
+    """What happens at each step boundary of the loop: metrics, progress, checkpoints, stopping."""
+
+    def __init__(self, session: Session, policy: CheckpointPolicy, stop, manifest_base: dict):
+        from gpupoor.train.report import MetricsWriter, NullWriter, Progress
+
+        self.session, self.policy, self.stop, self.manifest_base = session, policy, stop, manifest_base
+        self.first_step = session.state.step  # the step this process started from
+        self.last_loss: float | None = None
+        self.predicted_mb = (round(session.memory_plan.comparable_peak / 2**20, 1)
+                             if session.memory_plan is not None else None)
+        main = session.main
+        self.metrics = MetricsWriter(session.run_dir / "metrics.jsonl") if main else NullWriter()
+        self.progress = Progress(session.steps, session.state.step, session.recipe.logging.progress if main else "none",
+                                 session.recipe.logging.every_steps)
+
+    def on_step(self, record: dict, state) -> None:
+        from gpupoor import faults
+
+        if self.predicted_mb is not None:
+            record["predicted_peak_mb"] = self.predicted_mb
+        if state.step - self.first_step in (1, 3) and self.session.main:
+            self._memory_line(record, state.step)
+        self.last_loss = record["loss"]
+        self.metrics.write(record)
+        self.progress.step(record)
+        if self.policy.due(state.step, self.session.steps):
+            self.save_checkpoint()
+        faults.after_step(state.step)
+
+    def _memory_line(self, record: dict, step: int) -> None:
+        """After the first step (optimizer state now exists) and the third (the heap has settled)."""
+        from gpupoor.optim import optimizer_state_bytes
+
+        if step - self.first_step == 1:
+            record["optimizer_state_mb"] = round(optimizer_state_bytes(self.session.optimizer) / 2**20, 2)
+        what = "process RSS" if self.session.device == "cpu" else "allocated, without context and allocator slack"
+        planned = self.predicted_mb
+        versus = "" if planned is None else \
+            f" vs {planned:.0f} MiB planned ({record['peak_mem_mb'] / planned - 1:+.0%}; {what})"
+        state_text = f"optimizer state {record['optimizer_state_mb']:.1f} MiB; " if "optimizer_state_mb" in record else ""
+        self.progress.message(f"  {state_text}peak memory after step {step}: {record['peak_mem_mb']:.0f} MiB{versus}",
+                              always=True)
+
+    def on_eval(self, record: dict, state) -> None:
+        self.metrics.write(record)
+        self.progress.message(f"step {record['step']}: eval_loss {record['eval_loss']:.4f}")
+
+    def should_stop(self, state, last_step_s: float) -> str | None:
+        if self.stop.requested:
+            return self.stop.name
+        return "time_limit" if self.policy.out_of_time(last_step_s) else None
+
+    def save_checkpoint(self) -> str:
+        """Commit checkpoints/step-N for the current state; rotate older ones. Returns its name."""
+        from gpupoor.checkpoint import CheckpointError, rotate, write_checkpoint
+        from gpupoor.files import dir_size
+
+        session, step = self.session, self.session.state.step
+        name = f"step-{step:06d}"
+        if not all(p.isfinite().all() for p in session.unwrapped.parameters() if p.requires_grad):
+            raise RunFailed(f"refusing to save {name}: the trainable weights are not finite")
+        seconds = size = None
+        if session.main:
+            try:
+                seconds = write_checkpoint(session.checkpoints_dir / name, self._save_files, step,
+                                           {**self.manifest_base, "loss": self.last_loss},
+                                           int(self.policy.expected_bytes * 1.1))
+            except CheckpointError as exc:
+                raise RunFailed(f"{exc}\n  free some space, then continue with: gpupoor resume "
+                                f"{session.run_dir}") from None
+            size = dir_size(session.checkpoints_dir / name)
+            rotate(session.checkpoints_dir, session.recipe.checkpoint.keep_last, step)
+        session.accelerator.wait_for_everyone()
+        self.policy.saved(step, seconds, size)
+        self.metrics.write({"step": step, "checkpoint": name, "save_s": round(self.policy.save_s, 3)})
+        return name
+
+    def _save_files(self, tmp: Path) -> None:
+        import torch
+
+        from gpupoor import faults
+        from gpupoor.checkpoint import STATE
+        from gpupoor.train.state import capture_rng
+
+        session, step = self.session, self.session.state.step
+        session.unwrapped.save_pretrained(tmp, safe_serialization=True)  # adapter_config.json + adapter weights
+        session.tokenizer.save_pretrained(tmp)
+        faults.at_stage("weights", step)
+        torch.save(session.optimizer.state_dict(), tmp / "optimizer.pt")
+        if session.accelerator.scaler is not None:
+            torch.save(session.accelerator.scaler.state_dict(), tmp / "scaler.pt")
+        faults.at_stage("optimizer", step)
+        session.state.rng = capture_rng()
+        (tmp / STATE).write_text(json.dumps(session.state.to_dict()))
+        faults.at_stage("state", step)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()
+
+
+def loop_settings(session: Session, loss_fn):
+    from gpupoor.train.loop import LoopSettings
+
+    training = session.recipe.training
+    return LoopSettings(total_steps=session.steps, accumulation=training.gradient_accumulation_steps,
+                        max_grad_norm=training.max_grad_norm, eval_every=training.eval_every_steps,
+                        pad_id=session.tokenizer.pad_token_id, eval_micro_batch_size=training.micro_batch_size,
+                        # bitsandbytes 4-bit layers repack their weights in eval mode on some CPUs
+                        eval_in_train_mode=session.recipe.quantization.bits is not None and session.device == "cpu",
+                        max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn)
+
+
+def choose_loss(session: Session):
+    """(loss function, how the startup summary names it). Fault injection may make chosen steps non-finite."""
+    from gpupoor import faults
+    from gpupoor.loss import find_fused_head, fused_loss_sum, plain_loss_sum
+
+    fused, reason = find_fused_head(session.unwrapped, enabled=session.recipe.memory.fused_cross_entropy)
+    base_loss = functools.partial(fused_loss_sum, fused=fused) if fused is not None else plain_loss_sum
+    name = f"{'fused chunked cross-entropy' if fused is not None else 'plain cross-entropy'} ({reason})"
+    nan_steps = faults.steps_for("nan")
+    if not nan_steps:
+        return base_loss, name
+
+    def loss_with_faults(model, batch):
+        loss = base_loss(model, batch)
+        return loss * float("nan") if session.state.step + 1 in nan_steps else loss
+
+    return loss_with_faults, name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run
+
+
+def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, started: float,
+             force: bool = False, lock: RunLock | None = None, plan=None, stop=None) -> RunResult:
+    from gpupoor import faults
+    from gpupoor.rundir import library_versions
+    from gpupoor.recipe_diff import trajectory_hash
+    from gpupoor.train.state import restore_rng
+
+    session = build_session(recipe, run_dir, smoke, say)
+    if not session.main:
+        say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
+    if checkpoint is not None and not force:
+        check_checkpoint_matches(session, checkpoint)
+    restore(session, checkpoint, force)
+    loss_fn, loss_path = choose_loss(session)
+    if plan is not None and plan.device != session.device:  # planned for another device than torch found
+        plan = _plan_quietly(LoadedRecipe(recipe, None), session.device)
+    session.memory_plan = plan
+    print_summary(session, say, checkpoint, loss_path)
+    owned_lock = open_run_dir(session, lock, started)
+    trainable_bytes = sum(p.numel() * p.element_size() for p in session.unwrapped.parameters() if p.requires_grad)
+    policy = CheckpointPolicy(recipe.checkpoint.every_steps, recipe.checkpoint.interval_minutes,
+                              recipe.checkpoint.time_limit_s, started, 3 * trainable_bytes + 2**20,
+                              last_step=session.state.step)
+    manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": session.data.fingerprint,
+                     "total_steps": session.steps, "warmup_steps": session.warmup, "precision":
+                     session.choices["precision"].value, "device": session.device, "versions": library_versions()}
+    hooks = RunHooks(session, policy, stop, manifest_base)
+    faults.at_stage("startup")
+    if checkpoint is not None:
+        restore_rng(session.state.rng)  # last, so nothing above consumes the restored stream
+    try:
+        reason, name = _train(session, hooks, loss_fn)
+    finally:
+        hooks.close()
+        if session.main:
+            end_session(run_dir)
+        if owned_lock is not None:
+            owned_lock.release()
+    return _finish(session, hooks, reason, name, started, say)
+
+
+def _train(session: Session, hooks: RunHooks, loss_fn) -> tuple[str, str]:
+    """Run the loop; always end on a committed checkpoint of the last step. Returns (why it stopped, its name)."""
+    from gpupoor.train.loop import Hooks, TooManySkippedSteps, train
+
+    try:
+        reason = train(session.model, session.optimizer, session.scheduler, session.accelerator, session.data,
+                       session.state, loop_settings(session, loss_fn),
+                       Hooks(on_step=hooks.on_step, on_eval=hooks.on_eval, should_stop=hooks.should_stop))
+    except TooManySkippedSteps as exc:
+        raise RunFailed(f"{exc}. The last good checkpoint is kept; lower training.learning_rate or check the "
+                        f"data, then continue with: gpupoor resume {session.run_dir}") from None
+    finally:
+        hooks.progress.close()
+    step = session.state.step
+    name = f"step-{step:06d}"
+    if hooks.policy.last_step != step or not (session.checkpoints_dir / name).is_dir():
+        name = hooks.save_checkpoint()  # also at the end, so `resume --set training.max_steps=N` can extend
+    return reason, name
+
+
+def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: float, say) -> RunResult:
+    """The final adapter, or why the run stopped early and how to continue it."""
+    from gpupoor import faults
+    from gpupoor.checkpoint import write_checkpoint
+
+    recipe, run_dir, state = session.recipe, session.run_dir, session.state
+    if reason != "done":
+        faults.at_stage("stopped")
+        if reason == "time_limit" and state.step == hooks.first_step:
+            raise UserError(f"checkpoint.time_limit {recipe.checkpoint.time_limit} is too short for one optimizer "
+                            f"step: start-up took {time.monotonic() - started:.0f} s and a checkpoint needs "
+                            "time in reserve, so every resume would stop here again",
+                            hint=f"continue with a longer limit: gpupoor resume {run_dir} --time-limit DURATION "
+                            f"(the checkpoint checkpoints/{name} keeps this run)")
+        why = f"time limit {recipe.checkpoint.time_limit} nearly reached" if reason == "time_limit" else reason
+        say(f"{why}: stopped after step {state.step} with checkpoint checkpoints/{name}\n"
+            f"continue with: gpupoor resume {run_dir}")
+        return RunResult(run_dir, reason, hooks.last_loss, state.step)
+    if session.main:
+        write_checkpoint(run_dir / "final", _final_files(session), state.step,
+                         {**hooks.manifest_base, "loss": hooks.last_loss}, 0)
+    session.accelerator.wait_for_everyone()
+    loss_text = f"{hooks.last_loss:.4f}" if hooks.last_loss is not None else "-"
+    where = "smoke test passed" if session.smoke else f"adapter in {run_dir / 'final'}"
+    say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {loss_text}; {where}")
+    return RunResult(run_dir, "done", hooks.last_loss, state.step)
+
+
+def _final_files(session: Session):
     def save(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        session.unwrapped.save_pretrained(tmp, safe_serialization=True)
+        session.tokenizer.save_pretrained(tmp)
 
     return save

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-import gpupoor.loss as loss_module
+import gpupoor.decisions as decisions
 from conftest import read_metrics
 from gpupoor.cli import app
 from gpupoor.loss import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
@@ -17,8 +17,8 @@ runner = CliRunner()
 
 @pytest.mark.parametrize("weight_grad", [False, True])
 def test_linear_cross_entropy_matches_the_plain_loss(monkeypatch, weight_grad):
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 7 * 50)  # 7 tokens per chunk: many chunks, a ragged last
-    monkeypatch.setattr(loss_module, "MIN_CHUNK_TOKENS", 1)
+    monkeypatch.setattr(decisions, "CHUNK_ELEMENTS", 7 * 50)  # 7 tokens per chunk: many chunks, a ragged last
+    monkeypatch.setattr(decisions, "MIN_CHUNK_TOKENS", 1)
     torch.manual_seed(0)
     hidden = torch.randn(45, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=weight_grad)

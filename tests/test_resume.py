@@ -325,12 +325,15 @@ def test_a_run_dir_in_use_is_not_resumed_twice(straight, monkeypatch):
 @pytest.mark.slow
 def test_two_processes_train_like_one_with_accumulation(make_recipe, tmp_path):
     """torchrun with 2 CPU processes (gloo DDP through accelerate): each process takes its own micro-batch
-    of every pair, so the run equals one process accumulating 2 micro-batches per step."""
-    recipe = make_recipe(training={"max_steps": 4, "micro_batch_size": 2})
+    of every pair, so the run equals one process accumulating 2 micro-batches per step. Each process evaluates
+    its share of the eval batches; the reduced eval loss is the one process's."""
+    recipe = make_recipe(training={"max_steps": 4, "micro_batch_size": 2, "eval_every_steps": 2},
+                         data={"eval_rows": 10})
     torchrun = Path(sys.executable).with_name("torchrun")
     two = subprocess.run([str(torchrun), "--nproc_per_node", "2", "-m", "gpupoor", "train", str(recipe),
                           "--output-dir", str(tmp_path / "two")], capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    assert "processes: 2 (DDP, gloo)" in two.stdout
     one = run_cli(["train", recipe, "--output-dir", tmp_path / "one", "--set", "training.gradient_accumulation_steps=2"])
     assert one.returncode == 0, one.stderr
     a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
@@ -340,6 +343,10 @@ def test_two_processes_train_like_one_with_accumulation(make_recipe, tmp_path):
         assert x["tokens"] == y["tokens"] and x["target_tokens"] == y["target_tokens"]
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
+    evals_a, evals_b = [r for r in a if "eval_loss" in r], [r for r in b if "eval_loss" in r]
+    assert [r["step"] for r in evals_a] == [r["step"] for r in evals_b] == [2, 4]
+    for x, y in zip(evals_a, evals_b):
+        assert x["eval_loss"] == pytest.approx(y["eval_loss"], rel=1e-5)
     first, second = adapter(tmp_path / "one"), adapter(tmp_path / "two")
     assert first.keys() == second.keys()
     # Two process layouts: gradients meet through gloo's all-reduce instead of in-place accumulation, so

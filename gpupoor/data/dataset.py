@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import torch
 
 from gpupoor.data.formats import IGNORE_INDEX, Encoder
 from gpupoor.data.loading import Row
+from gpupoor.files import atomic_file
 
 CACHE_VERSION = "1"  # bump when tokenization semantics change
 
@@ -60,23 +59,9 @@ class TokenizedDataset:
         metadata, so a power cut leaves the old entry or the whole new one, and `load` can check it."""
         from safetensors.torch import save_file
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
+        with atomic_file(path) as tmp:
             save_file({"ids": self.ids, "target": self.target, "offsets": self.offsets}, tmp,
                       metadata={"stats": json.dumps(self.stats.__dict__), "sha256": self.content_hash()})
-            with open(tmp, "rb") as handle:
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
 
     @classmethod
     def load(cls, path: Path) -> "TokenizedDataset":
@@ -91,7 +76,9 @@ class TokenizedDataset:
                               stats)
         except Exception as exc:  # safetensors raises its own error types for truncated or garbled files
             raise CacheEntryInvalid(f"unreadable ({type(exc).__name__}: {exc})") from None
-        if metadata.get("sha256") != dataset.content_hash():
+        if "sha256" not in metadata:
+            raise CacheEntryInvalid("it has no content hash (written by an older gpupoor)")
+        if metadata["sha256"] != dataset.content_hash():
             raise CacheEntryInvalid("its content does not match the hash it was written with")
         return dataset
 

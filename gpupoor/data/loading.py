@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import UserError
+from gpupoor.files import hash_file_into
 from gpupoor.recipe import DATA_SUFFIXES, decode_utf8, resolve_local_path
 
 
@@ -30,21 +31,15 @@ class DataSource:
         """Identity of the data bytes, for the tokenization cache key."""
         digest = hashlib.sha256(f"{self.kind}:{self.split}".encode())
         if self.kind == "file":
-            _hash_file(Path(self.location), digest)
+            hash_file_into(digest, Path(self.location))
         elif self.kind == "disk":
             for path in sorted(Path(self.location).rglob("*")):
                 if path.is_file():
                     digest.update(str(path.relative_to(self.location)).encode())
-                    _hash_file(path, digest)
+                    hash_file_into(digest, path)
         else:
             digest.update(_load_hub(self)._fingerprint.encode())
         return digest.hexdigest()
-
-
-def _hash_file(path: Path, digest) -> None:
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
 
 
 def resolve_source(value: str, base_dir: Path, split: str, key: str) -> DataSource:

@@ -52,7 +52,7 @@ class BatchPlan:
         if self.kind == "packed":
             rows = []
             for start in range(0, len(order), PACK_WINDOW):
-                rows += self._first_fit_decreasing(order[start:start + PACK_WINDOW])
+                rows += first_fit_decreasing(order[start:start + PACK_WINDOW], self.lengths, self.row_length)
             shuffled = [rows[i] for i in torch.randperm(len(rows), generator=generator).tolist()]
             # A micro-batch: micro_batch_size rows, flattened (collate packs them into rows again).
             return [[i for row in shuffled[j:j + size] for i in row] for j in range(0, len(shuffled), size)]
@@ -64,10 +64,6 @@ class BatchPlan:
         # Shuffle the batch order so long batches do not all come first.
         shuffled = torch.randperm(len(batches), generator=generator).tolist()
         return [batches[i] for i in shuffled]
-
-    def _first_fit_decreasing(self, indices: list[int]) -> list[list[int]]:
-        return first_fit_decreasing(indices, self.lengths, self.row_length)
-
 
 def first_fit_decreasing(indices: list[int], lengths, capacity: int) -> list[list[int]]:
     """Whole examples into bins of at most `capacity` tokens: longest first, each into the first bin with

@@ -72,8 +72,10 @@ def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> f
     loss_sum = torch.zeros((), device=accelerator.device)
     targets = 0
     size = settings.eval_micro_batch_size
+    # Each process evaluates every num_processes-th batch; the sums are reduced once at the end.
+    starts = range(accelerator.process_index * size, len(data.eval), size * accelerator.num_processes)
     with torch.no_grad():
-        for start in range(0, len(data.eval), size):
+        for start in starts:
             batch = collate(data.eval, list(range(start, min(start + size, len(data.eval)))), settings.pad_id)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.autocast():
@@ -81,7 +83,40 @@ def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> f
             targets += count_targets(batch)
     model.train()
     totals = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(targets), device=loss_sum.device)]), "sum")
-    return float(totals[0] / totals[1].clamp(min=1))
+    return float(totals[0] / totals[1].clamp(min=1))  # all-reduce + CPU-GPU sync point, once per eval
+
+
+def _take_window(stream, state: TrainState, accelerator, data: DataBundle, settings: LoopSettings) -> list[dict]:
+    """This process's micro-batches of one optimizer step. With several processes, each takes its own
+    micro-batch from every group of `num_processes` consecutive ones: the data position stays one shared
+    counter, identical on every process."""
+    window = []
+    for _ in range(settings.accumulation):
+        for rank in range(accelerator.num_processes):
+            (state.epoch, state.batch_in_epoch), indices = next(stream)
+            if rank == accelerator.process_index:
+                window.append(data.collate(indices, settings.pad_id))
+            state.samples_seen += len(indices)
+    return window
+
+
+def _optimizer_step(optimizer, accelerator, loss: float, grad_norm: float) -> tuple[bool, bool]:
+    """Step unless the step went wrong. Returns (skipped, diverging)."""
+    if accelerator.scaler is not None:
+        # fp16: the GradScaler itself skips a step with inf/nan gradients and lowers its scale. Those
+        # skips are normal while it calibrates; only a non-finite loss counts as going wrong.
+        optimizer.step()
+        return accelerator.optimizer_step_was_skipped, not math.isfinite(loss)
+    diverging = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if not diverging:
+        optimizer.step()
+    return diverging, diverging
+
+
+def _eval_due(data: DataBundle, settings: LoopSettings, step: int) -> bool:
+    """An eval every `eval_every` steps before the last (the last step is always evaluated after the loop)."""
+    return data.eval is not None and bool(settings.eval_every) and step % settings.eval_every == 0 \
+        and step < settings.total_steps
 
 
 def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: TrainState,
@@ -94,8 +129,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
     model.train()
     last_step_s = 0.0
     skips_in_a_row = 0
-    if data.eval is not None and settings.eval_every and 0 < state.step < settings.total_steps \
-            and state.step % settings.eval_every == 0:
+    if state.step > 0 and _eval_due(data, settings, state.step):
         # A resumed run evaluates the step it starts from again when that step is an eval point: the process
         # that wrote the checkpoint may have died before writing the eval record (the run drops that record).
         hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
@@ -107,18 +141,13 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
 
         # One optimizer step = `accumulation` micro-batches. Collate the whole window first: the loss is
         # normalized by the target tokens of the window (summed over all processes), not per micro-batch.
-        # With several processes, each takes its own micro-batch from every group of `num_processes`
-        # consecutive ones: the data position stays one shared counter, identical on every process.
-        window = []
-        for _ in range(settings.accumulation):
-            for rank in range(accelerator.num_processes):
-                (state.epoch, state.batch_in_epoch), indices = next(stream)
-                if rank == accelerator.process_index:
-                    window.append(data.collate(indices, settings.pad_id))
-                state.samples_seen += len(indices)
-        local_targets = sum(count_targets(b) for b in window)
-        real_tokens = sum(count_tokens(b) for b in window)
-        global_targets = float(accelerator.reduce(torch.tensor(float(local_targets), device=device), "sum"))
+        window = _take_window(stream, state, accelerator, data, settings)
+        # Target and token counts of the whole window on all processes, in one all-reduce before the forward:
+        # the loss scale needs the targets. A blocking sync point (exact in float64 up to 2**53 tokens).
+        counts = torch.tensor([float(sum(count_targets(b) for b in window)), float(sum(count_tokens(b) for b in window))],
+                              dtype=torch.float64, device=device)
+        global_targets, step_tokens = (float(x) for x in accelerator.reduce(counts, "sum").tolist())
+        step_tokens = int(step_tokens)
         # DDP averages gradients over processes; multiplying by their number turns that into a sum.
         scale = accelerator.num_processes / max(global_targets, 1.0)
 
@@ -136,25 +165,14 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
 
         # clip_grad_norm_ unscales fp16 gradients first; with no limit it still returns the norm we log.
         grad_norm = accelerator.clip_grad_norm_(params, settings.max_grad_norm or math.inf)
-        loss = float(accelerator.reduce(loss_sum, "sum")) / max(global_targets, 1.0)  # CPU-GPU sync point
-        grad_norm = float(grad_norm)
-        if accelerator.scaler is not None:
-            # fp16: the GradScaler itself skips a step with inf/nan gradients and lowers its scale. Those
-            # skips are normal while it calibrates; only a non-finite loss counts as going wrong.
-            optimizer.step()
-            skipped = accelerator.optimizer_step_was_skipped
-            diverging = not math.isfinite(loss)
-        else:
-            diverging = not (math.isfinite(loss) and math.isfinite(grad_norm))
-            if not diverging:
-                optimizer.step()
-            skipped = diverging
+        loss = float(accelerator.reduce(loss_sum, "sum")) / max(global_targets, 1.0)  # all-reduce + sync point
+        grad_norm = float(grad_norm)  # CPU-GPU sync point (already global: gradients were all-reduced)
+        skipped, diverging = _optimizer_step(optimizer, accelerator, loss, grad_norm)
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()  # the schedule follows the step count, skipped steps included
         state.step += 1
         state.skipped_steps += int(skipped)
-        step_tokens = int(accelerator.reduce(torch.tensor(real_tokens, device=device), "sum"))  # all processes
         state.tokens_seen += step_tokens
         state.target_tokens_seen += int(global_targets)
         last_step_s = time.perf_counter() - started
@@ -175,8 +193,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
         if skips_in_a_row >= settings.max_consecutive_skips:
             raise TooManySkippedSteps(f"{skips_in_a_row} optimizer steps in a row had a non-finite loss or "
                                       f"gradient norm (last at step {state.step})")
-        if data.eval is not None and settings.eval_every and state.step % settings.eval_every == 0 \
-                and state.step < settings.total_steps:
+        if _eval_due(data, settings, state.step):
             hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
     if data.eval is not None:
         hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)

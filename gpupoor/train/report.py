@@ -8,6 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from gpupoor.files import write_text_atomic
+from gpupoor.units import format_duration
+
 
 class MetricsWriter:
     """Appends one JSON object per line and flushes, so a killed run keeps every record it wrote."""
@@ -47,15 +50,19 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
-def _eta(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after a checkpoint's `step`: they will be trained (and logged) again. So is an eval
+    of that step itself: a process may have died between the checkpoint and that eval, and the resumed run
+    evaluates the step again (the same weights, so the same value) rather than lose it."""
+    if path.is_file():
+        kept = [record for record in read_metrics(path) if record.get("step", 0) < step
+                or (record.get("step", 0) == step and "eval_loss" not in record)]
+        write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
 def format_step(record: dict, total: int, eta_s: float) -> str:
     return (f"step {record['step']}/{total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-            f"{record['tokens_per_s']:.0f} tok/s  peak {record['peak_mem_mb']:.0f} MiB  eta {_eta(eta_s)}")
+            f"{record['tokens_per_s']:.0f} tok/s  peak {record['peak_mem_mb']:.0f} MiB  eta {format_duration(eta_s)}")
 
 
 class Progress:

@@ -1,0 +1,168 @@
+"""What training builds, decided once: the one place that answers each question both training and `plan` ask.
+
+Each decision is a function of plain facts (what the recipe requests, what the machine has, what the model
+is) that returns what to use and why. Training gathers the facts from torch and the loaded model
+(`gpupoor.hardware`, `gpupoor.loss`, `gpupoor.optim`, `gpupoor.model`); `gpupoor plan` gathers them from
+nvidia-smi, the model's config.json and the recipe, without importing torch. Both call these functions, so a
+memory plan cannot describe a stack that training does not build.
+
+- device, precision, attention backend, sampler: `choose_device`, `choose_precision`, `choose_attention`,
+  `choose_sampler`, each returning a `Choice(value, reason)` and raising `UserError` for a request the
+  machine cannot serve. A GPU that `plan` cannot see (`gpu_major=None` on cuda: planning for another machine)
+  leaves explicit requests standing and takes `auto` as the choice with the larger memory bound.
+- the loss path: `choose_fused_loss` (and `logit_postprocessing`, the config keys that rule it out); the
+  fused loss's chunk size: `loss_chunk_tokens`.
+- optimizer families: `BITSANDBYTES_OPTIMIZERS`, `needs_bitsandbytes`.
+
+A new training method, optimizer or distributed strategy that changes what is built (a precision, a loss path,
+a library it needs, an attention backend, a sampler) adds its rule here, as a function of facts, and both its
+builder and `plan` call it. Imports nothing of gpupoor's but its errors, and no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from gpupoor.errors import UserError
+
+
+@dataclass
+class Choice:
+    value: str
+    reason: str
+
+
+# ------------------------------------------------------------------------------------------------ hardware
+def choose_device(requested: str, cuda_available: bool | None, gpu_name: str | None = None,
+                  torch_build: str = "") -> Choice:
+    """`cuda_available` None: not known (plan for another machine): an explicit cuda stands. `torch_build`
+    (e.g. 'torch 2.13, built for CUDA 12.4') goes into the error when cuda is asked for and absent."""
+    if requested == "cpu":
+        return Choice("cpu", "training.device: cpu")
+    if cuda_available:
+        return Choice("cuda", f"{gpu_name or 'a CUDA GPU'} found")
+    if requested == "cuda":
+        if cuda_available is None:
+            return Choice("cuda", "training.device: cuda")
+        build = f" ({torch_build})" if torch_build else ""
+        raise UserError(f"training.device = 'cuda' but torch sees no CUDA GPU{build}",
+                        hint="install a CUDA build of torch, or set training.device: auto to use the CPU")
+    return Choice("cpu", "no CUDA GPU found")
+
+
+def choose_precision(requested: str, device: str, gpu_major: int | None) -> Choice:
+    """`gpu_major`: the CUDA compute capability's major version (None: a GPU not visible here)."""
+    if device == "cpu":
+        if requested in ("auto", "fp32"):
+            return Choice("fp32", "CPU trains in fp32" if requested == "auto" else "precision: fp32")
+        if requested == "fp16":
+            raise UserError("precision = 'fp16' needs a CUDA GPU; this run is on the CPU",
+                            hint="use precision: auto (fp32 on CPU)")
+        return Choice("bf16", "precision: bf16 (CPU autocast)")
+    if gpu_major is None:
+        if requested == "auto":
+            return Choice("bf16", "GPU not visible here: bf16 assumed (a GPU without bf16 uses fp16: the same bytes)")
+        return Choice(requested, f"precision: {requested}")
+    # torch's is_bf16_supported() answers yes on a T4 (sm75) through emulation, which is slow: ask for real support.
+    native_bf16 = gpu_major >= 8
+    if requested == "auto":
+        if native_bf16:
+            return Choice("bf16", f"GPU compute capability {gpu_major}.x supports bf16")
+        return Choice("fp16", f"GPU compute capability {gpu_major}.x has no native bf16: fp16 + GradScaler")
+    if requested == "bf16" and not native_bf16:
+        raise UserError(f"precision = 'bf16' but this GPU (compute capability {gpu_major}.x) has no native bf16",
+                        hint="use precision: fp16 or auto")
+    return Choice(requested, f"precision: {requested}")
+
+
+def choose_inference_precision(device: str, trained: str | None, gpu_major: int | None) -> str:
+    """`generate` computes in the precision the run trained in where this device has it: fp32 on a CPU, fp16
+    for a bf16 run on a GPU without native bf16, else what `auto` would train in."""
+    if device == "cpu":
+        return "fp32"
+    if trained == "bf16" and gpu_major is not None and gpu_major < 8:
+        return "fp16"
+    if trained in ("fp32", "fp16", "bf16"):
+        return trained
+    return choose_precision("auto", device, gpu_major).value
+
+
+def choose_attention(requested: str, device: str, flash_installed: bool, gpu_major: int | None) -> Choice:
+    unseen = device == "cuda" and gpu_major is None  # plan for a GPU elsewhere: flash's fit is unknown
+    flash_fits = device == "cuda" and flash_installed and not unseen and gpu_major >= 8
+    if requested == "flash_attention_2":
+        if not (flash_fits or unseen):
+            raise UserError("model.attention = 'flash_attention_2' needs flash-attn installed and an Ampere or "
+                            "newer GPU", hint="pip install -e .[flash] on a CUDA machine, or use attention: auto")
+        return Choice(requested, "model.attention: flash_attention_2")
+    if requested != "auto":
+        return Choice(requested, f"model.attention: {requested}")
+    if flash_fits:
+        return Choice("flash_attention_2", "flash-attn installed and GPU supports it")
+    # sdpa is also the bound when the GPU is unseen: flash-attention 2 needs no mask, so it never takes more.
+    why = ("flash-attn not installed" if not flash_installed else "CPU run" if device == "cpu"
+           else "GPU not visible here" if unseen else "GPU older than Ampere")
+    return Choice("sdpa", f"{why}: torch SDPA")
+
+
+def choose_sampler(requested: str, attention: str, trust_remote_code: bool) -> Choice:
+    """Packing is exact when the model's attention follows transformers' packed-sequence masks (restarted
+    position_ids, no attention mask, no KV cache): its own model code with sdpa, eager or flash-attention 2."""
+    if requested != "auto":
+        return Choice(requested, f"data.sampler: {requested}")
+    if trust_remote_code:
+        return Choice("length_grouped", "remote model code may not isolate packed examples")
+    if attention in ("sdpa", "eager", "flash_attention_2"):
+        return Choice("packed", f"{attention} isolates packed examples")
+    return Choice("length_grouped", f"{attention} attention may not isolate packed examples")
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+# Config keys by which a model post-processes its logits (Gemma 2 soft-capping, Cohere's scale...): the loss
+# must see the post-processed logits, which only the model's own forward computes.
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+
+# Logit elements computed at once by the fused loss: 2^22 fp32 values = 16 MiB, e.g. 131 tokens at a 32k
+# vocabulary (at least MIN_CHUNK_TOKENS at any vocabulary). Measured on a 2-core CPU (1800 tokens, h256,
+# vocab 32k, forward+backward): 2^21 0.58 s, 2^22 0.49 s, 2^23 0.50 s, 2^24 0.57 s: smaller is not slower.
+CHUNK_ELEMENTS = 2**22
+MIN_CHUNK_TOKENS = 64
+
+
+def logit_postprocessing(get: Callable[[str], object]) -> str | None:
+    """The first config key that post-processes the logits, or None; `get(key)` reads the model's config
+    (an attribute of a transformers config, or a key of config.json)."""
+    return next((key for key in LOGIT_POSTPROCESSING if get(key) not in (None, 1, 1.0)), None)
+
+
+def choose_fused_loss(enabled: bool, postprocessing: str | None, head_adapted: bool,
+                      has_decoder: bool = True) -> tuple[bool, str]:
+    """Whether the output head is fused with the loss, and why (not). `enabled`: memory.fused_cross_entropy;
+    `postprocessing`: what `logit_postprocessing` found; `head_adapted`: the head is not a plain bias-free
+    linear layer (LoRA on lm_head, or a bias); `has_decoder`: the model exposes its decoder separately."""
+    if not enabled:
+        return False, "memory.fused_cross_entropy: false"
+    if postprocessing is not None:
+        return False, f"the model post-processes its logits ({postprocessing})"
+    if head_adapted:
+        return False, "the output head is adapted or has a bias"
+    if not has_decoder:
+        return False, "the model has no separate decoder"
+    return True, "output head fused with the loss"
+
+
+def loss_chunk_tokens(vocab: int) -> int:
+    """Target tokens whose logits the fused loss computes at once."""
+    return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+# Optimizers that bitsandbytes provides: recipe name -> class in bitsandbytes.optim.
+BITSANDBYTES_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
+                           "paged_adamw_32bit": "PagedAdamW32bit", "lion_8bit": "Lion8bit"}
+
+
+def needs_bitsandbytes(optimizer: str, quantization_bits: int | None) -> bool:
+    """Whether the run imports bitsandbytes: a quantized base model or one of its optimizers."""
+    return quantization_bits is not None or optimizer in BITSANDBYTES_OPTIMIZERS

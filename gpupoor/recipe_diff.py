@@ -1,0 +1,61 @@
+"""What a resume may change: a recipe change is either safe (how long to train, when to save, what to print,
+where to evaluate) or changes the training trajectory (everything else), refused with a field-by-field diff
+unless --force. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from pydantic import BaseModel
+
+from gpupoor.recipe import Recipe, is_resume_safe
+
+
+
+def _safe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> tuple[str, ...]:
+    """Dotted keys marked RESUME_SAFE on the schema; a marked section ends in '.' (all of its keys)."""
+    keys: list[str] = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if is_resume_safe(field):
+            keys.append(f"{prefix}{name}." if section else f"{prefix}{name}")
+        elif section:
+            keys += _safe_keys(annotation, f"{prefix}{name}.")
+    return tuple(keys)
+
+
+SAFE_KEYS = _safe_keys()
+
+
+def _flatten(value, prefix: str = "") -> dict[str, object]:
+    if isinstance(value, dict):
+        flat: dict[str, object] = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): value}
+
+
+def is_safe(key: str) -> bool:
+    return any(key == safe or (safe.endswith(".") and key.startswith(safe)) for safe in SAFE_KEYS)
+
+
+def diff_recipes(old: Recipe, new: Recipe) -> tuple[list[tuple[str, object, object]], list[tuple[str, object, object]]]:
+    """(trajectory changes, safe changes), each as (dotted key, old value, new value)."""
+    before, after = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    changes = [(key, before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
+               if before.get(key) != after.get(key)]
+    return [c for c in changes if not is_safe(c[0])], [c for c in changes if is_safe(c[0])]
+
+
+def format_changes(changes: list[tuple[str, object, object]]) -> str:
+    return "\n".join(f"    {key}: {json.dumps(old)} -> {json.dumps(new)}" for key, old, new in changes)
+
+
+def trajectory_hash(recipe: Recipe) -> str:
+    """Hash of every field that shapes the training trajectory (recorded in each checkpoint's manifest)."""
+    fields = {k: v for k, v in _flatten(recipe.model_dump(mode="json")).items() if not is_safe(k)}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,194 @@
+"""The run directory: where it is, whether it may be used, its lock, its session file and its stored recipe.
+
+Every verb that reads or writes a run dir (train, resume, status, plan --fit, merge-lora, generate) comes here;
+this module imports only leaves (errors, files, recipe), never a verb.
+
+    RUN_DIR/
+      recipe.yaml          the resolved recipe, stored once everything is built (portable: absolute local paths)
+      metrics.jsonl        one JSON record per step, eval, checkpoint (gpupoor.train.report)
+      checkpoints/step-N/  adapter + optimizer + train_state.json + manifest.json (gpupoor.checkpoint)
+      final/               the adapter at the end, with its manifest
+      session.json         pid, start and time limit of the process training now (gone when it stops)
+      .lock                flock held by that process
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from gpupoor.errors import UserError
+from gpupoor.files import write_text_atomic
+from gpupoor.recipe import DATA_SUFFIXES, LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
+
+RECIPE = "recipe.yaml"
+METRICS = "metrics.jsonl"
+SESSION = "session.json"  # pid, start time and time limit of the process training in this run dir
+LIBRARIES = ("gpupoor", "torch", "transformers", "peft", "accelerate", "bitsandbytes")
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / RECIPE).is_file()
+
+
+def require_run_dir(path: Path) -> None:
+    if not is_run_dir(path):
+        raise UserError(f"{path} is not a gpupoor run directory (no {RECIPE})",
+                        hint="pass the directory `gpupoor train` wrote, e.g. runs/my-recipe")
+
+
+def resolve_run_dir(loaded: LoadedRecipe, output_dir: str | None, stem: str) -> Path:
+    if output_dir:  # from the command line: relative to where the user is
+        return Path(output_dir).expanduser().resolve()
+    if loaded.recipe.output_dir:
+        path = Path(loaded.recipe.output_dir).expanduser()
+        return path if path.is_absolute() else (loaded.base_dir / path).resolve()
+    return (Path.cwd() / "runs" / stem).resolve()
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """A new run needs a new or empty directory."""
+    if run_dir.exists() and not run_dir.is_dir():
+        kind = "a file" if run_dir.is_file() else "not a directory"
+        raise UserError(f"run directory {run_dir} is {kind}",
+                        hint="pass --output-dir NEW_DIR (or set output_dir) naming a new or empty directory")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        hint = (f"to continue it: gpupoor resume {run_dir}" if is_run_dir(run_dir)
+                else "pass --output-dir NEW_DIR (or set output_dir), or delete the old run")
+        raise UserError(f"run directory {run_dir} is not empty; gpupoor never trains over an earlier run",
+                        hint=hint)
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create the run directory (and a file in it) and remove them again, before anything slow: a read-only or
+    impossible location is bad input, said at once, not an OSError after the model has loaded."""
+    missing = []
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot create the run directory {run_dir}: {exc.strerror or exc}",
+                        hint="pass --output-dir (or set output_dir) to a writable location") from None
+    finally:
+        for path in missing:  # deepest first; leave nothing behind
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+class RunLock:
+    """An exclusive lock on a run directory for as long as a process trains in it (flock: released by the
+    kernel when the process dies, so a crash never leaves a stale lock)."""
+
+    NAME = ".lock"
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / self.NAME
+        self.handle = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        try:
+            self.handle = open(self.path, "a+")
+        except OSError as exc:
+            raise UserError(f"cannot write in the run directory {self.path.parent}: {exc.strerror or exc}",
+                            hint="a run directory must be writable to train in it; copy it to a writable place "
+                            "and resume the copy") from None
+        try:
+            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.handle.close()
+            self.handle = None
+            raise UserError(f"another gpupoor process is training in {self.path.parent}",
+                            hint=f"wait for it to stop (gpupoor status {self.path.parent} shows it)") from None
+        return self
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+    @staticmethod
+    def held(run_dir: Path) -> bool:
+        import fcntl
+
+        path = run_dir / RunLock.NAME
+        if not path.is_file():
+            return False
+        with open(path) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+        return False
+
+
+def write_session(run_dir: Path, time_limit_s: float | None, started_monotonic: float) -> None:
+    write_text_atomic(run_dir / SESSION, json.dumps({
+        "pid": os.getpid(), "time_limit_s": time_limit_s,
+        "started": time.time() - (time.monotonic() - started_monotonic)}))
+
+
+def read_session(run_dir: Path) -> dict | None:
+    """The session of the process training in `run_dir`, or None when unreadable (it may be starting up)."""
+    try:
+        session = json.loads((run_dir / SESSION).read_text())
+        return {"pid": int(session["pid"]), "started": float(session["started"]),
+                "time_limit_s": float(session["time_limit_s"]) if session.get("time_limit_s") else None}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def end_session(run_dir: Path) -> None:
+    (run_dir / SESSION).unlink(missing_ok=True)
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def store_recipe(run_dir: Path, recipe: Recipe) -> None:
+    header = "# resolved recipe written by gpupoor\n" + "".join(f"# {k} {v}\n" for k, v in library_versions().items())
+    write_text_atomic(run_dir / RECIPE, recipe_to_yaml(recipe, header))
+
+
+def stored_recipe(run_dir: Path, overrides: list[str] | None = None) -> Recipe:
+    """The recipe a run dir stores (validated like any recipe), with `--set` overrides applied."""
+    return load_recipe(run_dir / RECIPE, overrides).recipe
+
+
+def portable_recipe(loaded: LoadedRecipe) -> Recipe:
+    """The recipe as stored in the run dir: local paths made absolute (they no longer resolve against the
+    recipe's folder) and no output_dir (the run dir is wherever it is now: copy or move it freely)."""
+    recipe = loaded.recipe
+    model = recipe.model
+    local_model = resolve_local_path(model.name_or_path, loaded.base_dir)
+    if local_model is not None:
+        model = model.model_copy(update={"name_or_path": str(local_model)})
+    data_updates = {}
+    for key in ("path", "eval_path"):
+        value = getattr(recipe.data, key)
+        local = resolve_local_path(value, loaded.base_dir, DATA_SUFFIXES) if value else None
+        if local is not None:
+            data_updates[key] = str(local)
+    if recipe.data.cache_dir:  # always a local directory, maybe not created yet
+        data_updates["cache_dir"] = str((loaded.base_dir / Path(recipe.data.cache_dir).expanduser()).resolve())
+    return recipe.model_copy(update={"model": model, "data": recipe.data.model_copy(update=data_updates),
+                                     "output_dir": None})

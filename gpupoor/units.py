@@ -1,0 +1,65 @@
+"""Sizes and durations, read from people and written for them: the one parser and one formatter of each.
+
+A leaf: imports nothing of gpupoor's but its errors, and no torch, so the recipe schema, `plan`, `status` and the
+CLI all read `10GiB` or `11h30m` the same way, and a value that validates is a value that works.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gpupoor.errors import UserError
+
+MiB = 2**20
+GiB = 2**30
+
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*((?:[KMGT]I?)?B)?\s*")
+_DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*$")
+
+
+def parse_size(text: str, option: str = "size") -> int:
+    """'4GiB' -> 4 * 2**30 bytes, '2GB' -> 2 * 10**9 (case-insensitive; a bare number is bytes). `option` names
+    the setting in the error, e.g. 'memory.max_gpu_memory' or '--memory'."""
+    match = _SIZE.fullmatch(str(text).upper())
+    if not match:
+        raise UserError(f"{option} {text!r}: use a size like 2GB, 500MB or 4GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B")
+    return int(number * SIZE_UNITS[unit])
+
+
+def parse_duration(text: str) -> float:
+    """'11h30m' -> 41400.0 seconds. A bare number means seconds. Raises ValueError (the schema's validators
+    turn it into a message at the recipe key)."""
+    text = str(text)
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    match = _DURATION.match(text)
+    if not match or not any(match.groups()):
+        raise ValueError(f"not a duration: {text!r}; use e.g. 11h30m, 45m or 90s")
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def format_duration(seconds: float, style: str = "clock") -> str:
+    """`clock` (a countdown, e.g. an ETA): 0:07, 12:34, 1:02:03. `age` (how long ago, how long left): 45s
+    under two minutes, 17m under two hours, then 3h05m."""
+    if style == "clock":
+        seconds = int(max(0, seconds))
+        hours, rest = divmod(seconds, 3600)
+        return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+    if style == "age":
+        seconds = int(seconds)
+        if seconds < 120:
+            return f"{seconds}s"
+        if seconds < 7200:
+            return f"{seconds // 60}m"
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    raise ValueError(f"format_duration: style {style!r} is not clock or age")
