@@ -25,10 +25,15 @@ MANIFEST = "manifest.json"
 STATE = "train_state.json"
 ADAPTER = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+MODEL_CONFIG = "config.json"
+MODEL_INDEX = "model.safetensors.index.json"
 # What a reader needs, by kind of directory. A manifest that does not list each of these is not valid, however
-# well-formed: a run resumes from a checkpoint, merge-lora and generate read an adapter (final/ or a checkpoint).
-CHECKPOINT_FILES = (ADAPTER, ADAPTER_CONFIG, "optimizer.pt", STATE)
+# well-formed: a run resumes from a checkpoint, merge-lora and generate read final/ or a checkpoint. The weights
+# are an adapter (peft methods) or the whole model (`full`: config.json and its safetensors shards); the
+# manifest's "weights" says which.
+TRAINING_FILES = ("optimizer.pt", STATE)
 ADAPTER_FILES = (ADAPTER, ADAPTER_CONFIG)
+CHECKPOINT_FILES = ADAPTER_FILES + TRAINING_FILES
 TMP_PREFIX = ".tmp-"
 # Stages of the commit protocol, in order; fault injection (GPUPOOR_FAULT=kill@STAGE) can stop at each.
 STAGES = ("start", "weights", "optimizer", "state", "manifest", "rename", "rotate")
@@ -84,9 +89,28 @@ def read_manifest(path: Path) -> dict:
     return json.loads(manifest.read_text()) if manifest.is_file() else {}
 
 
-def verify(path: Path, required: tuple[str, ...] = CHECKPOINT_FILES) -> str | None:
-    """None when the checkpoint (or final/ adapter, with `required=ADAPTER_FILES`) is complete and intact, else
-    why not: the manifest must list every required file, and every listed file must match its size and hash."""
+def required_files(manifest: dict, path: Path, training: bool) -> tuple[str, ...]:
+    """The files a directory with this manifest must list: its weights (an adapter, or a model's config and
+    every safetensors shard its index names), plus the training state of a checkpoint."""
+    if manifest.get("weights") == "model":
+        index = path / MODEL_INDEX
+        if MODEL_INDEX in manifest["files"] and index.is_file():
+            try:
+                shards = tuple(sorted(set(json.loads(index.read_text())["weight_map"].values())))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                shards = (MODEL_INDEX + " (readable)",)  # listed, so its hash check names it as corrupt
+            weights = (MODEL_CONFIG, MODEL_INDEX) + shards
+        else:
+            weights = (MODEL_CONFIG, "model.safetensors")
+    else:
+        weights = ADAPTER_FILES
+    return weights + (TRAINING_FILES if training else ())
+
+
+def verify(path: Path, required: tuple[str, ...] | None = None, training: bool = True) -> str | None:
+    """None when the checkpoint (`training`: with its optimizer and progress) or final/ is complete and intact,
+    else why not: the manifest must list every required file (by default, what `required_files` says), and every
+    listed file must match its size and hash."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         return "no manifest (incomplete write)"
@@ -99,6 +123,8 @@ def verify(path: Path, required: tuple[str, ...] = CHECKPOINT_FILES) -> str | No
             raise TypeError
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "unreadable manifest"
+    if required is None:
+        required = required_files(manifest, path, training)
     unlisted = [name for name in required if name not in files]
     if unlisted:
         return f"its manifest does not list {', '.join(unlisted)}"
@@ -180,7 +206,7 @@ def load_torch(path: Path):
 def final_problem(run_dir: Path) -> str | None:
     """None when the run's final/ adapter is complete and intact, else why not ("absent" when there is none)."""
     final = run_dir / "final"
-    return verify(final, ADAPTER_FILES) if final.exists() else "absent"
+    return verify(final, training=False) if final.exists() else "absent"
 
 
 def verify_adapter_dir(path: Path, skip: bool = False, in_run: bool = False) -> None:
@@ -189,7 +215,7 @@ def verify_adapter_dir(path: Path, skip: bool = False, in_run: bool = False) -> 
     manifest: nothing to check. `skip`: the user edited the files on purpose."""
     if skip or (not in_run and not (path / MANIFEST).is_file()):
         return
-    problem = verify(path, ADAPTER_FILES)
+    problem = verify(path, training=False)
     if problem is not None:
         raise UserError(f"{path}: {problem}; gpupoor does not use files that differ from what it wrote",
                         hint="restore the file or pick another checkpoint (--checkpoint step-N); for a run dir, "

@@ -196,8 +196,8 @@ def merge_lora(
                                              "purpose). Without it, a mismatch is an error (exit 2)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
-    """Merge a LoRA adapter into its base, shard by shard, into a standard model directory. The adapter is checked
-    against its manifest first."""
+    """Merge a LoRA, DoRA or IA3 adapter into its base, shard by shard, into a standard model directory. The
+    adapter is checked against its manifest first."""
 
     def action() -> int:
         from gpupoor.hardware import DTYPES

@@ -166,3 +166,35 @@ BITSANDBYTES_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "Paged
 def needs_bitsandbytes(optimizer: str, quantization_bits: int | None) -> bool:
     """Whether the run imports bitsandbytes: a quantized base model or one of its optimizers."""
     return quantization_bits is not None or optimizer in BITSANDBYTES_OPTIMIZERS
+
+
+# ------------------------------------------------------------------------------------------ what trains
+# peft's IA3 defaults (peft.utils.constants) for the dense decoders gpupoor plans: the modules IA3 scales, and
+# among them the feedforward ones, whose *input* is scaled (every other module's output is).
+IA3_DEFAULT_TARGETS = {
+    "llama": ("k_proj", "v_proj", "down_proj"), "mistral": ("k_proj", "v_proj", "down_proj"),
+    "llama4": ("q_proj", "v_proj", "down_proj"), "qwen2": ("q_proj", "v_proj", "down_proj"),
+    "qwen3": ("q_proj", "v_proj", "down_proj"), "gemma": ("q_proj", "v_proj", "down_proj"),
+    "gemma2": ("q_proj", "v_proj", "down_proj"), "gemma3_text": ("q_proj", "v_proj", "down_proj"),
+}
+IA3_FEEDFORWARD = ("down_proj", "fc2", "w2", "dense_4h_to_h")
+
+
+def ia3_modules(model_type: str, target_modules: list[str] | str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(modules IA3 scales, those scaled on their input) for `peft.target_modules` (`all-linear`: peft's
+    defaults for the architecture; an unknown model type is taken as Llama)."""
+    if target_modules == "all-linear":
+        targets = IA3_DEFAULT_TARGETS.get(model_type, IA3_DEFAULT_TARGETS["llama"])
+    else:
+        targets = tuple(target_modules)
+    return targets, tuple(name for name in targets if name in IA3_FEEDFORWARD)
+
+
+def trained_layer_indices(last_layers: int | None, layers: int) -> range:
+    """The decoder layers a method adapts (or `full` trains): the last `last_layers` of `layers`, or all."""
+    if last_layers is None:
+        return range(layers)
+    if last_layers > layers:
+        raise UserError(f"peft.last_layers = {last_layers} but the model has {layers} decoder layers",
+                        hint=f"use at most {layers}, or unset it to train every layer")
+    return range(layers - last_layers, layers)

@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from gpupoor.recipe import Recipe, is_resume_safe
+from gpupoor.recipe import Recipe, is_resume_safe, section_model
 
 HEADER = """# Recipe reference
 
@@ -76,8 +76,8 @@ def render_recipe_reference() -> str:
     out = [HEADER]
     scalars = []
     for name, field in Recipe.model_fields.items():
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        annotation = section_model(field.annotation)
+        if annotation is not None:
             safe = " Every key of this section may change on resume." if is_resume_safe(field) else ""
             out += [f"## `{name}`", "", (annotation.__doc__ or "").strip() + safe, ""] + \
                 _table(annotation, f"{name}.") + [""]

@@ -57,20 +57,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # d(sum CE)/d logits = softmax - one_hot, computed in place over the logits buffer.
                 probs = logits.sub_(lse[:, None]).exp_()
                 probs[torch.arange(len(t), device=t.device), t] -= 1.0
-                if want_hidden:
-                    grad_hidden[start:start + chunk] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
-                if want_weight:
-                    grad_weight += probs.t() @ h.to(acc)
+                accumulate_head_grads(probs, h, weight, grad_hidden, grad_weight, slice(start, start + chunk))
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None,
-                (grad_weight * grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None,
-                None, None)
+        return precomputed_backward(ctx, grad_loss, extra_inputs=2)
+
+
+def accumulate_head_grads(grad_logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                          grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None, rows: slice) -> None:
+    """From d(loss)/d(logits) of one chunk: its rows of d(loss)/d(hidden), and its share of d(loss)/d(weight)
+    (accumulated in grad_weight's dtype, fp32 at least)."""
+    if grad_hidden is not None:
+        grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(grad_hidden.dtype)
+    if grad_weight is not None:
+        grad_weight += grad_logits.t() @ hidden.to(grad_weight.dtype)
+
+
+def precomputed_backward(ctx, grad_loss: torch.Tensor, extra_inputs: int) -> tuple:
+    """Backward of a chunked head loss whose forward already computed d(loss)/d(hidden) and d(loss)/d(weight)
+    (saved as ctx's tensors): scale them by the upstream gradient; no gradient for the other inputs."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    return (grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None,
+            (grad_weight * grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None,
+            *([None] * extra_inputs))
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

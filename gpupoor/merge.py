@@ -1,9 +1,11 @@
-"""`gpupoor merge-lora`: a standalone model directory from base + adapter, merged shard by shard.
+"""`gpupoor merge-lora`: a standalone model directory from base + adapter (LoRA, DoRA or IA3), merged shard by shard.
 
 Peak RAM is about one output shard plus the adapter, not the whole model: tensors are read one at a time from
-the base's safetensors shards, the LoRA delta (B @ A * alpha / r, in fp32) is added to the tensors it targets,
-and output shards are written as they fill up. For QLoRA runs the base is first put through the same 4-bit
-(or 8-bit) quantization the run trained against, so the merged model reproduces the trained one.
+the base's safetensors shards, each tensor the adapter targets is replaced by its merged form computed in fp32
+(LoRA: W + B @ A * alpha / r; DoRA: that, rescaled per output row to the learned magnitude; IA3: W times the
+learned scaling vector; see `AdapterWeights`), and output shards are written as they fill up. For QLoRA runs
+the base is first put through the same 4-bit (or 8-bit) quantization the run trained against, so the merged
+model reproduces the trained one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -41,13 +44,11 @@ def resolve_adapter(path: Path, checkpoint: str, check_files: bool = True) -> Ad
     from gpupoor.rundir import is_run_dir
 
     if is_run_dir(path):
-        adapter = path / "final" if checkpoint == "final" else path / "checkpoints" / checkpoint
+        adapter = run_weights_dir(path, checkpoint)
         if not (adapter / "adapter_config.json").is_file():
-            available = sorted(p.name for p in (path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() else []
-            raise UserError(f"{path} has no adapter at {adapter.relative_to(path)}"
-                            + (" (the run has not finished)" if checkpoint == "final" else ""),
-                            hint="pick one with --checkpoint: " + ", ".join(available) if available
-                            else "train the run to the end first (gpupoor resume)")
+            raise UserError(f"{adapter} holds a whole fine-tuned model (peft.method: full), not an adapter: there "
+                            "is nothing to merge", hint=f"load it as it is (AutoModelForCausalLM.from_pretrained) or "
+                            f"try it with: gpupoor generate {path}")
         verify_adapter_dir(adapter, skip=not check_files, in_run=True)
         return AdapterSource(adapter, path)
     if (path / "adapter_config.json").is_file():
@@ -55,6 +56,19 @@ def resolve_adapter(path: Path, checkpoint: str, check_files: bool = True) -> Ad
         return AdapterSource(path, None)
     raise UserError(f"{path} is neither a gpupoor run directory nor a PEFT adapter directory "
                     "(no recipe.yaml, no adapter_config.json)")
+
+
+def run_weights_dir(run_dir: Path, checkpoint: str) -> Path:
+    """final/ or checkpoints/step-N of a run: an adapter, or (peft.method: full) a whole model."""
+    weights = run_dir / "final" if checkpoint == "final" else run_dir / "checkpoints" / checkpoint
+    if not ((weights / "adapter_config.json").is_file() or (weights / "config.json").is_file()):
+        available = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) \
+            if (run_dir / "checkpoints").is_dir() else []
+        raise UserError(f"{run_dir} has no trained weights at {weights.relative_to(run_dir)}"
+                        + (" (the run has not finished)" if checkpoint == "final" else ""),
+                        hint="pick one with --checkpoint: " + ", ".join(available) if available
+                        else "train the run to the end first (gpupoor resume)")
+    return weights
 
 
 def base_files(base: str, revision: str | None = None) -> Path:
@@ -87,44 +101,123 @@ def weight_shards(base_dir: Path) -> list[Path]:
                     hint="gpupoor reads only safetensors (no pickle); convert the base with save_pretrained")
 
 
-class LoraDeltas:
-    """The adapter's tensors keyed by base weight name, and what it replaces outright (modules_to_save)."""
+class ShapeMismatch(ValueError):
+    """An adapter tensor that does not fit the base weight it targets (the adapter was trained on another model)."""
+
+    def __init__(self, what: str, theirs: tuple, ours: tuple):
+        super().__init__(what)
+        self.what, self.theirs, self.ours = what, theirs, ours
+
+
+def _oriented(weight: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
+    """The weight as (out, in): GPT-2's Conv1D stores it (in, out) (peft's fan_in_fan_out)."""
+    return weight.T if fan_in_fan_out else weight
+
+
+class AdapterWeights:
+    """A peft adapter read once: per base tensor name, how the merge changes it, and what it replaces outright
+    (modules_to_save). `updates[name](old_fp32) -> new_fp32`; `required`: the names the base must have.
+
+    - LoRA: W + s * B @ A, s = alpha / r (alpha / sqrt(r) with rslora; alpha_pattern per module).
+    - DoRA (LoRA with use_dora): (m / ||W + s * B @ A||_row) * (W + s * B @ A), the norm of each output row
+      over the input dimension in fp32 (peft's DoraLinearLayer.get_weight_norm); m is `lora_magnitude_vector`.
+    - IA3: W * l, l = `ia3_l` of shape (out, 1) (scales outputs; the bias too) or, for `feedforward_modules`,
+      (1, in) (scales inputs).
+    """
 
     def __init__(self, adapter_dir: Path):
         from safetensors.torch import load_file
 
         self.config = json.loads((adapter_dir / "adapter_config.json").read_text())
-        if self.config.get("peft_type") != "LORA":
-            raise UserError(f"{adapter_dir}: only LoRA adapters can be merged (this is {self.config.get('peft_type')})")
-        if self.config.get("use_dora"):
-            raise UserError(f"{adapter_dir}: DoRA adapters are not supported by the streaming merge")
-        tensors = load_file(adapter_dir / "adapter_model.safetensors")
-        self.pairs: dict[str, dict[str, torch.Tensor]] = {}
-        self.replacements: dict[str, torch.Tensor] = {}
-        for key, tensor in tensors.items():
-            name = key.removeprefix(PEFT_PREFIX)
-            match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
-            if match:
-                self.pairs.setdefault(f"{match.group(1)}.weight", {})[match.group(2)] = tensor
-            elif ".lora_" in name:
-                raise UserError(f"{adapter_dir}: unsupported adapter tensor {key} (LoRA on embeddings or biases)")
-            else:
-                self.replacements[name] = tensor  # modules_to_save: trained in full
+        peft_type = self.config.get("peft_type")
+        if peft_type not in ("LORA", "IA3"):
+            raise UserError(f"{adapter_dir}: only LoRA, DoRA and IA3 adapters can be merged (this is {peft_type})")
+        self.kind = "IA3" if peft_type == "IA3" else "DoRA" if self.config.get("use_dora") else "LoRA"
         self.fan_in_fan_out = bool(self.config.get("fan_in_fan_out"))
+        # role -> the saved tensor's name after the module's (peft drops the adapter name when saving)
+        roles = {"l": "ia3_l"} if self.kind == "IA3" else {"A": "lora_A.weight", "B": "lora_B.weight"}
+        if self.kind == "DoRA":
+            roles["m"] = "lora_magnitude_vector"
+        patterns = {role: rf"(.+)\.{re.escape(suffix)}" + ("(?:\\.weight)?" if role == "m" else "")
+                    for role, suffix in roles.items()}
+        parts: dict[str, dict[str, torch.Tensor]] = {}  # module name -> its adapter tensors by role
+        self.replacements: dict[str, torch.Tensor] = {}
+        for key, tensor in load_file(adapter_dir / "adapter_model.safetensors").items():
+            name = key.removeprefix(PEFT_PREFIX)
+            for role, pattern in patterns.items():
+                match = re.fullmatch(pattern, name)
+                if match:
+                    parts.setdefault(match.group(1), {})[role] = tensor
+                    break
+            else:
+                if ".lora_" in name or ".ia3_" in name:
+                    raise UserError(f"{adapter_dir}: unsupported adapter tensor {key} for a {self.kind} merge "
+                                    "(an adapter on embeddings or biases, or of another kind)")
+                self.replacements[name] = tensor  # modules_to_save: trained in full
+        self.updates: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self.required: set[str] = set()
+        for module, tensors in parts.items():
+            missing = [suffix for role, suffix in roles.items() if role not in tensors]
+            if missing:
+                raise UserError(f"{adapter_dir}: the adapter is incomplete: {module} has no {', '.join(missing)}")
+            self.required.add(f"{module}.weight")
+            if self.kind == "IA3":
+                feedforward = self._feedforward(module)
+                self.updates[f"{module}.weight"] = self._ia3(module, tensors["l"], feedforward)
+                if not feedforward:  # peft scales an output-scaled module's bias too (when it has one)
+                    self.updates[f"{module}.bias"] = self._ia3_bias(module, tensors["l"])
+            else:
+                self.updates[f"{module}.weight"] = self._lora(module, tensors)
 
-    def scale(self, weight_name: str, rank: int) -> float:
-        module = weight_name.removesuffix(".weight")
+    def scale(self, module: str, rank: int) -> float:
         alpha = self.config["lora_alpha"]
         for pattern, value in (self.config.get("alpha_pattern") or {}).items():
             if re.search(rf"(^|\.){pattern}$", module):
                 alpha = value
         return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
 
-    def delta(self, weight_name: str) -> torch.Tensor:
-        pair = self.pairs[weight_name]
-        a, b = pair["A"].float(), pair["B"].float()
-        delta = (b @ a) * self.scale(weight_name, a.shape[0])
-        return delta.T if self.fan_in_fan_out else delta
+    def _feedforward(self, module: str) -> bool:
+        """peft's rule (IA3Model._check_target_module_feedforward): a regex matched in full, or a name suffix."""
+        modules = self.config.get("feedforward_modules") or []
+        if isinstance(modules, str):
+            return bool(re.fullmatch(modules, module))
+        return any(module.endswith(suffix) for suffix in modules)
+
+    def _lora(self, module: str, tensors: dict[str, torch.Tensor]):
+        def new_weight(weight: torch.Tensor) -> torch.Tensor:
+            a, b = tensors["A"].float(), tensors["B"].float()
+            delta = (b @ a) * self.scale(module, a.shape[0])  # (out, in)
+            weight = _oriented(weight, self.fan_in_fan_out)
+            if delta.shape != weight.shape:
+                raise ShapeMismatch(f"update for {module}.weight", tuple(_oriented(delta, self.fan_in_fan_out).shape),
+                                    tuple(_oriented(weight, self.fan_in_fan_out).shape))
+            merged = weight + delta
+            if self.kind == "DoRA":
+                magnitude = tensors["m"].float().flatten()
+                if magnitude.shape[0] != merged.shape[0]:
+                    raise ShapeMismatch(f"magnitude of {module}", tuple(magnitude.shape), (merged.shape[0],))
+                merged = merged * (magnitude / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
+            return _oriented(merged, self.fan_in_fan_out)
+
+        return new_weight
+
+    def _ia3(self, module: str, vector: torch.Tensor, feedforward: bool):
+        def new_weight(weight: torch.Tensor) -> torch.Tensor:
+            out, inputs = _oriented(weight, self.fan_in_fan_out).shape
+            expected = (1, inputs) if feedforward else (out, 1)
+            if tuple(vector.shape) != expected:
+                raise ShapeMismatch(f"scaling of {module}", tuple(vector.shape), expected)
+            return weight * _oriented(vector.float(), self.fan_in_fan_out)
+
+        return new_weight
+
+    def _ia3_bias(self, module: str, vector: torch.Tensor):
+        def new_bias(bias: torch.Tensor) -> torch.Tensor:
+            if vector.numel() != bias.numel():
+                raise ShapeMismatch(f"scaling of {module}", tuple(vector.shape), (bias.numel(), 1))
+            return bias * vector.float().reshape(bias.shape)
+
+        return new_bias
 
 
 def quantized_modules(config, quantization: dict) -> set[str]:
@@ -219,10 +312,10 @@ def _run_summary(run_dir: Path | None) -> tuple[dict, dict]:
     return recipe, last
 
 
-def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: str | None) -> str:
-    lines = ["---", f"base_model: {base}", "library_name: transformers", "tags: [gpupoor, lora, merged]", "---", "",
-             f"# LoRA fine-tune of {base}, merged", "",
-             f"Base model `{base}` with a LoRA adapter trained by gpupoor merged into its weights ({dtype}). "
+def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: str | None, kind: str = "LoRA") -> str:
+    lines = ["---", f"base_model: {base}", "library_name: transformers", f"tags: [gpupoor, {kind.lower()}, merged]",
+             "---", "", f"# {kind} fine-tune of {base}, merged", "",
+             f"Base model `{base}` with a {kind} adapter trained by gpupoor merged into its weights ({dtype}). "
              "Load it with `AutoModelForCausalLM.from_pretrained` of this directory; gpupoor is not needed.", ""]
     if qlora_base:
         lines += [f"The adapter was trained on a {recipe.get('quantization', {}).get('bits')}-bit base (QLoRA); "
@@ -232,7 +325,8 @@ def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: s
         data, peft, training = recipe.get("data", {}), recipe.get("peft", {}), recipe.get("training", {})
         lines += ["## Training recipe", "", "| setting | value |", "|---|---|",
                   f"| data | `{data.get('path')}` ({data.get('format')}, max_length {data.get('max_length')}) |",
-                  f"| LoRA | rank {peft.get('rank')}, alpha {peft.get('alpha') or 2 * (peft.get('rank') or 0)}, "
+                  f"| {kind} | targets {peft.get('target_modules')} |" if kind == "IA3" else
+                  f"| {kind} | rank {peft.get('rank')}, alpha {peft.get('alpha') or 2 * (peft.get('rank') or 0)}, "
                   f"targets {peft.get('target_modules')} |",
                   f"| precision | {recipe.get('precision')} |",
                   f"| quantization | {recipe.get('quantization', {}).get('bits') or 'none'} |",
@@ -252,7 +346,7 @@ class MergePlan:
 
     base_name: str
     base_dir: Path
-    deltas: LoraDeltas
+    adapter: AdapterWeights
     target_dtype: torch.dtype
     quantization: dict  # the run's quantization section ({} when not quantized)
     quantize: set[str]  # weight names put through the run's quantization first (QLoRA, dequantized base)
@@ -265,17 +359,21 @@ class MergePlan:
 
 def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: str | None = None,
                max_shard_bytes: int = 2 * 10**9, qlora_base: str = "dequantized", say=print) -> Path:
+    """Merge a LoRA, DoRA or IA3 adapter into its base: a new standard model directory at `output`."""
     from transformers import AutoConfig
+
+    from gpupoor.rundir import check_writable
 
     output = output.expanduser().resolve()
     if output.exists():
         raise UserError(f"output directory {output} already exists", hint="choose a new --output, or delete it")
-    deltas = LoraDeltas(source.adapter_dir)
-    base_name = base or deltas.config.get("base_model_name_or_path")
+    check_writable(output)  # before the base is read: an impossible --output is said at once
+    adapter = AdapterWeights(source.adapter_dir)
+    base_name = base or adapter.config.get("base_model_name_or_path")
     if not base_name:
         raise UserError("the adapter does not name its base model", hint="pass --base MODEL")
     # The hub revision the run trained on (recorded in the adapter config), unless another base was given.
-    base_dir = base_files(base_name, None if base else deltas.config.get("revision"))
+    base_dir = base_files(base_name, None if base else adapter.config.get("revision"))
     config = AutoConfig.from_pretrained(base_dir)
     recipe, metrics = _run_summary(source.run_dir)
     quantization = dict(recipe.get("quantization") or {})
@@ -288,7 +386,7 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
         load_dtype = DTYPES[read_manifest(source.adapter_dir).get("precision") or _explicit_precision(recipe)]
         say(f"QLoRA run: merging into the base as the run saw it ({quantization['bits']}-bit, dequantized); "
             "--qlora-base original merges into the full-precision weights instead")
-    plan = MergePlan(base_name, base_dir, deltas, base_dtype if dtype == "auto" else DTYPES[dtype], quantization,
+    plan = MergePlan(base_name, base_dir, adapter, base_dtype if dtype == "auto" else DTYPES[dtype], quantization,
                      quantize, load_dtype)
     with atomic_dir(output, f".tmp-{output.name}-{os.getpid()}") as tmp:  # the output appears whole or not at all
         untied = _write_merged_weights(plan, tmp, max_shard_bytes)
@@ -297,39 +395,39 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
 
 
 def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int) -> bool:
-    """Stream the base's tensors, add the LoRA deltas (in fp32, then cast once), write shards. Returns whether a
-    trained head had to be untied from the embeddings."""
+    """Stream the base's tensors, merge the adapter into those it targets (in fp32, then cast once), write shards.
+    Returns whether a trained head had to be untied from the embeddings."""
     from safetensors import safe_open
 
-    deltas = plan.deltas
-    pending_lora, pending_replace = set(deltas.pairs), set(deltas.replacements)
+    adapter = plan.adapter
+    pending_update, pending_replace = set(adapter.required), set(adapter.replacements)
     writer = ShardWriter(out_dir, max_shard_bytes)
     for shard in weight_shards(plan.base_dir):
         with safe_open(shard, framework="pt") as handle:
             for name in handle.keys():
                 tensor = handle.get_tensor(name)
                 if name in pending_replace:
-                    if deltas.replacements[name].shape != tensor.shape:
-                        raise plan.wrong_model(name, tuple(deltas.replacements[name].shape), tuple(tensor.shape))
-                    tensor = deltas.replacements[name]
+                    if adapter.replacements[name].shape != tensor.shape:
+                        raise plan.wrong_model(name, tuple(adapter.replacements[name].shape), tuple(tensor.shape))
+                    tensor = adapter.replacements[name]
                     pending_replace.discard(name)
                 elif tensor.is_floating_point() and name in plan.quantize:
                     tensor = quantize_roundtrip(tensor, plan.quantization, plan.load_dtype)
-                if name in pending_lora:
-                    delta = deltas.delta(name)
-                    if delta.shape != tensor.shape:
-                        raise plan.wrong_model(f"update for {name}", tuple(delta.shape), tuple(tensor.shape))
-                    tensor = tensor.float() + delta
-                    pending_lora.discard(name)
+                if name in adapter.updates:
+                    try:
+                        tensor = adapter.updates[name](tensor.float())
+                    except ShapeMismatch as exc:
+                        raise plan.wrong_model(exc.what, exc.theirs, exc.ours) from None
+                    pending_update.discard(name)
                 writer.add(name, tensor.to(plan.target_dtype) if tensor.is_floating_point() else tensor)
-    if pending_lora:
+    if pending_update:
         raise UserError(f"the adapter targets weights the base {plan.base_name} does not have, e.g. "
-                        f"{sorted(pending_lora)[0]}: it was trained on another architecture",
+                        f"{sorted(pending_update)[0]}: it was trained on another architecture",
                         hint="pass --base with the model the run trained on")
     for name in sorted(pending_replace):
         # A tied output head trained in full (modules_to_save: [lm_head]) is not in the base's files:
         # write it and untie, or loading would tie it back to the embeddings.
-        writer.add(name, deltas.replacements[name].to(plan.target_dtype))
+        writer.add(name, adapter.replacements[name].to(plan.target_dtype))
     writer.close()
     return bool(pending_replace)
 
@@ -355,29 +453,31 @@ def _write_model_files(plan: MergePlan, out_dir: Path, config, untied: bool, sou
             shutil.copy(tokenizer_source / name, out_dir / name)
     (out_dir / "README.md").write_text(model_card(plan.base_name, recipe, metrics,
                                                   str(plan.target_dtype).removeprefix("torch."),
-                                                  qlora_base if plan.quantization.get("bits") else None))
+                                                  qlora_base if plan.quantization.get("bits") else None,
+                                                  plan.adapter.kind))
 
 
 def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -> float:
     """Max absolute logit difference between the merged model and base + adapter as trained (probe batch)."""
-    from peft import LoraConfig, PeftModel
+    from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gpupoor.model import quantization_config
     from gpupoor.recipe import QuantizationSection
 
     recipe, _ = _run_summary(source.run_dir)
-    lora = LoraConfig.from_pretrained(source.adapter_dir)
-    lora.lora_dropout = 0.0  # the trained model runs in train mode below (see the 4-bit note): no dropout
-    base_name = base or lora.base_model_name_or_path
+    adapter = PeftConfig.from_pretrained(source.adapter_dir)  # LoraConfig (LoRA, DoRA) or IA3Config
+    if hasattr(adapter, "lora_dropout"):
+        adapter.lora_dropout = 0.0  # the trained model runs in train mode below (see the 4-bit note): no dropout
+    base_name = base or adapter.base_model_name_or_path
     quant = QuantizationSection(**(recipe.get("quantization") or {}))
     # 4-bit matmuls in the precision the run trained with (the reference is what training computed).
     precision = read_manifest(source.adapter_dir).get("precision", "fp32")
     quantization = quantization_config(quant, precision) if quant.bits else None
     trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32, quantization_config=quantization,
-                                                   revision=None if base else lora.revision,
+                                                   revision=None if base else adapter.revision,
                                                    device_map={"": "cpu"} if quantization else None)
-    trained = PeftModel.from_pretrained(trained, source.adapter_dir, config=lora)
+    trained = PeftModel.from_pretrained(trained, source.adapter_dir, config=adapter)
     merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(merged)
     probe = tokenizer(["The quick brown fox jumps over the lazy dog.", "Below is an instruction"],

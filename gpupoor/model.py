@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from gpupoor.decisions import ia3_modules, trained_layer_indices
 from gpupoor.errors import UserError
 from gpupoor.hardware import dtype_of
-from gpupoor.recipe import ModelSection, PeftSection, QuantizationSection
+from gpupoor.recipe import DistillSection, ModelSection, PeftSection, QuantizationSection
 from gpupoor.units import parse_size
 
 # Dimensions of the shrunken model `--smoke` builds from the real config: small enough to step in
@@ -113,9 +115,45 @@ def quantization_config(quant: QuantizationSection, precision: str, cpu_offload:
 def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, quant: QuantizationSection,
                 precision: str, attention: str, device: str, gradient_checkpointing: bool | str, seed: int,
                 smoke: bool = False, max_gpu_memory: str | None = None):
-    """The PEFT-wrapped model on `device`, base weights frozen. With `max_gpu_memory` on a GPU, accelerate's
-    device map keeps what does not fit in CPU memory."""
-    from peft import LoraConfig, get_peft_model
+    """The model to train on `device`: the base with the recipe's method applied (peft adapters on a frozen
+    base, or the base's own chosen weights for `full`). With `max_gpu_memory` on a GPU, accelerate's device
+    map keeps what does not fit in CPU memory."""
+    model = load_base_model(location, model_cfg, quant, precision, attention, device, seed, smoke, max_gpu_memory)
+    if gradient_checkpointing:
+        # Non-reentrant: gives bitwise-equal gradients, and needs no input that requires grad. Offloading the
+        # saved inputs to the host only means something when they live on a GPU.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              offload=gradient_checkpointing == "offload" and device == "cuda")
+        _no_input_grads(model)
+    check_module_names(model, peft_cfg)
+    torch.manual_seed(seed)  # LoRA A is randomly initialized: make it a function of the seed
+    model = apply_method(model, peft_cfg)
+    _no_input_grads(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    # peft keeps LoRA weights in fp32 but leaves modules_to_save (and `full` its weights) in the base dtype: an fp16
+    # copy cannot be unscaled by the GradScaler and a bf16 one loses small AdamW updates. Trainable tensors are fp32.
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+    if hasattr(model, "peft_config"):
+        # What a user loads the adapter onto: the hub id as named, or the local directory as an absolute path.
+        model.peft_config["default"].base_model_name_or_path = location
+        model.peft_config["default"].revision = model_cfg.revision
+    return model
+
+
+def _no_input_grads(model) -> None:
+    """transformers (enabling checkpointing) and peft (wrapping) each make the embedding output require grad, so
+    gradients reach adapters through *reentrant* checkpoints. Non-reentrant ones need no such thing, and with it
+    every frozen layer below the first trainable one would keep (or recompute) activations for a backward that
+    needs none. Each registration replaces the handle the last one kept: remove each as it is made."""
+    with contextlib.suppress(AttributeError):  # no hook registered
+        model.disable_input_require_grads()
+
+
+def load_base_model(location: str, model_cfg: ModelSection, quant: QuantizationSection, precision: str,
+                    attention: str, device: str, seed: int, smoke: bool = False, max_gpu_memory: str | None = None):
+    """The base model as the recipe loads it: in the precision's dtype, quantized when asked, on `device`
+    (a shrunken random-weight copy for --smoke)."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(location, model_cfg)
@@ -149,29 +187,101 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, q
         model.to(device)
     elif quantization is not None:
         _prepare_quantized(model)
-    if gradient_checkpointing:
-        # Non-reentrant: gives bitwise-equal LoRA gradients (transformers also makes the embedding output
-        # require grad, so checkpointed layers see an input that needs one). Offloading the saved inputs to the host
-        # only means something when they live on a GPU.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              offload=gradient_checkpointing == "offload" and device == "cuda")
-    check_module_names(model, peft_cfg)
-    torch.manual_seed(seed)  # LoRA A is randomly initialized: make it a function of the seed
-    lora = LoraConfig(r=peft_cfg.rank, lora_alpha=peft_cfg.effective_alpha, lora_dropout=peft_cfg.dropout,
-                      target_modules=peft_cfg.target_modules, modules_to_save=peft_cfg.modules_to_save or None,
-                      task_type="CAUSAL_LM")
+    return model
+
+
+def build_teacher(distill: DistillSection, model_cfg: ModelSection, precision: str, attention: str, device: str,
+                  seed: int, smoke: bool = False):
+    """The frozen distillation teacher: loaded like a base (4/8-bit with distill.bits), in eval mode, no grads.
+    Returns (teacher, its tokenizer)."""
+    from gpupoor.builtin_models import resolve_model_path
+
+    local = resolve_model_path(distill.teacher, Path.cwd())
+    location = str(local) if local is not None else distill.teacher
+    section = ModelSection(name_or_path=location, revision=distill.revision,
+                           trust_remote_code=model_cfg.trust_remote_code)
+    teacher = load_base_model(location, section, QuantizationSection(bits=distill.bits), precision, attention, device,
+                              seed, smoke)
+    for param in teacher.parameters():
+        param.requires_grad = False
+    return teacher.eval(), load_tokenizer(location, section)
+
+
+def decoder_layer_count(model) -> int | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "num_hidden_layers", None) if config is not None else None
+
+
+def last_layer_indices(model, peft_cfg: PeftSection) -> list[int] | None:
+    """The decoder layers that train (`peft.last_layers`), or None for all of them."""
+    if peft_cfg.last_layers is None:
+        return None
+    count = decoder_layer_count(model)
+    if count is None:
+        raise UserError("peft.last_layers: this model's config does not say how many decoder layers it has "
+                        "(num_hidden_layers)", hint="unset peft.last_layers")
+    return list(trained_layer_indices(peft_cfg.last_layers, count))
+
+
+def apply_method(model, peft_cfg: PeftSection):
+    """peft.method applied to the loaded base. A new method is one more branch here (its rules in decisions)."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    layers = last_layer_indices(model, peft_cfg)
+    if peft_cfg.method == "full":
+        return select_trainable(model, peft_cfg, layers)
+    where = {"layers_to_transform": layers, "layers_pattern": "layers"} if layers is not None else {}
+    saved = {"modules_to_save": peft_cfg.modules_to_save or None, "task_type": "CAUSAL_LM"}
+    targets = peft_cfg.target_modules
+    if layers is not None and targets == "all-linear" and peft_cfg.method != "ia3":
+        targets = decoder_linear_names(model)  # peft takes layers_to_transform with a list of names only
+    if peft_cfg.method == "ia3":
+        # `all-linear` means peft's IA3 defaults for the architecture (Llama: attention k/v, the MLP's down proj).
+        scaled, feedforward = ia3_modules(getattr(model.config, "model_type", "llama"), peft_cfg.target_modules)
+        if layers is not None:  # IA3Config has no layers_to_transform: name those layers' modules in full
+            scaled = [name for name, _ in model.named_modules()
+                      if name.rsplit(".", 1)[-1] in scaled and _layer_of(name) in layers]
+            feedforward = [name for name in scaled if name.rsplit(".", 1)[-1] in feedforward]
+        config = IA3Config(target_modules=list(scaled), feedforward_modules=list(feedforward), **saved)
+    else:
+        config = LoraConfig(r=peft_cfg.rank, lora_alpha=peft_cfg.effective_alpha, lora_dropout=peft_cfg.dropout,
+                            target_modules=targets, use_dora=peft_cfg.method == "dora",
+                            **where, **saved)
     try:
-        model = get_peft_model(model, lora)
+        return get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"peft.target_modules: {exc}", hint="use module names of this model, or all-linear") from None
-    # peft keeps LoRA weights in fp32 but leaves modules_to_save in the base dtype: an fp16 copy cannot be
-    # unscaled by the GradScaler and a bf16 one loses small AdamW updates. Train every trainable tensor in fp32.
+
+
+def decoder_linear_names(model) -> list[str]:
+    """The names of the linear layers inside the decoder layers (what `all-linear` adapts: not the head)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}"})
+
+
+def _layer_of(module_name: str) -> int | None:
+    """The decoder layer index in a module name like `model.layers.3.mlp.down_proj`."""
+    parts = module_name.split(".")
+    for before, part in zip(parts, parts[1:]):
+        if before == "layers" and part.isdigit():
+            return int(part)
+    return None
+
+
+def select_trainable(model, peft_cfg: PeftSection, layers: list[int] | None):
+    """`full`: the model's own weights train: every one, or those of the last layers and named modules."""
+    chosen_modules = peft_cfg.modules_to_save
+    everything = layers is None and not chosen_modules
     for param in model.parameters():
-        if param.requires_grad and param.dtype != torch.float32:
-            param.data = param.data.float()
-    # What a user loads the adapter onto: the hub id as named, or the local directory as an absolute path.
-    model.peft_config["default"].base_model_name_or_path = location
-    model.peft_config["default"].revision = model_cfg.revision
+        param.requires_grad = everything
+    for name, param in model.named_parameters():
+        if layers is not None and _layer_of(name) in layers:
+            param.requires_grad = True
+    # By module, not by parameter name: a head tied to the embeddings lists its weight under the embedding's name.
+    for name, module in model.named_modules():
+        if any(_matches(name, wanted) for wanted in chosen_modules):
+            for param in module.parameters():
+                param.requires_grad = True
     return model
 
 

@@ -2,8 +2,9 @@
 
 No weights are loaded and torch is not imported: every term is arithmetic over the config's dimensions and
 the recipe. The activation term counts what autograd keeps for the backward pass of one decoder layer of
-transformers' Llama-family code (the tensors saved by each op, per token, by dtype) -- tests compare it with
-what autograd really saves. The terms that no formula gives (the process's baseline, what the allocator
+transformers' Llama-family code (the tensors saved by each op, per token, by dtype) for each peft.method, in
+the layers that need a gradient (none below the first trained one) -- tests compare it with what autograd
+really saves. A distillation teacher adds its weights and its share of the loss's working set. The terms that no formula gives (the process's baseline, what the allocator
 holds beyond live tensors) are measured constants, named below with how they were measured.
 """
 
@@ -13,12 +14,14 @@ import importlib.util
 import json
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpupoor.builtin_models import resolve_model_path
 from gpupoor.decisions import (choose_attention, choose_device, choose_fused_loss, choose_precision, choose_sampler,
-                               logit_postprocessing, loss_chunk_tokens, needs_bitsandbytes)
+                               ia3_modules, logit_postprocessing, loss_chunk_tokens, needs_bitsandbytes,
+                               trained_layer_indices)
 from gpupoor.errors import UserError
 from gpupoor.recipe import LoadedRecipe, Recipe
 from gpupoor.units import MiB, format_bytes, parse_size
@@ -44,6 +47,15 @@ CPU_HEAP_RETENTION = {"checkpointing": (82, 0.98), "none": (156, 1.15)}
 # The fused loss: a chunk of logits (gpupoor.decisions.loss_chunk_tokens) in fp32, with their exponentials and
 # gradient alive together.
 FUSED_CHUNK_COPIES = 3
+# The fused distillation loss (gpupoor.distill): per chunk the student's logits, the teacher's, the scaled
+# difference and logsumexp's temporaries, chunk x vocabulary in fp32 each. Measured on the CPU (glibc's in-use
+# bytes after each op, linear_distill_sum at vocabulary 32,000): 5.0 buffers in fp32; 6.0 with bf16 heads, which
+# a CPU casts slice by slice into one more (the fused cross-entropy alone: 2.0 and 2.5, planned as 3).
+DISTILL_CHUNK_COPIES = 5
+# The teacher's forward under no_grad keeps nothing, but one layer's working set is alive at a time: measured
+# the same way on 2-layer Llamas (hidden 256/512, intermediate 704/1376, fp32 and bf16), 4 x hidden + 3 x
+# intermediate values per token within 1% (3.1 x intermediate: just above).
+TEACHER_FORWARD_VALUES = (4, 3.1)  # per token: (x hidden, x intermediate)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BUNDLED_CONFIGS = Path(__file__).parent / "model_configs"
@@ -51,6 +63,15 @@ BUNDLED_CONFIGS = Path(__file__).parent / "model_configs"
 # The linear modules of a Llama-family decoder layer: name -> (input features, output features) as a function
 # of the shape.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm")
+# Where each sits in transformers' module tree, under model.layers.N.
+MODULE_PATHS = {**{name: f"self_attn.{name}" for name in LINEARS[:4]}, **{name: f"mlp.{name}" for name in LINEARS[4:]},
+                **{name: name for name in NORMS}}
+# The inputs of a layer's linears: consumers of one tensor (the attention norm's output, the MLP norm's, the
+# MLP product), which in fp32 keep it once between them. o_proj's input is the attention output, counted apart.
+INPUT_GROUPS = ((("q_proj", "k_proj", "v_proj"), "input_layernorm"),
+                (("gate_proj", "up_proj"), "post_attention_layernorm"),
+                (("down_proj",), None))
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,11 @@ class Shape:
         h, i = self.hidden, self.intermediate
         return {"q_proj": (h, self.q), "k_proj": (h, self.kv), "v_proj": (h, self.kv), "o_proj": (self.q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[name]
+
+    def linear_params(self, name: str) -> int:
+        """Parameters of one linear module: its weight, and its bias where the model has one."""
+        a, b = self.linear(name)
+        return a * b + (b if self.qkv_bias and name in ("q_proj", "k_proj", "v_proj") else 0)
 
     @property
     def layer_linear_params(self) -> int:
@@ -156,25 +182,27 @@ def shape_from_config(config: dict, where: str, tokenizer_rows: int | None = Non
     return shape
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, key: str = "model.name_or_path") -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise UserError(f"model.name_or_path: {path} is not readable JSON: {exc}") from None
+        raise UserError(f"{key}: {path} is not readable JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise UserError(f"model.name_or_path: {path} is not a JSON object")
+        raise UserError(f"{key}: {path} is not a JSON object")
     return data
 
 
-def find_config(name_or_path: str, base_dir: Path, revision: str | None = None) -> tuple[dict, str]:
+def find_config(name_or_path: str, base_dir: Path, revision: str | None = None,
+                key: str = "model.name_or_path") -> tuple[dict, str]:
     """The model's config.json without its weights: a local directory, the hub cache, the configs gpupoor
-    ships for its own recipes, or (network allowing) the hub's config.json alone. Returns (config, source)."""
+    ships for its own recipes, or (network allowing) the hub's config.json alone. Returns (config, source).
+    `key`: the recipe key that named the model (the student's, or distill.teacher), for errors."""
     local = resolve_model_path(name_or_path, base_dir)
     if local is not None:
         path = local / "config.json"
         if not path.is_file():
-            raise UserError(f"model.name_or_path: {local} has no config.json")
-        return _read_json(path), str(path)
+            raise UserError(f"{key}: {local} has no config.json")
+        return _read_json(path, key), str(path)
     try:
         from huggingface_hub import try_to_load_from_cache
 
@@ -182,20 +210,20 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None) 
     except Exception:  # a malformed id: handled below like an unknown one
         cached = None
     if isinstance(cached, str):
-        return _read_json(Path(cached)), cached
+        return _read_json(Path(cached), key), cached
     bundled = BUNDLED_CONFIGS / (name_or_path.replace("/", "--") + ".json")
     if bundled.is_file():
-        return _read_json(bundled), f"gpupoor's copy of {name_or_path}'s config.json"
+        return _read_json(bundled, key), f"gpupoor's copy of {name_or_path}'s config.json"
     if os.environ.get("HF_HUB_OFFLINE") != "1":
         try:
             from huggingface_hub import hf_hub_download
 
             path = hf_hub_download(name_or_path, "config.json", revision=revision)
-            return _read_json(Path(path)), path
+            return _read_json(Path(path), key), path
         except Exception as exc:
-            raise UserError(f"model.name_or_path: cannot read {name_or_path}'s config.json ({type(exc).__name__}: "
+            raise UserError(f"{key}: cannot read {name_or_path}'s config.json ({type(exc).__name__}: "
                             f"{exc})", hint="check the name, or log in for a gated model (hf auth login)") from None
-    raise UserError(f"model.name_or_path: {name_or_path}'s config.json is not in the local hub cache and "
+    raise UserError(f"{key}: {name_or_path}'s config.json is not in the local hub cache and "
                     "HF_HUB_OFFLINE=1", hint="unset HF_HUB_OFFLINE (plan downloads config.json only)")
 
 
@@ -224,6 +252,9 @@ class Plan:
     assumptions: list[str] = field(default_factory=list)
     suggestions: list[Suggestion] = field(default_factory=list)
     fit_changes: dict | None = None  # the combination `--fit` writes
+    method: str = "lora"  # peft.method
+    trainable_params: int | None = None
+    method_detail: str = ""  # "method full: 494,032,768 trainable parameters (all)"
 
     @property
     def peak(self) -> int:
@@ -248,7 +279,8 @@ class Plan:
                 "assumptions": self.assumptions,
                 "suggestions": [{"changes": s.changes, "saving_bytes": s.saving, "peak_bytes": s.peak,
                                  "cost": s.cost} for s in self.suggestions],
-                "fit_changes": self.fit_changes}
+                "fit_changes": self.fit_changes, "method": self.method, "trainable_params": self.trainable_params,
+                "method_detail": self.method_detail}
 
 
 @dataclass(frozen=True)
@@ -258,6 +290,110 @@ class GpuFacts:
 
     major: int | None = None  # the CUDA compute capability's major version
     flash_installed: bool = False
+
+
+@dataclass(frozen=True)
+class LayerTraining:
+    """What trains in one decoder layer: the linears carrying adapters (LoRA, DoRA, IA3), the linears and norms
+    whose own weights train (`full`, or modules_to_save)."""
+
+    adapters: tuple[str, ...] = ()
+    weights: tuple[str, ...] = ()
+    norms: tuple[str, ...] = ()
+
+    @property
+    def trains(self) -> bool:
+        return bool(self.adapters or self.weights or self.norms)
+
+
+@dataclass(frozen=True)
+class Training:
+    """What trains, resolved against the model's shape (peft.method, last_layers, target_modules, modules_to_save)."""
+
+    method: str  # lora | dora | ia3 | full
+    layers: tuple[LayerTraining, ...]  # one per decoder layer
+    params: int  # trainable parameters
+    embedding: bool  # the input embedding (or peft's copy of it) trains: gradients reach the first layer
+    head: bool  # the output head (or peft's copy of it) trains
+    scope: str  # where it trains, in words: "every layer", "the last 2 of 24 layers + lm_head", "all"
+    feedforward: tuple[str, ...] = ()  # ia3: the modules scaled on their input
+    final_norm: bool = False  # the norm after the last layer (or peft's copy of it) trains
+
+    @property
+    def first_active_layer(self) -> int:
+        """The lowest decoder layer that keeps activations for backward: nothing below it needs a gradient."""
+        if self.embedding:
+            return 0
+        return next((j for j, layer in enumerate(self.layers) if layer.trains), len(self.layers))
+
+
+def _named(module: str, wanted: str) -> bool:
+    """peft's rule for a module name in modules_to_save (and gpupoor's for `full`): the whole name, its dotted
+    tail, or a dotted part of it (`mlp` names every layer's MLP, `layers.3` one layer)."""
+    return f".{wanted}." in f".{module}."
+
+
+def module_table(shape: Shape) -> list[tuple[str, int, str]]:
+    """The base model's modules that hold parameters, named as transformers names them in the Llama family:
+    (module, parameters, tensor). `tensor` names the storage: a tied head shares the embedding's."""
+    table = [("model.embed_tokens", shape.embedding_params, "embedding")]
+    for j in range(shape.layers):
+        table += [(f"model.layers.{j}.{MODULE_PATHS[name]}", shape.linear_params(name), f"{j}.{name}")
+                  for name in LINEARS]
+        table += [(f"model.layers.{j}.{name}", shape.hidden, f"{j}.{name}") for name in NORMS]
+    table += [("model.norm", shape.hidden, "norm"),
+              ("lm_head", shape.embedding_params, "embedding" if shape.tied else "head")]
+    return table
+
+
+def resolve_training(shape: Shape, peft) -> Training:
+    """What trains for a recipe's `peft` section on this model, as gpupoor.model builds it: adapters on the
+    targets of the trained layers plus peft's trained copies of modules_to_save, or for `full` the model's own
+    tensors (all, or those of the last layers and the named modules)."""
+    indices = trained_layer_indices(peft.last_layers, shape.layers)
+    table = module_table(shape)
+    saved = {(module, params, tensor) for module, params, tensor in table
+             if any(_named(module, wanted) for wanted in peft.modules_to_save)}
+    if peft.method == "full":
+        everything = peft.last_layers is None and not peft.modules_to_save
+        prefixes = tuple(f"model.layers.{j}." for j in indices) if peft.last_layers is not None else ()
+        trained = {tensor: params for module, params, tensor in table
+                   if everything or module.startswith(prefixes) or (module, params, tensor) in saved}
+        layers = tuple(LayerTraining(weights=tuple(n for n in LINEARS if f"{j}.{n}" in trained),
+                                     norms=tuple(n for n in NORMS if f"{j}.{n}" in trained))
+                       for j in range(shape.layers))
+        return Training("full", layers, sum(trained.values()), "embedding" in trained,
+                        ("embedding" if shape.tied else "head") in trained,
+                        "all" if everything else _scope(peft, shape), final_norm="norm" in trained)
+    feedforward: tuple[str, ...] = ()
+    if peft.method == "ia3":
+        targets, feedforward = ia3_modules(shape.model_type, peft.target_modules)
+        targets = tuple(name for name in LINEARS if name in targets)
+        per_module = {name: shape.linear(name)[0] if name in feedforward else shape.linear(name)[1] for name in targets}
+    else:
+        targets = tuple(LINEARS) if peft.target_modules == "all-linear" else \
+            tuple(name for name in LINEARS if name in peft.target_modules)
+        dora = peft.method == "dora"  # plus a magnitude per output feature
+        per_module = {name: peft.rank * sum(shape.linear(name)) + (shape.linear(name)[1] if dora else 0)
+                      for name in targets}
+    in_layer = {module.split(".")[2] + "." + module.rsplit(".", 1)[1] for module, _, _ in saved
+                if module.startswith("model.layers.")}
+    layers = tuple(LayerTraining(adapters=targets if j in indices else (),
+                                 weights=tuple(n for n in LINEARS if f"{j}.{n}" in in_layer),
+                                 norms=tuple(n for n in NORMS if f"{j}.{n}" in in_layer))
+                   for j in range(shape.layers))
+    params = len(indices) * sum(per_module.values()) + sum(params for _, params, _ in saved)  # peft's copies
+    names = {module for module, _, _ in saved}
+    # (peft trains a copy of a saved embedding; a tied head is then still read from the original.)
+    head = "lm_head" in names or ("model.embed_tokens" in names and shape.tied)
+    return Training(peft.method, layers, params, "model.embed_tokens" in names, head, _scope(peft, shape),
+                    feedforward, final_norm="model.norm" in names)
+
+
+def _scope(peft, shape: Shape) -> str:
+    where = (f"the last {peft.last_layers} of {shape.layers} layers" if peft.last_layers is not None
+             else "" if peft.method == "full" else "every layer")
+    return " + ".join(filter(None, [where, *peft.modules_to_save]))
 
 
 @dataclass(frozen=True)
@@ -285,6 +421,9 @@ class Settings:
     # pages of embedding rows the tokenizer never produces are never read: rows that become resident.
     resident_embedding_rows: int | None = None
     loss_reason: str = ""  # why the fused loss is (not) used
+    training: Training | None = None  # what trains (None: LoRA on `targets` in every layer, as before methods)
+    teacher: Shape | None = None  # distill.teacher's dimensions
+    teacher_bits: int | None = None  # distill.bits
 
     @property
     def half(self) -> bool:
@@ -295,42 +434,90 @@ class Settings:
         """Bytes of an activation value: half precision under autocast, else fp32."""
         return 2 if self.half else 4
 
+    @property
+    def method(self) -> str:
+        return self.training.method if self.training else "lora"
 
-def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = GpuFacts()) -> Settings:
-    """The recipe on `device`, each `auto` decided as training decides it (gpupoor.decisions)."""
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of a residual-stream value: a trained embedding is fp32 (master weights), and so is every sum
+        it feeds under autocast."""
+        return 4 if not self.half or (self.training and self.training.embedding) else self.act_bytes
+
+
+def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = GpuFacts(),
+                     teacher: Shape | None = None) -> Settings:
+    """The recipe on `device`, each `auto` decided as training decides it (gpupoor.decisions). `teacher`: the
+    distillation teacher's shape, when the recipe has one."""
     precision = choose_precision(recipe.precision, device, gpu.major).value
     attention = choose_attention(recipe.model.attention, device, gpu.flash_installed, gpu.major).value
     sampler = choose_sampler(recipe.data.sampler, attention, recipe.model.trust_remote_code).value
     targets = tuple(LINEARS) if recipe.peft.target_modules == "all-linear" else \
         tuple(name for name in LINEARS if name in recipe.peft.target_modules)
     # peft puts LoRA on the output head only when lm_head is named (all-linear leaves the output layer out)
-    head_adapted = isinstance(recipe.peft.target_modules, list) and "lm_head" in recipe.peft.target_modules
+    head_adapted = (recipe.peft.method != "full" and isinstance(recipe.peft.target_modules, list)
+                    and "lm_head" in recipe.peft.target_modules)
     fused, loss_reason = choose_fused_loss(recipe.memory.fused_cross_entropy, shape.logit_postprocessing, head_adapted)
+    if fused and teacher is not None:  # distillation fuses both heads: the teacher's must allow it too
+        fused, why = choose_fused_loss(True, teacher.logit_postprocessing, False)
+        loss_reason = loss_reason if fused else f"teacher: {why}"
+    training = resolve_training(shape, recipe.peft)
     return Settings(device=device, precision=precision, attention=attention, sampler=sampler,
                     micro_batch=recipe.training.micro_batch_size, row_tokens=recipe.data.max_length,
                     rank=recipe.peft.rank, targets=targets, modules_to_save=tuple(recipe.peft.modules_to_save),
-                    dropout=recipe.peft.dropout, bits=recipe.quantization.bits,
+                    dropout=recipe.peft.dropout if recipe.peft.method in ("lora", "dora") else 0.0,
+                    bits=recipe.quantization.bits,
                     double_quant=recipe.quantization.double_quant, optimizer=recipe.training.optimizer,
                     momentum=recipe.training.momentum, checkpointing=recipe.memory.gradient_checkpointing,
                     fused_loss=fused, loss_reason=loss_reason,
                     max_gpu_weights=parse_size(recipe.memory.max_gpu_memory, "memory.max_gpu_memory")
                     if recipe.memory.max_gpu_memory and device == "cuda" else None,
                     resident_embedding_rows=shape.tokenizer_rows if device == "cpu" and shape.file_dtype == precision
-                    else None)
+                    else None, training=training, teacher=teacher,
+                    teacher_bits=recipe.distill.bits if recipe.distill is not None else None)
+
+
+def _training(shape: Shape, s: Settings) -> Training:
+    """What trains; Settings built without a resolution get LoRA on every layer (the plan before methods)."""
+    if s.training is not None:
+        return s.training
+    lora = shape.layers * sum(s.rank * (a + b) for a, b in map(shape.linear, s.targets))
+    saved = sum(shape.embedding_params for name in s.modules_to_save if name in ("embed_tokens", "lm_head"))
+    return Training("lora", (LayerTraining(adapters=s.targets),) * shape.layers, lora + saved,
+                    "embed_tokens" in s.modules_to_save,
+                    "lm_head" in s.modules_to_save or ("embed_tokens" in s.modules_to_save and shape.tied),
+                    "every layer")
+
+
+def describe_method(shape: Shape, s: Settings) -> str:
+    """The plan's method line: what trains and how many parameters."""
+    training = _training(shape, s)
+    name = training.method + (f" (rank {s.rank})" if training.method in ("lora", "dora") else "")
+    count = f"{training.params:,} trainable parameters"
+    if training.scope == "all":
+        return f"method {name}: {count} (all)"
+    share = training.params / shape.total_params
+    return f"method {name} on {training.scope}: {count} ({share:.2%} of the model's {shape.total_params:,})"
 
 
 # ----------------------------------------------------------------------------------------------- the terms
 def weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
     dtype = DTYPE_BYTES[s.precision]
+    training = _training(shape, s)
     linear = shape.layers * shape.layer_linear_params
     rest = shape.total_params - linear
     note = ""
     # (A tied head reads every row in the loss; a quantized load or a trained copy materializes them all.)
     if s.resident_embedding_rows is not None and s.resident_embedding_rows < shape.vocab and s.bits is None \
-            and not shape.tied and "embed_tokens" not in s.modules_to_save:
+            and not shape.tied and not training.embedding:
         unread = (shape.vocab - s.resident_embedding_rows) * shape.hidden
         rest -= unread
         note = f" ({unread / 1e6:,.1f}M embedding rows the tokenizer never produces stay unread on disk)"
+    if training.method == "full":
+        # The trained tensors are fp32 master weights (the trainable term); the frozen rest stays in the run's dtype.
+        frozen = linear + rest - training.params
+        return frozen * dtype, (f"{frozen / 1e6:,.1f}M frozen parameters in {s.precision}{note}; the "
+                                f"{training.params / 1e6:,.1f}M that train are the trainable term")
     if s.bits == 4:
         # NF4/FP4: half a byte per weight + an absmax per 64 weights (fp32; or 8-bit with one fp32 per 256
         # absmax when double-quantized).
@@ -346,9 +533,7 @@ def weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
 
 
 def trainable_params(shape: Shape, s: Settings) -> int:
-    lora = shape.layers * sum(s.rank * (a + b) for a, b in map(shape.linear, s.targets))
-    full = sum(shape.embedding_params for name in s.modules_to_save if name in ("embed_tokens", "lm_head"))
-    return lora + full
+    return _training(shape, s).params
 
 
 def optimizer_bytes(params: int, s: Settings) -> tuple[int, str]:
@@ -361,35 +546,55 @@ def optimizer_bytes(params: int, s: Settings) -> tuple[int, str]:
     return int(params * per_param), what
 
 
-def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, masked: bool) -> float:
-    """Bytes autograd keeps for the backward pass of one decoder layer, per token of the micro-batch.
+def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, masked: bool,
+                                layer: LayerTraining | None = None) -> float:
+    """Bytes autograd keeps for the backward pass of one decoder layer, per token of the micro-batch, for a
+    layer that trains `layer` (default: the last layer, which every method trains) with gradients flowing in.
 
-    Counted from transformers' Llama-family layer with peft LoRA on `s.targets` (tests check it against
-    saved-tensor hooks): RMSNorm keeps its input and 1/rms, attention keeps rotated q, k, v, the output and
-    the log-sum-exp (flash/SDPA) or the probabilities (eager), the gated MLP keeps gate, up and act(gate), and
-    each LoRA module keeps its input and its rank-r projection.
+    Counted from transformers' Llama-family layer (tests check it against saved-tensor hooks for each method):
+    RMSNorm keeps its input and 1/rms (a trained norm weight also its normalized input), attention keeps
+    rotated q, k, v, the output and the log-sum-exp (flash/SDPA) or the probabilities (eager), the gated MLP
+    keeps gate, up and act(gate). A linear keeps its input when its weight trains or it carries a LoRA/DoRA
+    adapter (which also keeps its rank-r projection; DoRA also the base and LoRA outputs for the magnitude's
+    gradient); IA3 keeps the unscaled output of an output-scaled module, the input of an input-scaled one.
     """
     h, q, kv, i, heads = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
     half, b = s.half, s.act_bytes
-    lora_inputs = {name: shape.linear(name)[0] for name in s.targets}
+    method = s.method
+    layer = layer if layer is not None else _training(shape, s).layers[-1]
+    lora = tuple(n for n in layer.adapters if n in LINEARS) if method in ("lora", "dora") else ()
+    feedforward = tuple(n for n in layer.adapters if n in s.training.feedforward) if method == "ia3" else ()
+    out_scaled = tuple(n for n in layer.adapters if n not in feedforward) if method == "ia3" else ()
+    lora_inputs = {name: shape.linear(name)[0] for name in lora}
     total = 0.0
     if half:
         # RMSNorm upcasts its input to fp32 and keeps that copy; peft casts each LoRA input to the adapter's
         # fp32 and autocast casts it back: every adapted module keeps its own half-precision copy.
         total += 2 * (4 * h + 4)
         total += sum(lora_inputs.values()) * b
+        for members, norm in INPUT_GROUPS:
+            size = shape.linear(members[0])[0]
+            trained = [n for n in members if n in layer.weights]
+            # autocast casts a trained weight's input to half: an fp32 input (a norm's output when its fp32
+            # weight trains, or an fp32 residual stream) into a copy per linear, a half one not at all (kept once).
+            wide = norm is not None and (norm in layer.norms or s.residual_bytes == 4)
+            total += (len(trained) if wide else min(len(trained), 1)) * size * b
+            if any(n in feedforward for n in members):  # IA3 scales it in its vector's fp32
+                total += size * 4
     else:
         total += 2 * (h * b + 4)  # each norm's input (the residual stream) and 1/rms
         if s.dropout:  # each adapter keeps its own dropped input instead of the shared one
             total += sum(lora_inputs.values()) * b
-        else:
-            shared = {"attn_norm": any(n in lora_inputs for n in ("q_proj", "k_proj", "v_proj")),
-                      "mlp_norm": any(n in lora_inputs for n in ("gate_proj", "up_proj")),
-                      "down_input": "down_proj" in lora_inputs}
-            total += (shared["attn_norm"] + shared["mlp_norm"]) * h * b + shared["down_input"] * i * b
+        for members, _ in INPUT_GROUPS:
+            users = [n for n in members if (n in lora and not s.dropout) or n in layer.weights or n in feedforward]
+            total += min(len(users), 1) * shape.linear(members[0])[0] * b
+    total += len(layer.norms) * h * s.residual_bytes  # a trained norm weight's gradient needs its normalized input
     if s.dropout:  # the dropout mask: bool on CUDA, the scaled noise in the input's dtype on the CPU
         total += sum(lora_inputs.values()) * (1 if s.device == "cuda" else (4 if not half else b))
     total += len(lora_inputs) * s.rank * b  # x @ A, kept for the gradient of B
+    if method == "dora":  # the base and LoRA outputs, for the magnitude's gradient
+        total += 2 * sum(shape.linear(name)[1] for name in lora) * b
+    total += sum(shape.linear(name)[1] for name in out_scaled) * b  # IA3: the unscaled output, for the scale's gradient
     # attention: rotated q, k and v, and the output (kept by SDPA/flash for its backward; o_proj's input)
     total += (2 * q + 2 * kv) * b
     if s.attention == "eager":
@@ -416,50 +621,143 @@ def layer_forward_temporaries_per_token(shape: Shape, s: Settings) -> float:
     return (9.75 * (shape.hidden + shape.q) + 10.5 * shape.kv + 6 * shape.intermediate) * s.act_bytes
 
 
+def dora_weight_norm_bytes(shape: Shape, s: Settings, targets: tuple[str, ...]) -> int:
+    """What DoRA's forward allocates for one adapted module at a time to take the norm of W + s*B@A (peft
+    builds B@A as lora_B(lora_A(eye(in)))): measured on the CPU (glibc's in-use bytes after each op, one
+    module's forward) as the identity in fp32 plus three weight-sized fp32 matrices in fp32; under bf16
+    autocast the larger of the identity with its half copy + one half matrix, and a half identity + 16 bytes
+    per weight (fp32 copies for the norm). The largest adapted module counts."""
+    sizes = [shape.linear(name) for name in targets]
+    if not s.half:
+        return max((4 * a * a + 12 * a * o for a, o in sizes), default=0)
+    return max((max(6 * a * a + 2 * a * o, 2 * a * a + 16 * a * o) for a, o in sizes), default=0)
+
+
+def saved_activation_bytes(shape: Shape, s: Settings, masked: bool) -> tuple[float, float, int, int]:
+    """(what the decoder keeps for backward, the most one layer keeps, layers that keep any, the frozen layers
+    below them that keep none), without checkpointing, for one micro-batch.
+
+    Each layer from the first that trains (or from the first, when the embedding trains) keeps what
+    `layer_saved_bytes_per_token` counts. The first of them keeps no input norm when its input needs no
+    gradient, and the final norm keeps as much: they cancel, unless the embedding trains (then the final
+    norm's input and 1/rms are on top), and a trained final norm weight also keeps its normalized input."""
+    tokens = s.micro_batch * s.row_tokens
+    training = _training(shape, s)
+    first = training.first_active_layer
+    active = Counter(training.layers[first:])
+    per_layer = {layer: layer_saved_bytes_per_token(shape, s, s.row_tokens, masked, layer) * tokens
+                 for layer in active}
+    saved = sum(per_layer[layer] * count for layer, count in active.items())
+    if active:
+        norm_input = (4 * shape.hidden + 4) if s.half else (shape.hidden * s.act_bytes + 4)  # fp32 copy, 1/rms
+        saved += ((norm_input if training.embedding else 0)
+                  + (shape.hidden * s.residual_bytes if training.final_norm else 0)) * tokens
+    return saved, max(per_layer.values(), default=0.0), len(training.layers) - first, first
+
+
 def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
     """(live bytes at the peak, bytes the step allocates and frees on the way, description)."""
     tokens = s.micro_batch * s.row_tokens
+    training = _training(shape, s)
     # Packed rows carry a block-diagonal mask. A random batch may pad a short example to a long one: a padding
     # mask. Length-grouped batches put the longest examples together: the longest batch has no padding.
     # flash-attn 2 needs neither.
     masked = s.attention != "flash_attention_2" and (
         s.sampler == "packed" or (s.sampler == "random" and s.micro_batch > 1))
-    per_layer = layer_saved_bytes_per_token(shape, s, s.row_tokens, masked) * tokens
-    transient = layer_transient_bytes_per_token(shape, s) * tokens
-    b = s.act_bytes
+    saved, per_layer, active, frozen = saved_activation_bytes(shape, s, masked)
+    # Layers below the first trained one get no gradient: backward never reaches them, they keep nothing.
+    transient = layer_transient_bytes_per_token(shape, s) * tokens if active else 0
     if s.checkpointing:
-        kept = shape.hidden * b * tokens  # each checkpointed layer keeps only its input
-        on_device = 0 if (s.checkpointing == "offload" and s.device == "cuda") else shape.layers * kept
+        kept = shape.hidden * s.residual_bytes * tokens  # each checkpointed layer keeps only its input
+        on_device = 0 if (s.checkpointing == "offload" and s.device == "cuda") else active * kept
         live = on_device + per_layer + transient  # plus one layer recomputed during its backward
-        mode = "checkpointing: layer inputs offloaded to CPU" if not on_device and shape.layers else "checkpointing"
-        detail = (f"{mode}: {shape.layers} x {kept / MiB:.1f} MiB layer inputs + one layer recomputed "
+        mode = "checkpointing: layer inputs offloaded to CPU" if not on_device and active else "checkpointing"
+        detail = (f"{mode}: {active} x {kept / MiB:.1f} MiB layer inputs + one layer recomputed "
                   f"{per_layer / MiB:.1f} MiB")
     else:
-        live = shape.layers * per_layer + transient
-        detail = f"{shape.layers} layers x {per_layer / MiB:.1f} MiB kept for backward"
-    churn = per_layer + layer_forward_temporaries_per_token(shape, s) * tokens
+        live = saved + transient
+        detail = f"{active} layers x {per_layer / MiB:.1f} MiB kept for backward"
+    if frozen:
+        detail += f" ({frozen} frozen layers below keep none)"
+    layer_for_churn = per_layer or layer_saved_bytes_per_token(shape, s, s.row_tokens, masked) * tokens
+    churn = layer_for_churn + layer_forward_temporaries_per_token(shape, s) * tokens
     if s.bits is not None:  # bitsandbytes dequantizes each weight for its matmul: buffers of a weight's size
-        live += 2 * max(x * y for x, y in map(shape.linear, LINEARS)) * b
-        churn += shape.layer_linear_params * b
+        live += 2 * max(x * y for x, y in map(shape.linear, LINEARS)) * s.act_bytes
+        churn += shape.layer_linear_params * s.act_bytes
+    if s.half:
+        # autocast caches a half copy of every fp32 weight that trains (full, modules_to_save) for the whole
+        # forward and loss; backward keeps each until its layer is done.
+        copies = 2 * (sum(shape.linear_params(name) for layer in training.layers for name in layer.weights)
+                      + (shape.embedding_params if training.head else 0))
+        if copies:
+            live += copies
+            detail += f"; half copies of the trained fp32 weights (autocast) {copies / MiB:.1f} MiB"
+    if training.method == "dora" and active:
+        norm = dora_weight_norm_bytes(shape, s, training.layers[-1].adapters)
+        live += norm
+        detail += f"; DoRA weight norm {norm / MiB:.1f} MiB"
     detail += f"; {s.micro_batch} x {s.row_tokens} tokens, {s.attention}" + (" + mask" if masked else "")
     return int(live), int(churn), detail
 
 
+def teacher_weight_bytes(teacher: Shape, s: Settings) -> tuple[int, str]:
+    """The frozen teacher's weights: in the run's dtype, or quantized (distill.bits) like a quantized base."""
+    frozen = Settings(device=s.device, precision=s.precision, attention=s.attention, sampler=s.sampler,
+                      micro_batch=s.micro_batch, row_tokens=s.row_tokens, rank=0, targets=(), modules_to_save=(),
+                      dropout=0.0, bits=s.teacher_bits, double_quant=s.double_quant, optimizer=s.optimizer, momentum=0.0,
+                      checkpointing=False, fused_loss=s.fused_loss)
+    weights, detail = weight_bytes(teacher, frozen)
+    return weights, f"teacher {detail}"
+
+
+def teacher_forward_bytes(teacher: Shape, s: Settings) -> int:
+    """What the teacher's no-grad forward holds at once beside the student's activations (it runs after the
+    student's forward): one layer's working set (TEACHER_FORWARD_VALUES), and with a quantized teacher the
+    dequantized weight buffers."""
+    tokens = s.micro_batch * s.row_tokens
+    per_hidden, per_intermediate = TEACHER_FORWARD_VALUES
+    working = int((per_hidden * teacher.hidden + per_intermediate * teacher.intermediate) * s.act_bytes * tokens)
+    if s.teacher_bits is not None:
+        working += 2 * max(x * y for x, y in map(teacher.linear, LINEARS)) * s.act_bytes
+    return working
+
+
 def loss_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
     tokens = s.micro_batch * s.row_tokens
+    teacher = s.teacher
     if s.fused_loss:
-        chunk_tokens = loss_chunk_tokens(shape.vocab)
-        chunk = min(chunk_tokens, tokens) * shape.vocab * 4
+        vocab = max(shape.vocab, teacher.vocab) if teacher else shape.vocab
+        chunk_tokens = loss_chunk_tokens(vocab)
+        copies = FUSED_CHUNK_COPIES
+        if teacher:
+            copies = DISTILL_CHUNK_COPIES + (1 if s.half and s.device == "cpu" else 0)
+        chunk = min(chunk_tokens, tokens) * vocab * 4
         hidden = tokens * shape.hidden * 4 * 2  # targets' hidden states and their gradient
-        if "lm_head" in s.modules_to_save or ("embed_tokens" in s.modules_to_save and shape.tied):
+        if _training(shape, s).head:
             hidden += shape.embedding_params * 4  # the trained head's fp32 gradient, built during the forward
-        return (FUSED_CHUNK_COPIES * chunk + hidden,
-                f"chunked: {min(chunk_tokens, tokens)} tokens x {shape.vocab:,} vocab at a time")
+        detail = f"chunked: {min(chunk_tokens, tokens)} tokens x {vocab:,} vocab at a time"
+        if not teacher:
+            return copies * chunk + hidden, detail
+        # The teacher's last hidden states (every position, then the target ones), and the larger of its forward
+        # working set and the fused KL's chunk buffers (one after the other).
+        teacher_hidden = 2 * tokens * teacher.hidden * s.act_bytes
+        forward = teacher_forward_bytes(teacher, s)
+        return (hidden + teacher_hidden + max(copies * chunk, forward),
+                f"fused distillation (KL + cross-entropy) {detail}, {copies} buffers; teacher hidden states "
+                f"{teacher_hidden / MiB:.1f} MiB; teacher forward {forward / MiB:.1f} MiB")
     b = DTYPE_BYTES[s.precision]
     logits = tokens * shape.vocab
     # the logits, their fp32 copy (a no-op in fp32), log-softmax kept for backward, and its gradient
     total = logits * b + logits * 4 * (2 if b == 4 else 3)
-    return total, f"full logits: {tokens:,} tokens x {shape.vocab:,} vocab, fp32 log-softmax and gradient"
+    if not teacher:
+        return total, f"full logits: {tokens:,} tokens x {shape.vocab:,} vocab, fp32 log-softmax and gradient"
+    # plain distillation: the teacher's logits (and their fp32 copy), both models' scaled log-softmax and the
+    # KL's elementwise terms, at the teacher's vocabulary; after the teacher's forward has freed its working set
+    teacher_logits = tokens * teacher.vocab
+    total += teacher_logits * (b + 4 * (3 if b == 4 else 4))
+    return (max(total, logits * b + teacher_forward_bytes(teacher, s)),
+            f"full logits of student and teacher: {tokens:,} tokens x {shape.vocab:,} vocab, fp32 log-softmax, "
+            "KL and gradient")
 
 
 def heap_retention(s: Settings, layer_allocations: int) -> int:
@@ -478,12 +776,15 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
     optimizer, optimizer_detail = optimizer_bytes(params, s)
     live, churn, act_detail = activation_bytes(shape, s)
     loss, loss_detail = loss_bytes(shape, s)
+    master = " (master weights)" if s.method == "full" else ""
     terms = [Term("base_weights", weights, weights_detail),
-             Term("trainable", params * 4, f"{params / 1e6:,.2f}M trainable parameters in fp32"),
+             Term("trainable", params * 4, f"{params / 1e6:,.2f}M trainable parameters in fp32{master}"),
              Term("gradients", params * 4, "fp32, one per trainable parameter"),
              Term("optimizer", optimizer, f"{s.optimizer}: {optimizer_detail}"),
              Term("activations", live, act_detail),
              Term("loss", loss, loss_detail)]
+    if s.teacher is not None:
+        terms.insert(1, Term("teacher_weights", *teacher_weight_bytes(s.teacher, s)))
     if s.device == "cpu":
         baseline = CPU_PROCESS_BASELINE + (CPU_BITSANDBYTES_BASELINE if uses_bitsandbytes else 0)
         kept = heap_retention(s, churn)
@@ -503,11 +804,12 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
 # ------------------------------------------------------------------------------------------ whole plan
 CANDIDATES = (  # cheapest first: what a user gives up for the saving
     ("memory.fused_cross_entropy", "none: the same loss, computed in chunks"),
-    ("training.optimizer", "8-bit optimizer moments: negligible effect on LoRA quality"),
+    ("training.optimizer", "8-bit optimizer moments: negligible effect on fine-tuning quality"),
     ("memory.gradient_checkpointing", "~25% slower steps: each layer's forward runs again in backward "
      "(offload: also copies layer inputs to and from the CPU)"),
     ("training.micro_batch_size", "about the same examples per optimizer step (accumulation raised); smaller "
      "kernels, a little slower"),
+    ("distill.bits", "a 4-bit NF4 teacher: slower teacher forward, its distributions shift a little"),
     ("quantization.bits", "QLoRA: 4-bit NF4 base weights, slower matmuls, a small quality loss"),
     ("data.max_length", "examples longer than this are truncated"),
 )
@@ -530,8 +832,10 @@ def candidate_change(recipe: Recipe, key: str, device: str) -> dict | None:
             return None
         half = micro // 2  # the same examples per optimizer step, in smaller micro-batches
         return {key: half, "training.gradient_accumulation_steps": -(-micro * accumulation // half)}
-    if key == "quantization.bits":
-        return {key: 4} if recipe.quantization.bits is None else None
+    if key == "distill.bits":
+        return {key: 4} if recipe.distill is not None and recipe.distill.bits != 4 else None
+    if key == "quantization.bits":  # full fine-tuning trains the base weights: they cannot be quantized
+        return {key: 4} if recipe.quantization.bits is None and recipe.peft.method != "full" else None
     if key == "data.max_length":
         return {key: recipe.data.max_length // 2} if recipe.data.max_length >= 512 else None
     raise KeyError(key)
@@ -548,23 +852,30 @@ def apply_changes(recipe: Recipe, changes: dict) -> Recipe:
     return Recipe.model_validate(tree)
 
 
-def _peak(shape: Shape, recipe: Recipe, device: str, gpu: GpuFacts) -> int:
-    settings = resolve_settings(recipe, device, shape, gpu)
-    terms, _ = plan_terms(shape, settings, needs_bitsandbytes(recipe.training.optimizer, recipe.quantization.bits))
+def uses_bitsandbytes(recipe: Recipe) -> bool:
+    """Whether the run imports bitsandbytes: its optimizer, a quantized base, or a quantized teacher."""
+    teacher_bits = recipe.distill.bits if recipe.distill is not None else None
+    return needs_bitsandbytes(recipe.training.optimizer, recipe.quantization.bits or teacher_bits)
+
+
+def _peak(shape: Shape, recipe: Recipe, device: str, gpu: GpuFacts, teacher: Shape | None = None) -> int:
+    settings = resolve_settings(recipe, device, shape, gpu, teacher)
+    terms, _ = plan_terms(shape, settings, uses_bitsandbytes(recipe))
     return sum(t.bytes for t in terms)
 
 
-def suggest(shape: Shape, recipe: Recipe, device: str, memory: int,
-            gpu: GpuFacts = GpuFacts()) -> tuple[list[Suggestion], dict | None]:
+def suggest(shape: Shape, recipe: Recipe, device: str, memory: int, gpu: GpuFacts = GpuFacts(),
+            teacher: Shape | None = None) -> tuple[list[Suggestion], dict | None]:
     """Single changes that each make the recipe fit (cheapest first), or, when none does alone, every
-    change that saves something; and the cheapest combination that fits (what --fit writes), if any."""
-    base = _peak(shape, recipe, device, gpu)
+    change that saves something; and the cheapest combination that fits (what --fit writes), if any.
+    `teacher`: the distillation teacher's shape, when the recipe has one."""
+    base = _peak(shape, recipe, device, gpu, teacher)
     singles = []
     for key, cost in CANDIDATES:
         changes = candidate_change(recipe, key, device)
         if changes is None:
             continue
-        peak = _peak(shape, apply_changes(recipe, changes), device, gpu)
+        peak = _peak(shape, apply_changes(recipe, changes), device, gpu, teacher)
         if peak < base:
             singles.append(Suggestion(changes, base - peak, cost, peak))
     fitting = [s for s in singles if s.peak <= memory]
@@ -576,7 +887,7 @@ def suggest(shape: Shape, recipe: Recipe, device: str, memory: int,
             if changes is None:
                 break
             trial = apply_changes(current, changes)
-            trial_peak = _peak(shape, trial, device, gpu)
+            trial_peak = _peak(shape, trial, device, gpu, teacher)
             if trial_peak >= current_peak:
                 break
             current, current_peak = trial, trial_peak
@@ -589,7 +900,7 @@ def suggest(shape: Shape, recipe: Recipe, device: str, memory: int,
         trial = recipe
         for changes in rest:
             trial = apply_changes(trial, changes)
-        if _peak(shape, trial, device, gpu) <= memory:
+        if _peak(shape, trial, device, gpu, teacher) <= memory:
             steps = rest
     combined = {key: value for changes in steps for key, value in changes.items()}
     return (fitting or singles), combined
@@ -677,6 +988,16 @@ def device_memory(device: str) -> tuple[int | None, str]:
         return None, "unknown: no GPU visible (pass --memory)"
 
 
+def load_teacher_shape(loaded: LoadedRecipe) -> tuple[Shape | None, str | None]:
+    """The distillation teacher's dimensions, found like the student's (a local path is relative to the
+    recipe); (None, None) without distillation."""
+    distill = loaded.recipe.distill
+    if distill is None:
+        return None, None
+    config, source = find_config(distill.teacher, loaded.base_dir, distill.revision, key="distill.teacher")
+    return shape_from_config(config, source), source
+
+
 def load_shape(loaded: LoadedRecipe) -> tuple[Shape, str]:
     model = loaded.recipe.model
     config, source = find_config(model.name_or_path, loaded.base_dir, model.revision)
@@ -688,24 +1009,33 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, memory: int | Non
     device = device or default_device(recipe)
     gpu = gpu_facts(device)
     shape, source = load_shape(loaded)
-    settings = resolve_settings(recipe, device, shape, gpu)
-    terms, assumptions = plan_terms(shape, settings, needs_bitsandbytes(recipe.training.optimizer,
-                                                                         recipe.quantization.bits))
+    teacher, teacher_source = load_teacher_shape(loaded)
+    settings = resolve_settings(recipe, device, shape, gpu, teacher)
+    terms, assumptions = plan_terms(shape, settings, uses_bitsandbytes(recipe))
     if memory is not None:
         memory_source = "--memory"
     else:
         memory, memory_source = device_memory(device)
     assumptions.insert(0, f"model config: {source}")
+    if teacher_source:
+        assumptions.insert(1, f"teacher config: {teacher_source}")
     if recipe.precision == "auto" and device == "cuda" and gpu.major is None:
         assumptions.append("precision auto taken as bf16 (a GPU without bf16 uses fp16: the same bytes)")
-    plan = Plan(device, settings.precision, terms, memory, memory_source, assumptions)
+    plan = Plan(device, settings.precision, terms, memory, memory_source, assumptions, method=recipe.peft.method,
+                trainable_params=trainable_params(shape, settings), method_detail=describe_method(shape, settings))
+    if recipe.distill is not None:
+        distill = recipe.distill
+        plan.method_detail += (f"; distilled from {distill.teacher} (temperature {distill.temperature:g}, KL weight "
+                               f"{distill.weight:g}" + (f", {distill.bits}-bit" if distill.bits else "") + ")")
     if memory is not None and plan.peak > memory:
-        plan.suggestions, plan.fit_changes = suggest(shape, recipe, device, memory, gpu)
+        plan.suggestions, plan.fit_changes = suggest(shape, recipe, device, memory, gpu, teacher)
     return plan
 
 
 def render(plan: Plan, recipe_name: str) -> str:
     lines = [f"memory plan for {recipe_name} on {plan.device} ({plan.precision}), at the peak of a training step:"]
+    if plan.method_detail:
+        lines.append(f"  {plan.method_detail}")
     width = max(len(t.key) for t in plan.terms)
     for term in plan.terms:
         lines.append(f"  {term.key:<{width}}  {format_bytes(term.bytes):>10}  {term.detail}")

@@ -24,40 +24,40 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def check_model(value: str, base_dir: Path) -> list[str]:
+def check_model(value: str, base_dir: Path, key: str = "model.name_or_path") -> list[str]:
     local = resolve_model_path(value, base_dir)
     if local is not None:
         if not local.is_dir():
-            raise UserError(f"model.name_or_path: {local} does not exist",
+            raise UserError(f"{key}: {local} does not exist",
                             hint="relative paths resolve against the recipe file's directory")
         if not (local / "config.json").is_file():
-            raise UserError(f"model.name_or_path: {local} has no config.json; it is not a model saved with "
+            raise UserError(f"{key}: {local} has no config.json; it is not a model saved with "
                             "save_pretrained")
         return []
     if not _REPO_ID.match(value):
-        raise UserError(f"model.name_or_path: {value!r} is neither a local directory nor a hub id (owner/name)")
+        raise UserError(f"{key}: {value!r} is neither a local directory nor a hub id (owner/name)")
     from huggingface_hub import try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(value, "config.json"), str):
         return []
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return [f"model.name_or_path: {value} is not in the local hub cache and HF_HUB_OFFLINE=1: not verified"]
-    return _check_hub_model(value)
+        return [f"{key}: {value} is not in the local hub cache and HF_HUB_OFFLINE=1: not verified"]
+    return _check_hub_model(value, key)
 
 
-def _check_hub_model(value: str) -> list[str]:
+def _check_hub_model(value: str, key: str) -> list[str]:
     from huggingface_hub import model_info
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     try:
         model_info(value, timeout=5)
     except RepositoryNotFoundError:
-        raise UserError(f"model.name_or_path: no model {value!r} on the hub (or it is private: "
+        raise UserError(f"{key}: no model {value!r} on the hub (or it is private: "
                         "log in with `hf auth login`)") from None
     except GatedRepoError:
-        return [f"model.name_or_path: {value} is gated: accept its license on the hub and log in"]
+        return [f"{key}: {value} is gated: accept its license on the hub and log in"]
     except Exception as exc:  # no network, DNS, timeouts: we cannot tell, so do not fail the recipe
-        return [f"model.name_or_path: could not reach the hub to check {value} ({type(exc).__name__})"]
+        return [f"{key}: could not reach the hub to check {value} ({type(exc).__name__})"]
     return []
 
 
@@ -192,6 +192,8 @@ def preflight(loaded: LoadedRecipe) -> list[str]:
     recipe = loaded.recipe
     warnings = check_model(recipe.model.name_or_path, loaded.base_dir)
     warnings += check_module_names(loaded)
+    if recipe.distill is not None:
+        warnings += check_model(recipe.distill.teacher, loaded.base_dir, "distill.teacher")
     warnings += check_data(recipe.data.path, "data.path", loaded, recipe.data.split)
     if recipe.data.eval_path:
         warnings += check_data(recipe.data.eval_path, "data.eval_path", loaded, "train")

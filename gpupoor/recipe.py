@@ -116,9 +116,20 @@ class DataSection(_Section):
 
 
 class PeftSection(_Section):
-    """Parameter-efficient fine-tuning: LoRA adapters on the frozen base model."""
+    """What trains: adapters on the frozen base model (LoRA, DoRA, IA3), or the model's own weights (full), on
+    every decoder layer or only the last few."""
 
-    method: Literal["lora"] = Field("lora", description="Adapter type.")
+    method: Literal["lora", "dora", "ia3", "full"] = Field(
+        "lora", description="`lora`: low-rank adapters (rank, alpha, dropout). `dora`: LoRA with a learned "
+        "magnitude per output (peft's use_dora; closer to full tuning, ~2x LoRA's step time). `ia3`: learned "
+        "scales on attention keys/values and the MLP's down projection (far fewer parameters than LoRA). "
+        "`full`: the model's own weights train (checkpoints and final/ hold the whole model; pair it with "
+        "8-bit AdamW and gradient checkpointing on small hardware; no quantized base)."
+    )
+    last_layers: int | None = Field(
+        None, ge=1, description="Adapt (with `full`: train) only the last N decoder layers. The layers below stay "
+        "frozen and keep no activations for backward, so memory and time fall with N."
+    )
     rank: int = Field(16, ge=1, le=4096, description="LoRA rank r.")
     alpha: float | None = Field(
         None, gt=0, description="LoRA alpha; the update is scaled by alpha / rank. Default: 2 x rank."
@@ -127,16 +138,39 @@ class PeftSection(_Section):
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear",
         description="Module names to adapt (e.g. `[q_proj, v_proj]`), or `all-linear` for every linear "
-        "layer except the output head.",
+        "layer except the output head. For `ia3`, `all-linear` means peft's IA3 defaults for the architecture "
+        "(Llama family: k_proj, v_proj, down_proj). Not used by `full`.",
     )
     modules_to_save: list[str] = Field(
         default_factory=list,
-        description="Modules trained in full and saved with the adapter (e.g. `[lm_head, embed_tokens]`).",
+        description="Modules trained in full (e.g. `[lm_head, embed_tokens]`): saved with the adapter, or with "
+        "`full`, the modules that train besides `last_layers` (with neither set, every module trains).",
     )
+
+    @model_validator(mode="after")
+    def _method_settings(self) -> "PeftSection":
+        if self.method == "ia3" and self.dropout:
+            raise ValueError("peft.dropout is a LoRA/DoRA setting; IA3 has no dropout")
+        return self
 
     @property
     def effective_alpha(self) -> float:
         return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
+class DistillSection(_Section):
+    """Knowledge distillation: the student (any peft.method) also learns the token distributions of a larger
+    teacher on the training data: loss = weight * T^2 * KL(teacher_T || student_T) + (1 - weight) * CE."""
+
+    teacher: str = Field(
+        description="The teacher: hub id or local directory (relative paths resolve against the recipe). It must "
+        "use the student's tokenizer (the same vocabulary ids)."
+    )
+    revision: str | None = Field(None, description="Hub revision of the teacher.")
+    temperature: float = Field(2.0, gt=0, description="Softens both distributions; the KL term is scaled by T^2.")
+    weight: float = Field(0.5, ge=0, le=1, description="Share of the KL term; the rest is the usual cross-entropy.")
+    bits: Literal[4, 8] | None = Field(None, description="Load the frozen teacher quantized (bitsandbytes) to fit "
+                                       "beside the student.")
 
 
 class QuantizationSection(_Section):
@@ -296,6 +330,18 @@ class Recipe(_Section):
     data: DataSection
     peft: PeftSection = Field(default_factory=PeftSection)
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    distill: DistillSection | None = Field(None, description="Knowledge distillation from a teacher (see the "
+                                           "`distill` section); unset to train on the data alone.")
+
+    @field_validator("quantization")
+    @classmethod
+    def _no_quantized_full_tuning(cls, value: QuantizationSection, info) -> QuantizationSection:
+        peft = info.data.get("peft")
+        if peft is not None and peft.method == "full" and value.bits is not None:
+            raise ValueError("a quantized base cannot be fully fine-tuned (peft.method: full): bitsandbytes weights "
+                             "do not train. Use lora, dora or ia3 on a quantized base (QLoRA), or unset "
+                             "quantization.bits")
+        return value
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto", description="`auto`: bf16 on GPUs with compute capability >= 8, fp16 + GradScaler on older "
         "GPUs, fp32 on CPU. An explicit bf16 on hardware without it is an error."
@@ -447,9 +493,16 @@ def _allowed_keys(loc: tuple) -> list[str]:
     for part in loc[:-1]:
         if model is None or not isinstance(part, str) or part not in model.model_fields:
             return []
-        annotation = model.model_fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        model = section_model(model.model_fields[part].annotation)
     return list(model.model_fields) if model else []
+
+
+def section_model(annotation) -> type[BaseModel] | None:
+    """The section a field holds: `Section`, or `Section | None` for an optional one; None for a value."""
+    import typing
+
+    return next((c for c in (annotation, *typing.get_args(annotation))
+                 if isinstance(c, type) and issubclass(c, BaseModel)), None)
 
 
 MAX_REPORTED_ERRORS = 10

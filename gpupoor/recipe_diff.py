@@ -10,7 +10,7 @@ import json
 
 from pydantic import BaseModel
 
-from gpupoor.recipe import Recipe, is_resume_safe
+from gpupoor.recipe import Recipe, is_resume_safe, section_model
 
 
 
@@ -18,12 +18,11 @@ def _safe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> tuple[str, 
     """Dotted keys marked RESUME_SAFE on the schema; a marked section ends in '.' (all of its keys)."""
     keys: list[str] = []
     for name, field in model.model_fields.items():
-        annotation = field.annotation
-        section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        section = section_model(field.annotation)
         if is_resume_safe(field):
             keys.append(f"{prefix}{name}." if section else f"{prefix}{name}")
         elif section:
-            keys += _safe_keys(annotation, f"{prefix}{name}.")
+            keys += _safe_keys(section, f"{prefix}{name}.")
     return tuple(keys)
 
 
@@ -55,7 +54,13 @@ def format_changes(changes: list[tuple[str, object, object]]) -> str:
     return "\n".join(f"    {key}: {json.dumps(old)} -> {json.dumps(new)}" for key, old, new in changes)
 
 
+# Keys added to the schema after runs were written, with the value that means "as before": left out of the hash
+# while they hold it, so a checkpoint written by an older gpupoor still matches its run's recipe.
+ADDED_KEYS = {"peft.last_layers": None, "distill": None}
+
+
 def trajectory_hash(recipe: Recipe) -> str:
     """Hash of every field that shapes the training trajectory (recorded in each checkpoint's manifest)."""
-    fields = {k: v for k, v in _flatten(recipe.model_dump(mode="json")).items() if not is_safe(k)}
+    fields = {k: v for k, v in _flatten(recipe.model_dump(mode="json")).items()
+              if not is_safe(k) and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

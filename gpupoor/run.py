@@ -35,6 +35,7 @@ from gpupoor.rundir import (RunLock, check_run_dir, check_writable, end_session,
 SMOKE_ROWS = 16
 SMOKE_STEPS = 3
 SMOKE_MAX_LENGTH = 256
+FULL_SHARD_SIZE = "2GB"  # shards of a full fine-tune's checkpoints and final/, as the hub's models are cut
 
 
 @dataclass
@@ -66,8 +67,8 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
     run_dir = Path(tempfile.mkdtemp(prefix="gpupoor-smoke-")) if temporary else resolve_run_dir(loaded, output_dir, stem)
     check_run_dir(run_dir)
     check_launch()
-    if not temporary:
-        check_writable(run_dir)
+    if not temporary and _first_process():
+        check_writable(run_dir)  # one process: others would race its probe's mkdir and rmdir
     try:
         if plan is None and not smoke:
             plan = _plan_quietly(loaded)
@@ -87,12 +88,20 @@ def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=pri
     run_dir = run_dir.expanduser().resolve()
     require_run_dir(run_dir)
     check_launch()
+    if not _first_process():  # one process (the first) holds the lock and speaks for the others
+        with _stop_requests(stop) as stop:
+            return _resume_locked(run_dir, overrides, force, lambda *args, **kwargs: None, started, None, stop)
     lock = RunLock(run_dir).acquire()
     try:
         with _stop_requests(stop) as stop:
             return _resume_locked(run_dir, overrides, force, say, started, lock, stop)
     finally:
         lock.release()
+
+
+def _first_process() -> bool:
+    """True in the process of rank 0 (or the only one), before accelerate is set up: launchers export RANK."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, started: float, lock, stop) -> RunResult:
@@ -111,7 +120,7 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
         say(f"warning: --force: resuming with trajectory changes:\n{format_changes(trajectory)}")
     if safe:
         say(f"applying recipe changes:\n{format_changes(safe)}")
-    for name in sweep_temporary(run_dir / "checkpoints"):
+    for name in sweep_temporary(run_dir / "checkpoints") if lock is not None else ():
         say(f"removed an incomplete checkpoint write: {name}")
     checkpoint = latest_valid(run_dir / "checkpoints", warn=say)
     problem = final_problem(run_dir)
@@ -242,6 +251,7 @@ class Session:
     scheduler: object = None
     state: object = None  # gpupoor.train.state.TrainState
     memory_plan: object = None
+    teacher: object = None  # the frozen distillation teacher (recipe.distill)
 
     @property
     def main(self) -> bool:
@@ -255,11 +265,26 @@ class Session:
     def checkpoints_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
+    @property
+    def full(self) -> bool:
+        """`full` fine-tuning: checkpoints and final/ hold the whole model, not an adapter."""
+        return self.recipe.peft.method == "full"
+
+    def save_weights(self, directory: Path) -> None:
+        """The trained weights in their standard layout: a PEFT adapter, or (full) a transformers model directory
+        in safetensors shards that AutoModelForCausalLM.from_pretrained loads with no gpupoor."""
+        if self.full:
+            self.unwrapped.save_pretrained(directory, max_shard_size=FULL_SHARD_SIZE)
+        else:
+            self.unwrapped.save_pretrained(directory, safe_serialization=True)  # adapter config + weights
+        self.tokenizer.save_pretrained(directory)
+
 
 def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
     """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed."""
     import torch
 
+    from gpupoor import faults
     from gpupoor.data.build import build_data
     from gpupoor.hardware import (resolve_attention, resolve_device, resolve_precision, resolve_sampler,
                                   usable_cpu_count)
@@ -273,6 +298,8 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
     attention = resolve_attention(recipe.model.attention, device.value)
     # The Accelerator first: under `accelerate launch` it says which GPU this process owns.
     accelerator = make_accelerator(device.value, precision.value)
+    if not accelerator.is_main_process:
+        say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
     if device.value == "cpu":
         # Oversubscribed cores are far slower than idle ones: use the cores we may run on, no more.
         torch.set_num_threads(recipe.training.cpu_threads or usable_cpu_count())
@@ -289,13 +316,22 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
                         attention.value, str(accelerator.device), recipe.memory.gradient_checkpointing,
                         recipe.seed, smoke, recipe.memory.max_gpu_memory)
     summary = summarize(model)
+    teacher = None
+    if recipe.distill is not None:
+        from gpupoor.distill import check_vocabularies
+        from gpupoor.model import build_teacher
+
+        teacher, teacher_tokenizer = build_teacher(recipe.distill, recipe.model, precision.value, attention.value,
+                                                   str(accelerator.device), recipe.seed, smoke)
+        check_vocabularies(tokenizer, teacher_tokenizer)
+    faults.at_stage("startup")  # tests: a signal while the model loads
     raw_optimizer = build_optimizer(recipe.training, model, device.value)
     steps = total_steps(recipe, len(data.plan), accelerator.num_processes)
     prepared_model, optimizer = accelerator.prepare(model, raw_optimizer)
     choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler}
     return Session(recipe, run_dir, smoke, accelerator, choices, tokenizer, data, prepared_model,
                    accelerator.unwrap_model(prepared_model), raw_optimizer, optimizer, steps,
-                   warmup_steps(recipe.training, steps), summary)
+                   warmup_steps(recipe.training, steps), summary, teacher=teacher)
 
 
 def check_checkpoint_matches(session: Session, checkpoint) -> None:
@@ -325,11 +361,15 @@ def restore(session: Session, checkpoint, force: bool) -> None:
 
         from gpupoor.checkpoint import ADAPTER, STATE, load_torch
 
-        device = str(session.accelerator.device)
-        result = set_peft_model_state_dict(session.unwrapped, load_file(checkpoint.path / ADAPTER, device=device))
-        if getattr(result, "unexpected_keys", None):
-            raise UserError(f"checkpoint {checkpoint.path.name} does not fit this model: unexpected "
-                            f"{result.unexpected_keys[:3]}")
+        device = session.accelerator.device
+        device = "cpu" if device.type == "cpu" else str(device)  # safetensors refuses "cpu:0" (torchrun on CPUs)
+        if session.full:
+            load_model_weights(session.unwrapped, checkpoint.path, device)
+        else:
+            result = set_peft_model_state_dict(session.unwrapped, load_file(checkpoint.path / ADAPTER, device=device))
+            if getattr(result, "unexpected_keys", None):
+                raise UserError(f"checkpoint {checkpoint.path.name} does not fit this model: unexpected "
+                                f"{result.unexpected_keys[:3]}")
         session.optimizer.load_state_dict(load_torch(checkpoint.path / "optimizer.pt"))
         scaler = session.accelerator.scaler
         if scaler is not None and (checkpoint.path / "scaler.pt").is_file():
@@ -337,10 +377,43 @@ def restore(session: Session, checkpoint, force: bool) -> None:
         if force:
             _apply_hyperparameters(session.recipe, session.optimizer)
         session.state = TrainState.from_dict(json.loads((checkpoint.path / STATE).read_text()))
-        session.warmup = checkpoint.manifest.get("warmup_steps", session.warmup)  # the run's own: never restarts
+        session.warmup = _resumed_warmup(session, checkpoint, force)
     # Built after the optimizer state is restored: it starts at the current step of the schedule for `steps`.
     session.scheduler = build_scheduler(session.recipe.training, session.raw_optimizer, session.steps,
                                         session.warmup, session.state.step)
+
+
+def _resumed_warmup(session: Session, checkpoint, force: bool) -> int:
+    """The run's own warmup, which never restarts when a resume extends the run: as its manifest records it, or
+    (older checkpoints; --force with new warmup settings) computed from the total the checkpoint was written for."""
+    from gpupoor.optim import warmup_steps
+
+    if "warmup_steps" in checkpoint.manifest and not force:
+        return checkpoint.manifest["warmup_steps"]
+    return warmup_steps(session.recipe.training, checkpoint.manifest.get("total_steps", session.steps))
+
+
+def load_model_weights(model, directory: Path, device: str) -> None:
+    """A full fine-tune's checkpoint into the built model, shard by shard. Only weights tied to another one (the
+    output head tied to the embeddings, which save_pretrained writes once) may be absent."""
+    from safetensors.torch import load_file
+
+    from gpupoor.checkpoint import MODEL_INDEX
+
+    index = directory / MODEL_INDEX
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    missing: set[str] = set()
+    for number, shard in enumerate(shards):
+        result = model.load_state_dict(load_file(directory / shard, device=device), strict=False)
+        if result.unexpected_keys:
+            raise UserError(f"checkpoint {directory.name} does not fit this model: unexpected "
+                            f"{result.unexpected_keys[:3]}")
+        missing = set(result.missing_keys) if number == 0 else missing & set(result.missing_keys)
+    tied = {name for name in missing if name.endswith("lm_head.weight")
+            and getattr(model.config, "tie_word_embeddings", False)}
+    if missing - tied:
+        raise UserError(f"checkpoint {directory.name} lacks weights of this model, e.g. {sorted(missing - tied)[:3]}")
 
 
 def _apply_hyperparameters(recipe: Recipe, optimizer) -> None:
@@ -371,8 +444,11 @@ def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
                      "offload": "on, layer inputs offloaded to CPU" if session.device == "cuda"
                      else "on (offload has no effect on a CPU)"}[recipe.memory.gradient_checkpointing]
     say(f"  loss: {loss_path}; gradient checkpointing: {checkpointing}")
-    say(f"  parameters {summary.total_params:,}; trainable {summary.trainable_params:,} "
-        f"({summary.trainable_percent:.2f}%); weights {summary.weight_bytes / 2**20:.1f} MiB")
+    peft = recipe.peft
+    scope = [f"the last {peft.last_layers} decoder layers" if peft.last_layers else
+             ("" if peft.method == "full" and peft.modules_to_save else "every decoder layer")] + peft.modules_to_save
+    say(f"  method {peft.method} on {' and '.join(filter(None, scope))}; parameters {summary.total_params:,}; trainable "
+        f"{summary.trainable_params:,} ({summary.trainable_percent:.2f}%); weights {summary.weight_bytes / 2**20:.1f} MiB")
     say(f"  data {stats.kept} examples ({stats.rows} rows; {stats.truncated} truncated to "
         f"{recipe.data.max_length} tokens; {stats.dropped_no_target} without targets dropped); "
         f"{stats.target_tokens / max(stats.tokens, 1):.0%} of tokens are targets"
@@ -402,6 +478,7 @@ def open_run_dir(session: Session, lock: RunLock | None, started: float) -> RunL
     """Create and lock a new run's directory (a resume holds its lock already), then commit the recipe, trim
     metrics the resumed steps will write again, and record this session. Returns a lock this call took."""
     from gpupoor.rundir import METRICS
+    from gpupoor.train.loop import eval_due
     from gpupoor.train.report import truncate_metrics
 
     owned = None
@@ -415,7 +492,11 @@ def open_run_dir(session: Session, lock: RunLock | None, started: float) -> RunL
     if session.main:
         # Only now, with everything built and loaded, is the (possibly changed) recipe committed.
         store_recipe(session.run_dir, session.recipe)
-        truncate_metrics(session.run_dir / METRICS, session.state.step)
+        step = session.state.step
+        # The eval of the checkpoint's step is dropped only where the loop will run it again (an eval point, or
+        # the last step, whose eval follows the loop): a crash between checkpoint and eval record loses nothing.
+        redone = step > 0 and (step >= session.steps or eval_due(session.data, loop_settings(session, None), step))
+        truncate_metrics(session.run_dir / METRICS, step, redone)
         write_session(session.run_dir, session.recipe.checkpoint.time_limit_s, started)
     return owned
 
@@ -513,9 +594,18 @@ class RunHooks:
         self.progress.message(f"step {record['step']}: eval_loss {record['eval_loss']:.4f}")
 
     def should_stop(self, state, last_step_s: float) -> str | None:
-        if self.stop.requested:
-            return self.stop.name
-        return "time_limit" if self.policy.out_of_time(last_step_s) else None
+        signal, out_of_time = self.stop.requested, self.policy.out_of_time(last_step_s)
+        accelerator = self.session.accelerator
+        if accelerator.num_processes > 1:
+            # Every process must stop at the same step: a signal may reach one process only, and each measures
+            # its own time. One all-reduce per step boundary (a sync point) makes the decision common.
+            import torch
+
+            flags = torch.tensor([float(signal), float(out_of_time)], device=accelerator.device)
+            signal, out_of_time = (bool(x) for x in accelerator.reduce(flags, "sum").tolist())
+        if signal:
+            return self.stop.name or "stop requested on another process"
+        return "time_limit" if out_of_time else None
 
     def save_checkpoint(self) -> str:
         """Commit checkpoints/step-N for the current state; rotate older ones. Returns its name."""
@@ -550,8 +640,7 @@ class RunHooks:
         from gpupoor.train.state import capture_rng
 
         session, step = self.session, self.session.state.step
-        session.unwrapped.save_pretrained(tmp, safe_serialization=True)  # adapter_config.json + adapter weights
-        session.tokenizer.save_pretrained(tmp)
+        session.save_weights(tmp)
         faults.at_stage("weights", step)
         torch.save(session.optimizer.state_dict(), tmp / "optimizer.pt")
         if session.accelerator.scaler is not None:
@@ -566,7 +655,7 @@ class RunHooks:
         self.metrics.close()
 
 
-def loop_settings(session: Session, loss_fn):
+def loop_settings(session: Session, loss_fn, eval_loss_fn=None):
     from gpupoor.train.loop import LoopSettings
 
     training = session.recipe.training
@@ -575,26 +664,52 @@ def loop_settings(session: Session, loss_fn):
                         pad_id=session.tokenizer.pad_token_id, eval_micro_batch_size=training.micro_batch_size,
                         # bitsandbytes 4-bit layers repack their weights in eval mode on some CPUs
                         eval_in_train_mode=session.recipe.quantization.bits is not None and session.device == "cpu",
-                        max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn)
+                        max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn,
+                        eval_loss_fn=eval_loss_fn)
 
 
 def choose_loss(session: Session):
-    """(loss function, how the startup summary names it). Fault injection may make chosen steps non-finite."""
+    """(training loss, eval loss, how the startup summary names it). Fault injection may make chosen steps
+    non-finite. With distillation the eval loss stays the cross-entropy, comparable across runs."""
     from gpupoor import faults
     from gpupoor.loss import find_fused_head, fused_loss_sum, plain_loss_sum
 
     fused, reason = find_fused_head(session.unwrapped, enabled=session.recipe.memory.fused_cross_entropy)
-    base_loss = functools.partial(fused_loss_sum, fused=fused) if fused is not None else plain_loss_sum
+    cross_entropy = functools.partial(fused_loss_sum, fused=fused) if fused is not None else plain_loss_sum
     name = f"{'fused chunked cross-entropy' if fused is not None else 'plain cross-entropy'} ({reason})"
+    base_loss = cross_entropy
+    if session.teacher is not None:
+        base_loss, name = _distill_loss(session, fused)
     nan_steps = faults.steps_for("nan")
     if not nan_steps:
-        return base_loss, name
+        return base_loss, cross_entropy, name
 
     def loss_with_faults(model, batch):
         loss = base_loss(model, batch)
         return loss * float("nan") if session.state.step + 1 in nan_steps else loss
 
-    return loss_with_faults, name
+    return loss_with_faults, cross_entropy, name
+
+
+def _distill_loss(session: Session, student_head):
+    """The distillation loss: fused through both output heads where both can be, else from full logits."""
+    from gpupoor.distill import distill_loss_sum, plain_distill_loss_sum
+    from gpupoor.loss import find_fused_head
+
+    distill, teacher = session.recipe.distill, session.teacher
+    teacher_head, reason = find_fused_head(teacher, enabled=session.recipe.memory.fused_cross_entropy)
+    settings = f"T {distill.temperature}, KL weight {distill.weight}, teacher {distill.teacher}"
+    if student_head is not None and teacher_head is not None:
+        def loss(model, batch):
+            return distill_loss_sum(model, teacher, batch, student_head, teacher_head, distill.temperature,
+                                    distill.weight)
+
+        return loss, f"fused distillation KL + cross-entropy ({settings})"
+
+    def plain(model, batch):
+        return plain_distill_loss_sum(model, teacher, batch, distill.temperature, distill.weight)
+
+    return plain, f"distillation KL + cross-entropy from full logits ({settings}; {reason})"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -614,7 +729,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
     if checkpoint is not None and not force:
         check_checkpoint_matches(session, checkpoint)
     restore(session, checkpoint, force)
-    loss_fn, loss_path = choose_loss(session)
+    loss_fn, eval_loss_fn, loss_path = choose_loss(session)
     if plan is not None and plan.device != session.device:  # planned for another device than torch found
         plan = _plan_quietly(LoadedRecipe(recipe, None), session.device)
     session.memory_plan = plan
@@ -625,14 +740,14 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
                               recipe.checkpoint.time_limit_s, started, 3 * trainable_bytes + 2**20,
                               last_step=session.state.step)
     manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": session.data.fingerprint,
+                     "weights": "model" if session.full else "adapter",
                      "total_steps": session.steps, "warmup_steps": session.warmup, "precision":
                      session.choices["precision"].value, "device": session.device, "versions": library_versions()}
     hooks = RunHooks(session, policy, stop, manifest_base)
-    faults.at_stage("startup")
     if checkpoint is not None:
         restore_rng(session.state.rng)  # last, so nothing above consumes the restored stream
     try:
-        reason, name = _train(session, hooks, loss_fn)
+        reason, name = _train(session, hooks, loss_fn, eval_loss_fn)
     finally:
         hooks.close()
         if session.main:
@@ -642,13 +757,13 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
     return _finish(session, hooks, reason, name, started, say)
 
 
-def _train(session: Session, hooks: RunHooks, loss_fn) -> tuple[str, str]:
+def _train(session: Session, hooks: RunHooks, loss_fn, eval_loss_fn) -> tuple[str, str]:
     """Run the loop; always end on a committed checkpoint of the last step. Returns (why it stopped, its name)."""
     from gpupoor.train.loop import Hooks, TooManySkippedSteps, train
 
     try:
         reason = train(session.model, session.optimizer, session.scheduler, session.accelerator, session.data,
-                       session.state, loop_settings(session, loss_fn),
+                       session.state, loop_settings(session, loss_fn, eval_loss_fn),
                        Hooks(on_step=hooks.on_step, on_eval=hooks.on_eval, should_stop=hooks.should_stop))
     except TooManySkippedSteps as exc:
         raise RunFailed(f"{exc}. The last good checkpoint is kept; lower training.learning_rate or check the "
@@ -685,14 +800,11 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
                          {**hooks.manifest_base, "loss": hooks.last_loss}, 0)
     session.accelerator.wait_for_everyone()
     loss_text = f"{hooks.last_loss:.4f}" if hooks.last_loss is not None else "-"
-    where = "smoke test passed" if session.smoke else f"adapter in {run_dir / 'final'}"
+    what = "model" if session.full else "adapter"
+    where = "smoke test passed" if session.smoke else f"{what} in {run_dir / 'final'}"
     say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {loss_text}; {where}")
     return RunResult(run_dir, "done", hooks.last_loss, state.step)
 
 
 def _final_files(session: Session):
-    def save(tmp: Path) -> None:
-        session.unwrapped.save_pretrained(tmp, safe_serialization=True)
-        session.tokenizer.save_pretrained(tmp)
-
-    return save
+    return session.save_weights

@@ -190,5 +190,10 @@ def portable_recipe(loaded: LoadedRecipe) -> Recipe:
             data_updates[key] = str(local)
     if recipe.data.cache_dir:  # always a local directory, maybe not created yet
         data_updates["cache_dir"] = str((loaded.base_dir / Path(recipe.data.cache_dir).expanduser()).resolve())
+    distill = recipe.distill
+    if distill is not None:
+        local_teacher = resolve_local_path(distill.teacher, loaded.base_dir)
+        if local_teacher is not None:
+            distill = distill.model_copy(update={"teacher": str(local_teacher)})
     return recipe.model_copy(update={"model": model, "data": recipe.data.model_copy(update=data_updates),
-                                     "output_dir": None})
+                                     "output_dir": None, "distill": distill})

@@ -59,7 +59,8 @@ def status_report(run_dir: Path) -> str:
     lines.append(_session_line(run_dir, recipe.checkpoint.time_limit))
     final = final_problem(run_dir)
     if final is None:
-        lines.append("  finished: the adapter is in final/ (verified against its manifest)")
+        what = "model" if read_manifest(run_dir / "final").get("weights") == "model" else "adapter"
+        lines.append(f"  finished: the {what} is in final/ (verified against its manifest)")
     elif final != "absent":
         lines.append(f"  final/ INVALID: {final}; continue with: gpupoor resume {run_dir} (writes it again from "
                      "the last checkpoint)")

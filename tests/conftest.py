@@ -102,6 +102,35 @@ def make_recipe(tmp_path, tiny_model, alpaca_file):
     return make
 
 
+# Every training method, and the last-N-layers variants (#14): recipe `peft` sections by name.
+PEFT_METHODS = {
+    "lora": {"method": "lora"},
+    "dora": {"method": "dora"},
+    "ia3": {"method": "ia3"},
+    "full": {"method": "full"},
+    "full-last-layer-and-head": {"method": "full", "last_layers": 1, "modules_to_save": ["lm_head"]},
+    "lora-last-layer": {"method": "lora", "last_layers": 1},
+    "dora-last-layer-and-head": {"method": "dora", "last_layers": 1, "modules_to_save": ["lm_head"]},
+    "ia3-last-layer": {"method": "ia3", "last_layers": 1},
+    "full-mlps-and-final-norm": {"method": "full", "modules_to_save": ["mlp", "norm"]},
+}
+
+
+def invoke(*args, monkeypatch=None, fault: str | None = None):
+    """`gpupoor ARGS` in this process (typer's CliRunner), with GPUPOOR_FAULT set to `fault` (or cleared) when a
+    monkeypatch is given."""
+    from typer.testing import CliRunner
+
+    from gpupoor.cli import app
+
+    if monkeypatch is not None:
+        if fault:
+            monkeypatch.setenv("GPUPOOR_FAULT", fault)
+        else:
+            monkeypatch.delenv("GPUPOOR_FAULT", raising=False)
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -178,7 +178,7 @@ def test_run_without_final_adapter_names_the_checkpoints(workdir, tiny_model, tm
     run = train_run(workdir, tiny_model, "unfinished", checkpoint={"every_steps": 2})
     (run / "final" / "adapter_config.json").unlink()
     result = merge(run, "--output", tmp_path / "m")
-    assert result.exit_code == 2 and "no adapter at final" in result.output and "step-000006" in result.output
+    assert result.exit_code == 2 and "no trained weights at final" in result.output and "step-000006" in result.output
     assert merge(run, "--output", tmp_path / "m", "--checkpoint", "step-000004").exit_code == 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -11,59 +12,137 @@ from typer.testing import CliRunner
 
 from gpupoor import plan as planning
 from gpupoor.cli import app
-from gpupoor.recipe import Recipe, load_recipe
+from gpupoor.recipe import LoadedRecipe, Recipe, load_recipe
 
-from conftest import read_metrics
+from conftest import PEFT_METHODS, read_metrics
 
 runner = CliRunner()
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 LLAMA = dict(hidden=64, intermediate=176, heads=4, kv_heads=2)
 
 
-def saved_bytes_of_one_layer(rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
-                             batch=2, seq=64, autocast_bf16=False, checkpointing=False) -> float:
-    """What autograd keeps for one decoder layer: the saved tensors of a 2-layer model minus a 1-layer one,
-    unique storages, parameters excluded."""
-    from peft import LoraConfig, get_peft_model
+class _Saved:
+    """What the saved-tensors hook packs: alive exactly as long as autograd keeps the tensor for backward."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def tiny_llama_with(method="lora", layers=2, rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
+                    autocast_bf16=False, checkpointing=False, last_layers=None, modules_to_save=()):
+    """A random-weight Llama of LLAMA's dimensions with `method` applied the way peft and transformers do it:
+    LoRA/DoRA/IA3 through peft (on the last `last_layers` layers), full by requires_grad on the chosen
+    parameters; trainable tensors in fp32 and input grads off, as gpupoor trains. Returns (model, decoder)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=LLAMA["hidden"], intermediate_size=LLAMA["intermediate"],
+                         num_hidden_layers=layers, num_attention_heads=LLAMA["heads"],
+                         num_key_value_heads=LLAMA["kv_heads"], use_cache=False)
+    dtype = torch.bfloat16 if autocast_bf16 else torch.float32
+    model = LlamaForCausalLM._from_config(config, attn_implementation=attention, dtype=dtype)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers (here) and peft (below) each hook the embedding to make its output require grad, each
+        # forgetting the other's hook: without both removed, frozen layers below keep their inputs.
+        model.disable_input_require_grads()
+    model = apply_method_like_peft(model, method, rank=rank, dropout=dropout, targets=targets,
+                                   last_layers=last_layers, modules_to_save=modules_to_save)
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm.disable_input_require_grads()  # frozen layers below the trained ones need no input gradient
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    model.train()
+    return model, causal_lm.model
+
+
+def apply_method_like_peft(model, method, rank=4, dropout=0.0, targets="all-linear", last_layers=None,
+                           modules_to_save=()):
+    """`method` on a transformers Llama as the libraries do it, independently of gpupoor.model."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    layers = model.config.num_hidden_layers
+    where = ({"layers_to_transform": list(range(layers - last_layers, layers)), "layers_pattern": "layers"}
+             if last_layers else {})
+    saved = list(modules_to_save) or None
+    if last_layers and targets == "all-linear":  # peft takes layers_to_transform with a list of names only
+        targets = list(planning.LINEARS)
+    if method in ("lora", "dora"):
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout,
+                                                target_modules=targets, use_dora=method == "dora",
+                                                modules_to_save=saved, **where))
+    if method == "ia3":  # IA3Config has no layers_to_transform: the layers' modules by name
+        scaled, feedforward = ["self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"], ["mlp.down_proj"]
+        if last_layers:
+            chosen = range(layers - last_layers, layers)
+            scaled = [f"layers.{j}.{name}" for j in chosen for name in scaled]
+            feedforward = [f"layers.{j}.{name}" for j in chosen for name in feedforward]
+        return get_peft_model(model, IA3Config(target_modules=scaled, feedforward_modules=feedforward,
+                                               modules_to_save=saved))
+    chosen = [f"model.layers.{j}." for j in range(layers - (last_layers or 0), layers)] if last_layers else []
+    for name, param in model.named_parameters():
+        everything = not last_layers and not modules_to_save
+        param.requires_grad = (everything or name.startswith(tuple(chosen))
+                               or any(f".{m}." in f".{name}" for m in modules_to_save))
+    return model
+
+
+def saved_bytes_of_forward(model, decoder, batch=2, seq=64, autocast_bf16=False) -> int:
+    """Bytes of what autograd keeps for backward at the end of `decoder`'s forward: unique storages,
+    parameters excluded, only tensors still held then (DoRA's B@A builds a graph it frees within the
+    forward)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    packed = []
+
+    def keep(t):
+        box = _Saved(t)
+        packed.append((weakref.ref(box), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return box
+
+    ids = torch.randint(0, 300, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda box: box.tensor), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+        out = decoder(input_ids=ids)
+    held = {ptr: n for ref, ptr, n in packed if ref() is not None and ptr not in params}
+    del out
+    return sum(held.values())
+
+
+def saved_bytes_of_one_layer(rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
+                             batch=2, seq=64, autocast_bf16=False, checkpointing=False, method="lora") -> float:
+    """What autograd keeps for one decoder layer: the saved tensors of a 2-layer model minus a 1-layer one."""
     totals = []
     for layers in (1, 2):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=300, hidden_size=LLAMA["hidden"], intermediate_size=LLAMA["intermediate"],
-                             num_hidden_layers=layers, num_attention_heads=LLAMA["heads"],
-                             num_key_value_heads=LLAMA["kv_heads"], use_cache=False)
-        dtype = torch.bfloat16 if autocast_bf16 else torch.float32
-        model = LlamaForCausalLM._from_config(config, attn_implementation=attention, dtype=dtype)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout,
-                                                 target_modules=targets))
-        model.train()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        seen: dict[int, int] = {}
-
-        def keep(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        ids = torch.randint(0, 300, (batch, seq))
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-            model.base_model.model.model(input_ids=ids)
-        totals.append(sum(n for ptr, n in seen.items() if ptr not in params))
+        model, decoder = tiny_llama_with(method, layers, rank=rank, dropout=dropout, attention=attention,
+                                         targets=targets, autocast_bf16=autocast_bf16, checkpointing=checkpointing)
+        totals.append(saved_bytes_of_forward(model, decoder, batch, seq, autocast_bf16))
     return totals[1] - totals[0]
+
+
+def tiny_shape(layers=2) -> planning.Shape:
+    return planning.Shape("llama", LLAMA["hidden"], LLAMA["intermediate"], layers, LLAMA["heads"],
+                          LLAMA["kv_heads"], LLAMA["hidden"] // LLAMA["heads"], 300, False, False)
+
+
+def tiny_settings(layers=2, seq=64, batch=2, precision="fp32", attention="sdpa", checkpointing=False, **peft):
+    """The plan's settings for a recipe on the LLAMA shape; length-grouped batches carry no mask, like the
+    measured forwards."""
+    shape = tiny_shape(layers)
+    recipe = Recipe.model_validate({"model": {"name_or_path": "x", "attention": attention},
+                                    "data": {"path": "x.jsonl", "max_length": seq, "sampler": "length_grouped"},
+                                    "peft": peft,
+                                    "precision": precision, "training": {"micro_batch_size": batch},
+                                    "memory": {"gradient_checkpointing": checkpointing}})
+    return shape, planning.resolve_settings(recipe, "cpu", shape)
 
 
 def planned_layer_bytes(rank=8, dropout=0.0, attention="sdpa", targets=planning.LINEARS, batch=2, seq=64,
                         precision="fp32") -> float:
-    shape = planning.Shape("llama", LLAMA["hidden"], LLAMA["intermediate"], 2, LLAMA["heads"], LLAMA["kv_heads"],
-                           LLAMA["hidden"] // LLAMA["heads"], 300, False, False)
-    recipe = Recipe.model_validate({"model": {"name_or_path": "x", "attention": attention},
-                                    "data": {"path": "x.jsonl", "max_length": seq},
-                                    "peft": {"rank": rank, "dropout": dropout, "target_modules": list(targets)},
-                                    "precision": precision, "training": {"micro_batch_size": batch}})
-    settings = planning.resolve_settings(recipe, "cpu", shape)
+    shape, settings = tiny_settings(seq=seq, batch=batch, precision=precision, attention=attention, rank=rank,
+                                    dropout=dropout, target_modules=list(targets))
     return planning.layer_saved_bytes_per_token(shape, settings, seq, masked=False) * batch * seq
 
 
@@ -117,8 +196,6 @@ def test_parameter_count_matches_the_model(tiny_model, tiny_tied_model, tmp_path
 
 
 def load_recipe_for(model_dir: Path):
-    from gpupoor.recipe import LoadedRecipe
-
     return LoadedRecipe(Recipe.model_validate({"model": {"name_or_path": str(model_dir)},
                                                "data": {"path": "x.jsonl"}}), None)
 
@@ -277,3 +354,235 @@ def test_cpu_run_reports_planned_vs_measured_peak(make_recipe, tmp_path):
     planned = planning.make_plan(load_recipe(run_dir / "recipe.yaml"), "cpu")
     for record in (r for r in read_metrics(run_dir) if "loss" in r):
         assert record["predicted_peak_mb"] == round(planned.comparable_peak / 2**20, 1)
+
+
+# ------------------------------------------------------------------------------------------------ methods
+METHODS = PEFT_METHODS
+
+
+@pytest.mark.parametrize("case", sorted(METHODS))
+def test_trainable_parameter_count_is_what_peft_and_transformers_train(case, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    peft = {"rank": 4, **METHODS[case]}
+    model = apply_method_like_peft(AutoModelForCausalLM.from_pretrained(tiny_model), peft["method"], rank=4,
+                                   last_layers=peft.get("last_layers"), modules_to_save=peft.get("modules_to_save", ()))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    recipe = Recipe.model_validate({"model": {"name_or_path": str(tiny_model)}, "data": {"path": "x.jsonl"},
+                                    "peft": peft})
+    plan = planning.make_plan(LoadedRecipe(recipe, None), "cpu", 2**40)
+    assert plan.trainable_params == trained
+    assert next(t.bytes for t in plan.terms if t.key == "trainable") == 4 * trained
+    assert plan.method == peft["method"] and f"{trained:,} trainable parameters" in plan.method_detail
+    assert json.loads(json.dumps(plan.to_json()))["trainable_params"] == trained
+    assert plan.method_detail in planning.render(plan, "recipe.yaml")
+    if "last_layers" in peft:
+        assert "on the last 1 of 2 layers" in plan.method_detail
+    if case == "full":
+        assert plan.method_detail == f"method full: {trained:,} trainable parameters (all)"
+
+
+@pytest.mark.parametrize("method, precision", [("dora", "fp32"), ("ia3", "fp32"), ("full", "fp32"),
+                                               ("dora", "bf16"), ("ia3", "bf16"), ("full", "bf16")])
+def test_activation_term_of_each_method_equals_what_autograd_saves(method, precision):
+    """One decoder layer's share of the activation term (a 2-layer plan minus a 1-layer one) against what
+    autograd keeps for it. For full training under bf16 autocast that includes the half copies of the
+    layer's fp32 weights (kept for the input gradients)."""
+    half = precision == "bf16"
+    measured = saved_bytes_of_one_layer(method=method, autocast_bf16=half)
+
+    def activations(layers):
+        shape, settings = tiny_settings(layers, precision=precision, method=method, rank=8)
+        return planning.activation_bytes(shape, settings)[0]
+
+    planned = activations(2) - activations(1)
+    assert planned == pytest.approx(measured, rel=0.10 if half else 0.02), (planned, measured)
+
+
+def test_dropout_with_dora_keeps_what_autograd_saves():
+    measured = saved_bytes_of_one_layer(method="dora", dropout=0.1)
+    shape, settings = tiny_settings(method="dora", rank=8, dropout=0.1)
+    planned = planning.layer_saved_bytes_per_token(shape, settings, 64, masked=False) * 128
+    assert planned == pytest.approx(measured, rel=0.02), (planned, measured)
+
+
+@pytest.mark.parametrize("method, precision", [("lora", "fp32"), ("dora", "fp32"), ("ia3", "fp32"),
+                                               ("full", "fp32"), ("full", "bf16")])
+def test_layers_below_last_layers_keep_no_activations(method, precision):
+    """last_layers 1 of a 2-layer model: the plan keeps about half of what all layers keep, and a real
+    forward with the lower layer frozen keeps what the plan says (the whole decoder's saved tensors)."""
+    half = precision == "bf16"
+
+    def planned(last_layers):
+        shape, settings = tiny_settings(method=method, rank=8, last_layers=last_layers, precision=precision)
+        saved = planning.saved_activation_bytes(shape, settings, masked=False)[0]
+        if half:  # the autocast copies of trained fp32 weights are saved tensors too
+            saved += 2 * sum(shape.linear_params(n) for layer in settings.training.layers for n in layer.weights)
+        return saved, planning.activation_bytes(shape, settings)[0]
+
+    (all_saved, all_term), (last_saved, last_term) = planned(None), planned(1)
+    measured = {}
+    for last_layers in (None, 1):
+        model, decoder = tiny_llama_with(method, 2, rank=8, last_layers=last_layers, autocast_bf16=half)
+        measured[last_layers] = saved_bytes_of_forward(model, decoder, autocast_bf16=half)
+    tolerance = 0.10 if half else 0.02
+    assert last_saved == pytest.approx(measured[1], rel=tolerance), (last_saved, measured[1])
+    assert all_saved == pytest.approx(measured[None], rel=tolerance), (all_saved, measured[None])
+    assert last_term < all_term
+    if half and method == "full":  # all layers: the trained embedding makes the residual stream fp32
+        assert last_saved < all_saved / 2 and measured[1] < measured[None] / 2
+    else:
+        assert last_saved == pytest.approx(all_saved / 2, rel=0.06)
+        assert measured[1] == pytest.approx(measured[None] / 2, rel=0.06)
+
+
+def test_checkpointed_frozen_layers_keep_not_even_their_input():
+    def activations(last_layers):
+        shape, settings = tiny_settings(method="lora", rank=8, last_layers=last_layers, checkpointing=True)
+        return planning.activation_bytes(shape, settings)[0]
+
+    kept_input = LLAMA["hidden"] * 4 * 128
+    assert activations(None) - activations(1) == kept_input
+    measured = {}
+    for last_layers in (None, 1):
+        model, decoder = tiny_llama_with("lora", 2, last_layers=last_layers, checkpointing=True)
+        measured[last_layers] = saved_bytes_of_forward(model, decoder)
+    assert measured[None] - measured[1] == kept_input
+
+
+def test_dora_weight_norm_working_set_is_measured():
+    """DoRA's forward builds W + s*B@A for one module at a time: the plan's figure against glibc's in-use
+    bytes after every op of one DoRA linear's forward (what it allocates beyond what it keeps)."""
+    import ctypes
+
+    from peft import LoraConfig, get_peft_model
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc's mallinfo2")
+
+    class Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2.restype = Info
+
+    def in_use():
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    class Peak(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.start, self.peak = in_use(), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, in_use() - self.start)
+            return out
+
+    for half in (False, True):
+        for features in ((512, 128), (128, 512), (1024, 1024)):
+            torch.manual_seed(0)
+            dtype = torch.bfloat16 if half else torch.float32
+            layer = get_peft_model(torch.nn.Sequential(torch.nn.Linear(*features, bias=False)).to(dtype),
+                                   LoraConfig(r=8, target_modules=["0"], use_dora=True))
+            for param in layer.parameters():
+                if param.requires_grad:
+                    param.data = param.data.float()
+            x = torch.randn(4, features[0], dtype=dtype, requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+                layer(x)  # warm up
+                with Peak() as peak:
+                    out = layer(x)
+                    kept = in_use() - peak.start
+            measured = peak.peak - kept
+            del out
+            shape = planning.Shape("llama", features[0], features[1], 1, 1, 1, features[0], 8, False, False)
+            settings = tiny_settings(precision="bf16" if half else "fp32", method="dora")[1]
+            planned = planning.dora_weight_norm_bytes(shape, settings, ("gate_proj",))  # gate: hidden -> intermediate
+            assert planned == pytest.approx(measured, rel=0.10), (half, features, planned, measured)
+
+
+@pytest.fixture
+def teacher_model(tmp_path_factory, tokenizer) -> Path:
+    from gpupoor.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "teacher", tokenizer, hidden=64, layers=3,
+                            heads=4, kv_heads=2, seed=3)
+
+
+def test_distillation_adds_the_teacher_weights_and_the_kl_working_set(make_recipe, teacher_model, monkeypatch,
+                                                                     tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))  # the teacher is relative to the recipe, not to here
+
+    def plan(*sets):
+        recipe = make_recipe()
+        (recipe.parent / "teacher").symlink_to(teacher_model, target_is_directory=True) \
+            if not (recipe.parent / "teacher").exists() else None
+        result = runner.invoke(app, ["plan", str(recipe), "--device", "cpu", "--memory", "64GiB", "--json",
+                                     *[a for s in sets for a in ("--set", s)]])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    alone = plan()
+    taught = plan("distill.teacher=teacher")
+    taught_4bit = plan("distill.teacher=teacher", "distill.bits=4")
+    terms = {name: {k: v["bytes"] for k, v in p["terms"].items()}
+             for name, p in (("alone", alone), ("taught", taught), ("4bit", taught_4bit))}
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_model)  # fp32: the run's precision on the CPU
+    teacher_bytes = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    assert "teacher_weights" not in terms["alone"]
+    assert terms["taught"]["teacher_weights"] == teacher_bytes
+    linear = sum(p.numel() for name, p in teacher.named_parameters() if "proj" in name)
+    assert terms["4bit"]["teacher_weights"] == pytest.approx(teacher_bytes - linear * 4 + linear / 2, rel=0.05)
+    assert terms["taught"]["loss"] > terms["alone"]["loss"]  # the KL's chunk buffers, the teacher's hidden states
+    assert "distillation" in taught["terms"]["loss"]["detail"]
+    assert taught["peak_bytes"] > alone["peak_bytes"] + teacher_bytes
+    assert taught_4bit["peak_bytes"] < taught["peak_bytes"] + planning.CPU_BITSANDBYTES_BASELINE
+    assert "teacher config" in " ".join(taught["assumptions"]) and "distilled from teacher" in taught["method_detail"]
+
+
+def test_a_teacher_that_does_not_fit_is_suggested_in_4_bit(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recipe = str(RECIPES / "chat-sft.yaml")  # Qwen2.5-0.5B-Instruct learns from Qwen2.5-1.5B
+    args = ["plan", recipe, "--device", "cuda", "--json", "--set", "distill.teacher=Qwen/Qwen2.5-1.5B"]
+    fits = json.loads(runner.invoke(app, args + ["--memory", "80GiB"]).output)
+    teacher = fits["terms"]["teacher_weights"]["bytes"]
+    assert teacher == 1_543_714_304 * 2  # bf16
+    tight = runner.invoke(app, args + ["--memory", format(fits["peak_bytes"] - teacher // 2)])
+    assert tight.exit_code == 3, tight.output
+    plan = json.loads(tight.output)
+    assert {"distill.bits": 4} in [s["changes"] for s in plan["suggestions"]]
+    assert plan["fit_changes"] is not None
+
+
+def test_full_fine_tuning_plan_and_fit_never_suggest_a_quantized_base(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = tmp_path / "qwen.yaml"
+    source.write_text((RECIPES / "qwen2.5-1.5b-lora.yaml").read_text())
+    args = ["plan", str(source), "--device", "cuda", "--set", "peft.method=full", "--set",
+            "memory.gradient_checkpointing=false"]
+    roomy = json.loads(runner.invoke(app, args + ["--memory", "80GiB", "--json"]).output)
+    params = 1_543_714_304
+    assert roomy["trainable_params"] == params and roomy["method"] == "full"
+    assert roomy["method_detail"] == f"method full: {params:,} trainable parameters (all)"
+    terms = {k: v["bytes"] for k, v in roomy["terms"].items()}
+    assert terms["base_weights"] == 0  # every weight trains: the fp32 master copies are the trainable term
+    assert terms["trainable"] == terms["gradients"] == 4 * params and terms["optimizer"] == 8 * params
+    result = runner.invoke(app, args + ["--memory", "24GiB", "--json"])
+    assert result.exit_code == 3, result.output
+    plan = json.loads(result.output)
+    assert plan["suggestions"]
+    assert all("quantization.bits" not in s["changes"] for s in plan["suggestions"])
+    assert plan["fit_changes"] and "quantization.bits" not in plan["fit_changes"]
+    assert plan["fit_changes"]["training.optimizer"] == "adamw_8bit"
+    written = runner.invoke(app, args + ["--memory", "24GiB", "--fit"])
+    assert written.exit_code == 0, written.output
+    again = runner.invoke(app, ["plan", str(tmp_path / "qwen.fit.yaml"), "--device", "cuda", "--memory", "24GiB"])
+    assert again.exit_code == 0 and "method full: 1,543,714,304 trainable parameters (all)" in again.output

@@ -15,26 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from conftest import read_metrics
+from conftest import invoke, read_metrics
 from gpupoor.checkpoint import STAGES
-from gpupoor.cli import app
 
-runner = CliRunner()
 
 # 48 rows, micro batch 4, accumulation 2: 12 micro-batches and 6 optimizer steps per epoch, 9 steps in all.
 # Dropout is on, so the restored RNG matters too.
 EXACT = {"training": {"max_steps": 9, "gradient_accumulation_steps": 2}, "peft": {"rank": 4, "dropout": 0.1}}
 
 
-def invoke(*args, fault: str | None = None, monkeypatch=None):
-    if monkeypatch is not None:
-        if fault:
-            monkeypatch.setenv("GPUPOOR_FAULT", fault)
-        else:
-            monkeypatch.delenv("GPUPOOR_FAULT", raising=False)
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def losses(run: Path) -> list[tuple[int, float]]:

@@ -12,22 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from conftest import read_metrics
-from gpupoor.cli import app
+from conftest import invoke, read_metrics
 from gpupoor.optim import lr_factor
 
-runner = CliRunner()
 
 
-def invoke(*args, monkeypatch=None, fault: str | None = None):
-    if monkeypatch is not None:
-        if fault:
-            monkeypatch.setenv("GPUPOOR_FAULT", fault)
-        else:
-            monkeypatch.delenv("GPUPOOR_FAULT", raising=False)
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def flip_byte(path: Path, where: float = 0.5) -> None:
@@ -355,3 +345,43 @@ def test_a_damaged_builtin_model_is_built_again(tmp_path):
     assert again == first and all(torch.equal(rebuilt[k], reference[k]) for k in reference)
     with pytest.raises(Exception, match="no built-in model gpupoor:nope"):
         builtin_model("nope")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Several processes: stop together, resume together, evaluate with fewer eval batches than processes
+
+
+def _torchrun(*args, fault: str = "") -> subprocess.CompletedProcess:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return subprocess.run([str(torchrun), "--nproc_per_node", "2", "-m", "gpupoor", *map(str, args)],
+                          env={**os.environ, "GPUPOOR_FAULT": fault}, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_two_processes_stop_resume_and_evaluate_together(make_recipe, tmp_path):
+    # One eval batch for two processes: the second has none of its own and must not hang the first.
+    recipe = make_recipe(training={"max_steps": 6, "micro_batch_size": 2, "eval_every_steps": 2},
+                         data={"eval_rows": 2})
+    straight = _torchrun("train", recipe, "--output-dir", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
+    stopped = _torchrun("train", recipe, "--output-dir", tmp_path / "run", fault="sigterm@3")
+    assert stopped.returncode != 0 and "stopped after step 3" in stopped.stdout, stopped.stderr[-2000:]
+    resumed = _torchrun("resume", tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert steps_and_losses(tmp_path / "run") == steps_and_losses(tmp_path / "straight")
+    a, b = adapter(tmp_path / "straight"), adapter(tmp_path / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same layout: bitwise
+
+
+def steps_and_losses(run: Path) -> list[tuple]:
+    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(run)
+            if "loss" in r or "eval_loss" in r]
+
+
+def test_extending_a_finished_run_keeps_its_final_eval(make_recipe, tmp_path):
+    recipe = make_recipe(training={"max_steps": 3}, data={"eval_rows": 8})
+    run = tmp_path / "run"
+    assert invoke("train", recipe, "--output-dir", run).exit_code == 0
+    result = invoke("resume", run, "--set", "training.max_steps=5")
+    assert result.exit_code == 0, result.output
+    assert [r["step"] for r in read_metrics(run) if "eval_loss" in r] == [3, 5]

@@ -27,6 +27,7 @@ class LoopSettings:
     eval_in_train_mode: bool = False  # bitsandbytes 4-bit layers repack their weights in eval mode on CPU
     max_consecutive_skips: int = 10
     loss_fn: Callable = plain_loss_sum  # (model, batch) -> summed loss over target tokens
+    eval_loss_fn: Callable | None = None  # what eval_loss reports (default: loss_fn); distillation evaluates CE
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -68,6 +69,9 @@ def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> fl
 
 
 def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> float:
+    # The bare model, not its DDP wrapper: DDP's forward syncs buffers with every process, and a process with no
+    # eval batch of its own would leave the others waiting in that collective.
+    model = accelerator.unwrap_model(model)
     model.train(settings.eval_in_train_mode)
     loss_sum = torch.zeros((), device=accelerator.device)
     targets = 0
@@ -79,9 +83,9 @@ def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> f
             batch = collate(data.eval, list(range(start, min(start + size, len(data.eval)))), settings.pad_id)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.autocast():
-                loss_sum += settings.loss_fn(model, batch)
+                loss_sum += (settings.eval_loss_fn or settings.loss_fn)(model, batch)
             targets += count_targets(batch)
-    model.train()
+    model.train()  # the same module object the caller trains, wrapped or not
     totals = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(targets), device=loss_sum.device)]), "sum")
     return float(totals[0] / totals[1].clamp(min=1))  # all-reduce + CPU-GPU sync point, once per eval
 
@@ -113,7 +117,7 @@ def _optimizer_step(optimizer, accelerator, loss: float, grad_norm: float) -> tu
     return diverging, diverging
 
 
-def _eval_due(data: DataBundle, settings: LoopSettings, step: int) -> bool:
+def eval_due(data: DataBundle, settings: LoopSettings, step: int) -> bool:
     """An eval every `eval_every` steps before the last (the last step is always evaluated after the loop)."""
     return data.eval is not None and bool(settings.eval_every) and step % settings.eval_every == 0 \
         and step < settings.total_steps
@@ -129,7 +133,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
     model.train()
     last_step_s = 0.0
     skips_in_a_row = 0
-    if state.step > 0 and _eval_due(data, settings, state.step):
+    if state.step > 0 and eval_due(data, settings, state.step):
         # A resumed run evaluates the step it starts from again when that step is an eval point: the process
         # that wrote the checkpoint may have died before writing the eval record (the run drops that record).
         hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
@@ -193,7 +197,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
         if skips_in_a_row >= settings.max_consecutive_skips:
             raise TooManySkippedSteps(f"{skips_in_a_row} optimizer steps in a row had a non-finite loss or "
                                       f"gradient norm (last at step {state.step})")
-        if _eval_due(data, settings, state.step):
+        if eval_due(data, settings, state.step):
             hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
     if data.eval is not None:
         hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)

@@ -50,13 +50,13 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after a checkpoint's `step`: they will be trained (and logged) again. So is an eval
-    of that step itself: a process may have died between the checkpoint and that eval, and the resumed run
-    evaluates the step again (the same weights, so the same value) rather than lose it."""
+def truncate_metrics(path: Path, step: int, eval_redone: bool) -> None:
+    """Drop records of steps after a checkpoint's `step`: they will be trained (and logged) again. With
+    `eval_redone`, so is an eval of that step itself: a process may have died between the checkpoint and that
+    eval, and the resumed run evaluates the step again (the same weights, so the same value)."""
     if path.is_file():
         kept = [record for record in read_metrics(path) if record.get("step", 0) < step
-                or (record.get("step", 0) == step and "eval_loss" not in record)]
+                or (record.get("step", 0) == step and not (eval_redone and "eval_loss" in record))]
         write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
