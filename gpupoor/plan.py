@@ -1076,7 +1076,11 @@ def write_fit(loaded: LoadedRecipe, changes: dict) -> Path:
     target = source.with_name(source.stem + ".fit.yaml")
     header = (f"# written by gpupoor plan --fit from {source.name}, with the cheapest changes predicted to fit:\n"
               + "".join(f"#   {key}: {json.dumps(value)}\n" for key, value in changes.items()))
-    write_text_atomic(target, recipe_to_yaml(apply_changes(loaded.recipe, changes), header))
+    try:
+        write_text_atomic(target, recipe_to_yaml(apply_changes(loaded.recipe, changes), header))
+    except OSError as exc:
+        raise UserError(f"cannot write {target}: {exc.strerror or exc}",
+                        hint="copy the recipe to a writable folder and run plan --fit there") from None
     return target
 
 

@@ -121,7 +121,7 @@ class PeftSection(_Section):
 
     method: Literal["lora", "dora", "ia3", "full"] = Field(
         "lora", description="`lora`: low-rank adapters (rank, alpha, dropout). `dora`: LoRA with a learned "
-        "magnitude per output (peft's use_dora; closer to full tuning, ~2x LoRA's step time). `ia3`: learned "
+        "magnitude per output (peft's use_dora; closer to full tuning; a per-step weight norm makes it slower). `ia3`: learned "
         "scales on attention keys/values and the MLP's down projection (far fewer parameters than LoRA). "
         "`full`: the model's own weights train (checkpoints and final/ hold the whole model; pair it with "
         "8-bit AdamW and gradient checkpointing on small hardware; no quantized base)."

@@ -586,3 +586,12 @@ def test_full_fine_tuning_plan_and_fit_never_suggest_a_quantized_base(tmp_path, 
     assert written.exit_code == 0, written.output
     again = runner.invoke(app, ["plan", str(tmp_path / "qwen.fit.yaml"), "--device", "cuda", "--memory", "24GiB"])
     assert again.exit_code == 0 and "method full: 1,543,714,304 trainable parameters (all)" in again.output
+
+
+def test_fit_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = tmp_path / "qwen.yaml"
+    source.write_text((RECIPES / "qwen2.5-1.5b-lora.yaml").read_text())
+    (tmp_path / "qwen.fit.yaml").mkdir()  # where the fitted recipe would go: a directory
+    result = runner.invoke(app, ["plan", str(source), "--device", "cuda", "--memory", "4GiB", "--fit"])
+    assert result.exit_code == 2 and f"cannot write {tmp_path / 'qwen.fit.yaml'}" in result.output, result.output
