@@ -735,9 +735,13 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
     session.memory_plan = plan
     print_summary(session, say, checkpoint, loss_path)
     owned_lock = open_run_dir(session, lock, started)
-    trainable_bytes = sum(p.numel() * p.element_size() for p in session.unwrapped.parameters() if p.requires_grad)
+    # The first checkpoint's size, until one is measured: the saved weights (the whole model for `full`) plus
+    # the optimizer's two moments of what trains.
+    params = list(session.unwrapped.parameters())
+    trainable_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    weight_bytes = sum(p.numel() * p.element_size() for p in params) if session.full else trainable_bytes
     policy = CheckpointPolicy(recipe.checkpoint.every_steps, recipe.checkpoint.interval_minutes,
-                              recipe.checkpoint.time_limit_s, started, 3 * trainable_bytes + 2**20,
+                              recipe.checkpoint.time_limit_s, started, weight_bytes + 2 * trainable_bytes + 2**20,
                               last_step=session.state.step)
     manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": session.data.fingerprint,
                      "weights": "model" if session.full else "adapter",
