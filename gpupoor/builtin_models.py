@@ -13,6 +13,7 @@ from gpupoor.recipe import resolve_local_path
 PREFIX = "gpupoor:"
 VERSION = "v1"  # bump when a builder's output changes
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+_VERIFIED: set[Path] = set()  # built-in model directories this process has verified (or built)
 
 
 def _build_demo(target: Path) -> None:
@@ -40,7 +41,10 @@ def builtin_model(name: str) -> Path:
         raise UserError(f"model.name_or_path: no built-in model {PREFIX}{name}",
                         hint="built-in models: " + ", ".join(f"{PREFIX}{n} ({what})" for n, (_, what) in BUILDERS.items()))
     target = default_cache_dir() / "models" / f"{name}-{VERSION}"
+    if target in _VERIFIED:  # validate, plan and train each resolve it: hash its files once per process
+        return target
     if target.exists() and verify(target, REQUIRED) is None:
+        _VERIFIED.add(target)
         return target
     build, _ = BUILDERS[name]
     try:
@@ -49,6 +53,7 @@ def builtin_model(name: str) -> Path:
     except OSError as exc:
         raise UserError(f"cannot build {PREFIX}{name} into {target}: {exc.strerror or exc}",
                         hint="set $GPUPOOR_CACHE to a writable folder") from None
+    _VERIFIED.add(target)
     return target
 
 

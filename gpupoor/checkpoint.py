@@ -33,7 +33,6 @@ MODEL_INDEX = "model.safetensors.index.json"
 # manifest's "weights" says which.
 TRAINING_FILES = ("optimizer.pt", STATE)
 ADAPTER_FILES = (ADAPTER, ADAPTER_CONFIG)
-CHECKPOINT_FILES = ADAPTER_FILES + TRAINING_FILES
 TMP_PREFIX = ".tmp-"
 # Stages of the commit protocol, in order; fault injection (GPUPOOR_FAULT=kill@STAGE) can stop at each.
 STAGES = ("start", "weights", "optimizer", "state", "manifest", "rename", "rotate")

@@ -163,13 +163,12 @@ def status(
     """Show a run's progress, its checkpoints (valid or why not) and how to continue."""
 
     def action() -> int:
-        from gpupoor.checkpoint import final_problem
         from gpupoor.rundir import require_run_dir
         from gpupoor.status import status_report
 
         require_run_dir(run_dir)
-        typer.echo(status_report(run_dir.resolve()))
-        problem = final_problem(run_dir)
+        report, problem = status_report(run_dir.resolve())  # final/ is hashed once
+        typer.echo(report)
         if problem not in (None, "absent"):
             raise UserError(f"{run_dir / 'final'}: {problem}",
                             hint=f"gpupoor resume {run_dir} writes final/ again from the last checkpoint")

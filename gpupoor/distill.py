@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from gpupoor.data.formats import IGNORE_INDEX
 from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.errors import UserError
-from gpupoor.loss import FusedHead, accumulate_head_grads, model_inputs, precomputed_backward
+from gpupoor.loss import FusedHead, accumulate_head_grads, last_hidden_state, model_inputs, precomputed_backward
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,31 +132,15 @@ def linear_distill_sum(student_hidden: torch.Tensor, student_weight: torch.Tenso
                                 targets, temperature, weight, chunk)
 
 
-def _last_hidden_state(model: torch.nn.Module, batch: dict[str, torch.Tensor], decoder: torch.nn.Module):
-    """The decoder's output for every position, taken from a hook while the model's own forward runs (so
-    DDP/FSDP wrappers and peft hooks do their part); the model computes the logits of one position only."""
-    captured = {}
-
-    def keep_hidden(module, args, output):
-        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-    handle = decoder.register_forward_hook(keep_hidden)
-    try:
-        model(**model_inputs(batch), use_cache=False, logits_to_keep=1)
-    finally:
-        handle.remove()
-    return captured["hidden"]
-
-
 def distill_loss_sum(student_model: torch.nn.Module, teacher_model: torch.nn.Module, batch: dict[str, torch.Tensor],
                      student_head: FusedHead, teacher_head: FusedHead, temperature: float,
                      weight: float) -> torch.Tensor:
     """The summed distillation loss of one micro-batch through both fused heads (gpupoor.loss.find_fused_head).
     The teacher runs under no_grad; putting it in eval mode is the caller's job. Its hidden states may be in
     another dtype (bf16, a 4-bit model's compute dtype): its logits are computed in fp32 per chunk."""
-    student = _last_hidden_state(student_model, batch, student_head.decoder)
+    student = last_hidden_state(student_model, batch, student_head.decoder)
     with torch.no_grad():
-        teacher = _last_hidden_state(teacher_model, batch, teacher_head.decoder)
+        teacher = last_hidden_state(teacher_model, batch, teacher_head.decoder)
     labels = batch["labels"][:, 1:]
     mask = labels != IGNORE_INDEX  # only positions whose next token is a target reach the heads
     return linear_distill_sum(student[:, :-1][mask], student_head.weight, teacher[:, :-1][mask],

@@ -120,20 +120,25 @@ def find_fused_head(model: torch.nn.Module, enabled: bool = True) -> tuple[Fused
     return (FusedHead(decoder, head) if fused else None), reason
 
 
-def fused_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: FusedHead) -> torch.Tensor:
+def last_hidden_state(model: torch.nn.Module, batch: dict[str, torch.Tensor], decoder: torch.nn.Module):
+    """The decoder's output for every position, taken from a hook while the model's own forward runs (so
+    DDP/FSDP wrappers and peft hooks do their part); the model computes the logits of one position only."""
     captured = {}
 
     def keep_hidden(module, args, output):
         captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
-    # The model's own forward runs (so DDP/FSDP wrappers and peft hooks do their part); it is asked for the
-    # logits of one position only, and the decoder's output is taken from a hook.
-    handle = fused.decoder.register_forward_hook(keep_hidden)
+    handle = decoder.register_forward_hook(keep_hidden)
     try:
         model(**model_inputs(batch), use_cache=False, logits_to_keep=1)
     finally:
         handle.remove()
+    return captured["hidden"]
+
+
+def fused_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: FusedHead) -> torch.Tensor:
+    hidden = last_hidden_state(model, batch, fused.decoder)
     labels = batch["labels"][:, 1:]
     mask = labels != IGNORE_INDEX
-    hidden = captured["hidden"][:, :-1][mask]  # only positions whose next token is a target
+    hidden = hidden[:, :-1][mask]  # only positions whose next token is a target
     return linear_cross_entropy_sum(hidden, fused.weight, labels[mask])

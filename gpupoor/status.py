@@ -42,8 +42,9 @@ def _checkpoint_lines(run_dir: Path) -> list[str]:
     return lines
 
 
-def status_report(run_dir: Path) -> str:
-    """Progress, each checkpoint (step, loss, age, valid or why not), time limit, and how to continue."""
+def status_report(run_dir: Path) -> tuple[str, str | None]:
+    """Progress, each checkpoint (step, loss, age, valid or why not), time limit, and how to continue; and what
+    is wrong with final/ (None when it verifies, "absent" when there is none)."""
     recipe = stored_recipe(run_dir)
     steps = {r["step"]: r for r in read_metrics(run_dir / METRICS) if "loss" in r}
     last = max(steps) if steps else 0
@@ -66,4 +67,4 @@ def status_report(run_dir: Path) -> str:
                      "the last checkpoint)")
     else:
         lines.append(f"  continue with: gpupoor resume {run_dir}")
-    return "\n".join(lines)
+    return "\n".join(lines), final
