@@ -32,6 +32,8 @@ MODEL_INDEX = "model.safetensors.index.json"
 # are an adapter (peft methods) or the whole model (`full`: config.json and its safetensors shards); the
 # manifest's "weights" says which.
 TRAINING_FILES = ("optimizer.pt", STATE)
+# Under FSDP the optimizer state is DCP's shards in optimizer/; its .metadata names every shard file.
+SHARDED_TRAINING_FILES = ("optimizer/.metadata", "optimizer/param_groups.json", STATE)
 ADAPTER_FILES = (ADAPTER, ADAPTER_CONFIG)
 TMP_PREFIX = ".tmp-"
 # Stages of the commit protocol, in order; fault injection (GPUPOOR_FAULT=kill@STAGE) can stop at each.
@@ -90,7 +92,8 @@ def read_manifest(path: Path) -> dict:
 
 def required_files(manifest: dict, path: Path, training: bool) -> tuple[str, ...]:
     """The files a directory with this manifest must list: its weights (an adapter, or a model's config and
-    every safetensors shard its index names), plus the training state of a checkpoint."""
+    every safetensors shard its index names), plus the training state of a checkpoint (optimizer.pt, or under
+    FSDP the DCP metadata of the optimizer's shards)."""
     if manifest.get("weights") == "model":
         index = path / MODEL_INDEX
         if MODEL_INDEX in manifest["files"] and index.is_file():
@@ -103,7 +106,11 @@ def required_files(manifest: dict, path: Path, training: bool) -> tuple[str, ...
             weights = (MODEL_CONFIG, "model.safetensors")
     else:
         weights = ADAPTER_FILES
-    return weights + (TRAINING_FILES if training else ())
+    if not training:
+        return weights
+    if manifest.get("optimizer") == "dcp":
+        return weights + SHARDED_TRAINING_FILES  # the shards DCP wrote are listed (and hashed) beside it
+    return weights + TRAINING_FILES
 
 
 def verify(path: Path, required: tuple[str, ...] | None = None, training: bool = True) -> str | None:

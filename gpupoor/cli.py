@@ -64,7 +64,10 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
         try:
             return action(stop)
         finally:
-            stop.uninstall()
+            if stop.finished and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                stop.ignore_from_now()  # the launcher's SIGTERM must not cut this process's exit short
+            else:
+                stop.uninstall()
 
     return guarded
 
@@ -103,9 +106,13 @@ def train(
                                "random-weight model of the same architecture, the first rows, a few CPU steps."),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
     force: bool = typer.Option(False, "--force", help=FORCE_FIT_HELP),
+    resume_if_present: bool = typer.Option(False, "--resume-if-present", help="When the output directory already "
+                                           "holds a run, resume it (with this recipe: changes that alter the "
+                                           "trajectory are refused) instead of refusing: one command line for a "
+                                           "batch job that is requeued after preemption."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
-    """Train from a recipe into a new run directory."""
+    """Train from a recipe into a new run directory (or, with --resume-if-present, continue the run there)."""
 
     started = time.monotonic()  # a time limit counts from here
 
@@ -115,6 +122,12 @@ def train(
 
         overrides = (set_ or []) + _time_limit_override(time_limit)
         loaded = load_recipe(recipe, overrides)
+        existing = _existing_run(loaded, output_dir) if resume_if_present and not smoke else None
+        if existing is not None:
+            from gpupoor.run import resume_run
+
+            result = resume_run(existing, [], started=started, stop=stop, recipe=loaded)
+            return EXIT_RESUMABLE if result.reason not in ("done", "already_done") else 0
         for warning in preflight(loaded):
             typer.echo(f"warning: {warning}", err=True)
         plan = None
@@ -129,6 +142,14 @@ def train(
         return EXIT_RESUMABLE if result.reason != "done" else 0
 
     _guarded(debug, _with_stop_requests(action))
+
+
+def _existing_run(loaded, output_dir: str | None) -> Path | None:
+    """The run directory train would write into, when a run is already there."""
+    from gpupoor.rundir import is_run_dir, resolve_run_dir
+
+    run_dir = resolve_run_dir(loaded, output_dir, loaded.source.stem if loaded.source else "run")
+    return run_dir if is_run_dir(run_dir) else None
 
 
 @app.command()
@@ -322,6 +343,11 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (peak_bytes and every term)."),
     fit: bool = typer.Option(False, "--fit", help="Write RECIPE.fit.yaml beside the recipe with the cheapest "
                              "changes predicted to make it fit."),
+    processes: int = typer.Option(1, "--processes", envvar="WORLD_SIZE", min=1, help="Plan one of N processes "
+                                  "training together under distributed.strategy, and compare ddp with fsdp "
+                                  "(default: $WORLD_SIZE, else 1)."),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="The machines the processes run on (for the text; on "
+                              "the CPU a node's processes share its RAM)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Predict the peak memory of a recipe, term by term, without loading weights; say whether it fits and
@@ -339,8 +365,10 @@ def plan(
         limit = parse_size(memory, "--memory") if memory is not None else None
         if limit is not None and limit < 2**20:
             raise UserError(f"--memory {memory!r}: give the memory to fit in, e.g. 16GiB")
+        if nodes > processes:
+            raise UserError(f"--nodes {nodes} with --processes {processes}: every node runs at least one process")
         loaded = load_recipe(recipe, set_ or [])
-        result = make_plan(loaded, device, limit)
+        result = make_plan(loaded, device, limit, processes, nodes)
         typer.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result, str(recipe)))
         if fit and result.fits is False:
             if not result.fit_changes:

@@ -13,6 +13,7 @@ memory plan cannot describe a stack that training does not build.
 - the loss path: `choose_fused_loss` (and `logit_postprocessing`, the config keys that rule it out); the
   fused loss's chunk size: `loss_chunk_tokens`.
 - optimizer families: `BITSANDBYTES_OPTIMIZERS`, `needs_bitsandbytes`.
+- how several processes share the work: `launch_layout` (from the launcher's environment), `choose_strategy`.
 
 A new training method, optimizer or distributed strategy that changes what is built (a precision, a loss path,
 a library it needs, an attention backend, a sampler) adds its rule here, as a function of facts, and both its
@@ -22,7 +23,7 @@ builder and `plan` call it. Imports nothing of gpupoor's but its errors, and no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from gpupoor.errors import UserError
 
@@ -116,6 +117,24 @@ def choose_sampler(requested: str, attention: str, trust_remote_code: bool) -> C
     if attention in ("sdpa", "eager", "flash_attention_2"):
         return Choice("packed", f"{attention} isolates packed examples")
     return Choice("length_grouped", f"{attention} attention may not isolate packed examples")
+
+
+# ------------------------------------------------------------------------------------------- distribution
+def launch_layout(environ: Mapping[str, str]) -> tuple[int, int]:
+    """(processes, nodes) as the launcher (torchrun, or accelerate launch, which runs torchrun) exported them."""
+    processes = int(environ.get("WORLD_SIZE", "1"))
+    per_node = int(environ.get("LOCAL_WORLD_SIZE", processes))
+    return processes, max(1, -(-processes // max(per_node, 1)))
+
+
+def choose_strategy(requested: str, processes: int) -> Choice:
+    """How N processes share the work: `single` (one process), `ddp` (replicas, gradients averaged) or `fsdp`
+    (FSDP2: weights, gradients and optimizer state sharded)."""
+    if processes <= 1:
+        return Choice("single", "one process: nothing to shard" if requested == "fsdp" else "one process")
+    if requested == "fsdp":
+        return Choice("fsdp", "distributed.strategy: fsdp")
+    return Choice("ddp", "distributed.strategy: ddp" if requested == "ddp" else "auto: ddp")
 
 
 # ---------------------------------------------------------------------------------------------------- loss

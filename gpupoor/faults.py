@@ -8,6 +8,10 @@ where only a real crash would, so tests can prove that nothing is lost.
 - `sigterm@STEP`: send this process SIGTERM right after optimizer step STEP (a preemption at a known step).
 - `sigterm@startup`: SIGTERM once the model is built, before the first step; `sigterm@stopped`: SIGTERM after the
   stop checkpoint is committed, while the process winds down (a scheduler's repeated signal).
+- `timeout@STEP`: this process finds its time limit reached after optimizer step STEP.
+- `kill@gathered[:STEP]`: in the middle of a save's collective part (FSDP: the weights are gathered, this
+  process's optimizer shard is not written yet).
+- `rankN/ACTION@WHERE`: only in the process of rank N (a signal that reaches one rank, one rank that dies).
 
 Unset in normal use; reading one environment variable costs nothing.
 """
@@ -21,7 +25,13 @@ import signal
 
 def _faults() -> list[tuple[str, str]]:
     spec = os.environ.get("GPUPOOR_FAULT", "")
-    return [tuple(item.split("@", 1)) for item in spec.split(",") if "@" in item]  # type: ignore[misc]
+    rank = os.environ.get("RANK", "0")
+    faults = []
+    for item in spec.split(","):
+        only, _, item = item.rpartition("/")  # "rank1/sigterm@3": only the process of rank 1
+        if "@" in item and only in ("", f"rank{rank}"):
+            faults.append(tuple(item.split("@", 1)))
+    return faults  # type: ignore[return-value]
 
 
 def at_stage(stage: str, step: int | None = None) -> None:

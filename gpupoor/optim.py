@@ -21,8 +21,11 @@ def _bitsandbytes_optim(name: str):
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held in optimizer state tensors (after the first step has created them)."""
-    return sum(value.numel() * value.element_size() for state in optimizer.state.values()
+    """Bytes this process holds in optimizer state tensors (after the first step has created them)."""
+    from gpupoor.distributed import local_values
+
+    # This process's share: under FSDP the state tensors are shards (DTensors) of the whole.
+    return sum(local_values(value).numel() * value.element_size() for state in optimizer.state.values()
                for value in state.values() if torch.is_tensor(value))
 
 

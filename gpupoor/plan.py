@@ -15,15 +15,15 @@ import json
 import os
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpupoor.builtin_models import resolve_model_path
 from gpupoor.decisions import (choose_attention, choose_device, choose_fused_loss, choose_precision, choose_sampler,
-                               ia3_modules, logit_postprocessing, loss_chunk_tokens, needs_bitsandbytes,
-                               trained_layer_indices)
+                               choose_strategy, ia3_modules, launch_layout, logit_postprocessing, loss_chunk_tokens,
+                               needs_bitsandbytes, trained_layer_indices)
 from gpupoor.errors import UserError
-from gpupoor.recipe import LoadedRecipe, Recipe
+from gpupoor.recipe import FSDP_OPTIMIZERS, LoadedRecipe, Recipe
 from gpupoor.units import MiB, format_bytes, parse_size
 
 # What a CPU process holds before the first tensor: Python, torch, transformers, peft, accelerate, the
@@ -243,6 +243,15 @@ class Suggestion:
 
 
 @dataclass
+class StrategyFit:
+    """One strategy's per-process peak, for the comparison a plan of several processes prints."""
+
+    peak: int
+    fits: bool | None
+    changes: dict  # the recipe changes that select it ({} for the recipe's own)
+
+
+@dataclass
 class Plan:
     device: str
     precision: str
@@ -255,6 +264,12 @@ class Plan:
     method: str = "lora"  # peft.method
     trainable_params: int | None = None
     method_detail: str = ""  # "method full: 494,032,768 trainable parameters (all)"
+    processes: int = 1  # the plan describes one of them
+    nodes: int = 1
+    strategy: str = "single"  # single | ddp | fsdp
+    share: int = 1  # processes whose peaks the memory must hold together: a CPU node's processes share its RAM
+    strategies: dict[str, StrategyFit] | None = None  # several processes: the peak under each strategy
+    offloaded: list[Term] = field(default_factory=list)  # fsdp's cpu_offload: in CPU memory, not in the peak
 
     @property
     def peak(self) -> int:
@@ -270,7 +285,7 @@ class Plan:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.memory is None else self.peak <= self.memory
+        return None if self.memory is None else self.peak * self.share <= self.memory
 
     def to_json(self) -> dict:
         return {"device": self.device, "precision": self.precision, "peak_bytes": self.peak,
@@ -280,7 +295,17 @@ class Plan:
                 "suggestions": [{"changes": s.changes, "saving_bytes": s.saving, "peak_bytes": s.peak,
                                  "cost": s.cost} for s in self.suggestions],
                 "fit_changes": self.fit_changes, "method": self.method, "trainable_params": self.trainable_params,
-                "method_detail": self.method_detail}
+                "method_detail": self.method_detail, **self._distributed_json()}
+
+    def _distributed_json(self) -> dict:
+        if self.processes == 1:
+            return {}  # the single-process plan stays as it was
+        fits = {name: {"peak_bytes": f.peak, "fits": f.fits, "changes": f.changes}
+                for name, f in (self.strategies or {}).items()}
+        return {"processes": self.processes, "nodes": self.nodes, "strategy": self.strategy,
+                "processes_sharing_memory": self.share, "strategies": fits,
+                "offloaded": {t.key: {"bytes": t.bytes, "detail": t.detail} for t in self.offloaded},
+                "offloaded_bytes": sum(t.bytes for t in self.offloaded)}
 
 
 @dataclass(frozen=True)
@@ -397,6 +422,22 @@ def _scope(peft, shape: Shape) -> str:
 
 
 @dataclass(frozen=True)
+class Distribution:
+    """The process the plan describes among `processes` (the recipe's `distributed` section, resolved)."""
+
+    processes: int = 1
+    strategy: str = "single"  # single | ddp | fsdp
+    shard_frozen: bool = True  # fsdp: frozen (unquantized) base weights are sharded too
+    reshard_after_forward: bool = True  # fsdp: a layer's gathered weights are freed after its forward
+    cpu_offload: bool = False  # fsdp on cuda: the shards, their gradients and optimizer state live in CPU memory
+
+
+def _strategy(recipe: Recipe, processes: int) -> str:
+    """How `processes` share the work, as training decides it."""
+    return choose_strategy(recipe.distributed.strategy, processes).value
+
+
+@dataclass(frozen=True)
 class Settings:
     """What the plan needs from the recipe, resolved for one device."""
 
@@ -424,6 +465,7 @@ class Settings:
     training: Training | None = None  # what trains (None: LoRA on `targets` in every layer, as before methods)
     teacher: Shape | None = None  # distill.teacher's dimensions
     teacher_bits: int | None = None  # distill.bits
+    distribution: Distribution = Distribution()  # one process of several: what it holds of the model
 
     @property
     def half(self) -> bool:
@@ -446,9 +488,12 @@ class Settings:
 
 
 def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = GpuFacts(),
-                     teacher: Shape | None = None) -> Settings:
+                     teacher: Shape | None = None, processes: int = 1) -> Settings:
     """The recipe on `device`, each `auto` decided as training decides it (gpupoor.decisions). `teacher`: the
-    distillation teacher's shape, when the recipe has one."""
+    distillation teacher's shape, when the recipe has one; `processes`: how many run it (one is described)."""
+    dist = recipe.distributed
+    distribution = Distribution(processes, _strategy(recipe, processes), dist.shard_frozen,
+                                dist.reshard_after_forward, dist.cpu_offload and device == "cuda")
     precision = choose_precision(recipe.precision, device, gpu.major).value
     attention = choose_attention(recipe.model.attention, device, gpu.flash_installed, gpu.major).value
     sampler = choose_sampler(recipe.data.sampler, attention, recipe.model.trust_remote_code).value
@@ -474,7 +519,8 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                     if recipe.memory.max_gpu_memory and device == "cuda" else None,
                     resident_embedding_rows=shape.tokenizer_rows if device == "cpu" and shape.file_dtype == precision
                     else None, training=training, teacher=teacher,
-                    teacher_bits=recipe.distill.bits if recipe.distill is not None else None)
+                    teacher_bits=recipe.distill.bits if recipe.distill is not None else None,
+                    distribution=distribution)
 
 
 def _training(shape: Shape, s: Settings) -> Training:
@@ -684,7 +730,7 @@ def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
     if s.bits is not None:  # bitsandbytes dequantizes each weight for its matmul: buffers of a weight's size
         live += 2 * max(x * y for x, y in map(shape.linear, LINEARS)) * s.act_bytes
         churn += shape.layer_linear_params * s.act_bytes
-    if s.half:
+    if s.half and s.distribution.strategy != "fsdp":  # FSDP gathers them already in half: nothing to cast
         # autocast caches a half copy of every fp32 weight that trains (full, modules_to_save) for the whole
         # forward and loss; backward keeps each until its layer is done.
         copies = 2 * (sum(shape.linear_params(name) for layer in training.layers for name in layer.weights)
@@ -766,6 +812,145 @@ def heap_retention(s: Settings, layer_allocations: int) -> int:
     return max(0, int(base_mib * MiB + slope * layer_allocations))
 
 
+# ------------------------------------------------------------------------------------- several processes
+@dataclass(frozen=True)
+class ShardUnit:
+    """The parameters of one fully_shard unit that FSDP shards: stored (frozen ones in the run's dtype, trainable
+    ones in fp32) and as an all-gather materializes them (gpupoor.distributed's MixedPrecisionPolicy gathers
+    every parameter in the compute dtype: bf16/fp16 under half precision, LoRA's fp32 adapters included)."""
+
+    frozen: int  # bytes stored
+    trainable: int  # bytes stored (fp32)
+    gathered: int  # bytes of the whole unit once gathered
+    trainable_params: int
+
+
+def _adapter_params(shape: Shape, s: Settings, training: Training, layer: LayerTraining) -> int:
+    """Parameters of the adapters in one decoder layer, counted as resolve_training counts them."""
+    if training.method == "ia3":  # one vector per module: over its input for feed-forward ones, else its output
+        return sum(shape.linear(n)[0] if n in training.feedforward else shape.linear(n)[1] for n in layer.adapters)
+    dora = training.method == "dora"  # plus a magnitude per output feature
+    return sum(s.rank * sum(shape.linear(n)) + (shape.linear(n)[1] if dora else 0) for n in layer.adapters)
+
+
+def shard_units(shape: Shape, s: Settings) -> tuple[list[ShardUnit], ShardUnit]:
+    """The units training wraps with fully_shard: each decoder layer, then the root (the embeddings, the final
+    norm and the head: what no layer holds). FSDP shards every trainable parameter; the frozen ones unless
+    distributed.shard_frozen is false, and never bitsandbytes' packed linear weights (whole on every process)."""
+    training = _training(shape, s)
+    dtype, shard_frozen = DTYPE_BYTES[s.precision], s.distribution.shard_frozen
+    full = training.method == "full"
+    units = []
+    for layer in training.layers:
+        # `full` trains these tensors in place; the other methods train peft's copies beside the frozen originals
+        own = sum(map(shape.linear_params, layer.weights)) + shape.hidden * len(layer.norms)
+        frozen = shape.layer_linear_params + shape.layer_other_params - (own if full else 0)
+        if s.bits is not None:
+            frozen -= shape.layer_linear_params
+        units.append(_unit(frozen if shard_frozen else 0, own + _adapter_params(shape, s, training, layer), dtype))
+    root_trainable = training.params - sum(unit.trainable_params for unit in units)  # what no layer trains
+    root_frozen = shape.embedding_params * (1 if shape.tied else 2) + shape.hidden - (root_trainable if full else 0)
+    return units, _unit(root_frozen if shard_frozen else 0, root_trainable, dtype)
+
+
+def _unit(frozen_params: int, trainable_params: int, dtype: int) -> ShardUnit:
+    return ShardUnit(frozen_params * dtype, trainable_params * 4, (frozen_params + trainable_params) * dtype,
+                     trainable_params)
+
+
+def fsdp_shares(shape: Shape, s: Settings) -> dict[str, tuple[int, int, str]]:
+    """What one of N FSDP processes holds of the sharded terms: {term: (bytes every process keeps whole, bytes
+    of its 1/N shard, detail)}. Gradients are reduce-scattered after every micro-batch's backward, so only
+    their shard outlives it (no unsharded gradients accumulate)."""
+    n = s.distribution.processes
+    units, root = shard_units(shape, s)
+    sharded = sum(unit.frozen for unit in units) + root.frozen
+    # FSDP copies what it shards, so no sharded weight stays memory-mapped from the file (the CPU's unread rows).
+    unmapped = replace(s, max_gpu_weights=None, resident_embedding_rows=None if sharded else s.resident_embedding_rows)
+    whole = weight_bytes(shape, unmapped)[0] - sharded
+    kept = "bitsandbytes' quantized linears" if s.bits else "frozen weights (distributed.shard_frozen: false)"
+    weights = [f"1/{n} of {format_bytes(sharded)} frozen weights in {s.precision}"] if sharded else []
+    weights += [f"{format_bytes(whole)} of {kept}, whole on every process"] if whole else []
+    params = trainable_params(shape, s)
+    optimizer, what = optimizer_bytes(params, s)
+    master = " (master weights)" if s.method == "full" else ""
+    return {"base_weights": (whole, -(-sharded // n), " + ".join(weights) or "none frozen: every weight trains"),
+            "trainable": (0, -(-params * 4 // n),
+                          f"1/{n} of {params / 1e6:,.2f}M trainable parameters in fp32{master}"),
+            "gradients": (0, -(-params * 4 // n), f"fp32, 1/{n} of them: reduce-scattered after each micro-batch"),
+            "optimizer": (0, -(-optimizer // n), f"{s.optimizer}: {what}, 1/{n} of them")}
+
+
+def all_gather_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
+    """The all-gather working set of one FSDP process: whole units' parameters alive beside the shards.
+
+    The root unit is gathered through the forward and the backward: the embedding runs first and the head
+    last, the head's gradient comes first in the backward and the embedding's last (FSDP2 also leaves the root
+    gathered after the forward for that reason). With reshard_after_forward a layer is freed after its forward
+    and gathered again for its backward while FSDP2 prefetches the layer before it: two layers at a time.
+    Without it every layer stays gathered from its forward to its backward, so at the start of the backward
+    all of them are: the whole unsharded size, on top of the shards. A layer's backward also holds its
+    trainable parameters' gradients unsharded (in the gathered dtype) and the reduce-scatter's fp32 copy of
+    them (reduce_dtype fp32)."""
+    units, root = shard_units(shape, s)
+    if s.distribution.reshard_after_forward:
+        layers = 2 * max((unit.gathered for unit in units), default=0)
+        how = "2 layers (the one in backward, the one prefetched)"
+    else:
+        layers = sum(unit.gathered for unit in units)
+        how = f"all {len(units)} layers (reshard_after_forward: false)"
+    grads = (DTYPE_BYTES[s.precision] + 4) * max((unit.trainable_params for unit in units), default=0)
+    return (root.gathered + layers + grads,
+            f"gathered whole: root (embeddings, head, norm) {format_bytes(root.gathered)} + {how} "
+            f"{format_bytes(layers)}; a layer's unsharded gradients and their reduce-scatter copy "
+            f"{format_bytes(grads)}")
+
+
+def distribute(shape: Shape, s: Settings, terms: list[Term]) -> list[Term]:
+    """One process's terms on its device when several train. ddp: the whole model as one process holds it, plus
+    DDP's gradient buckets. fsdp: a 1/N shard of the weights, gradients and optimizer state (with cpu_offload
+    only what stays whole: the shards are in CPU memory, `offloaded_terms`), plus the all-gather working set.
+    Activations and the loss come from each process's own micro-batch: unchanged."""
+    strategy, offload = s.distribution.strategy, s.distribution.cpu_offload
+    shares = fsdp_shares(shape, s) if strategy == "fsdp" else {}
+    out = []
+    for term in terms:
+        if term.key in shares:
+            whole, shard, detail = shares[term.key]
+            term = Term(term.key, whole if offload else whole + shard,
+                        detail + ("; the shard is in CPU memory (cpu_offload)" if offload and shard else ""))
+        out.append(term)
+        if term.key == "gradients" and strategy == "ddp":
+            params = trainable_params(shape, s)  # trainable parameters are fp32: so are DDP's buckets
+            out.append(Term("ddp_buckets", params * 4, "DDP's gradient buckets: each fp32 gradient copied once "
+                            "more for the all-reduce"))
+        if term.key == "optimizer" and strategy == "fsdp":
+            out.append(Term("all_gather", *all_gather_bytes(shape, s)))
+    return out
+
+
+def offloaded_terms(shape: Shape, s: Settings) -> list[Term]:
+    """What distributed.cpu_offload keeps in CPU memory instead of the GPU: each sharded term's 1/N."""
+    if s.distribution.strategy != "fsdp" or not s.distribution.cpu_offload:
+        return []
+    return [Term(key, shard, detail) for key, (_, shard, detail) in fsdp_shares(shape, s).items() if shard]
+
+
+def distribution_notes(s: Settings) -> list[str]:
+    dist = s.distribution
+    if dist.strategy == "single":
+        return []
+    notes = []
+    if dist.strategy == "fsdp":
+        notes.append(f"fully_shard on each decoder layer, then the root (kept gathered); every parameter gathered "
+                     f"in {s.precision}, gradients reduce-scattered in fp32 (MixedPrecisionPolicy)")
+        if s.teacher is not None:
+            notes.append("the distillation teacher whole on every process (not sharded)")
+    if s.device == "cuda":
+        notes.append("NCCL's communication buffers (allocated outside torch's allocator) on top: not counted")
+    return notes
+
+
 def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list[Term], list[str]]:
     weights, weights_detail = weight_bytes(shape, s)
     if s.max_gpu_weights is not None and weights > s.max_gpu_weights:
@@ -798,7 +983,7 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
     assumptions = [f"every micro-batch row is {s.row_tokens} tokens (data.max_length): the longest batch"]
     if not s.fused_loss:
         assumptions.append(f"the plain loss: {s.loss_reason}")
-    return terms, assumptions
+    return distribute(shape, s, terms), assumptions + distribution_notes(s)
 
 
 # ------------------------------------------------------------------------------------------ whole plan
@@ -819,8 +1004,9 @@ def candidate_change(recipe: Recipe, key: str, device: str) -> dict | None:
     """The next step on one knob from the recipe's current value, or None when there is none."""
     if key == "memory.fused_cross_entropy":
         return None if recipe.memory.fused_cross_entropy else {key: True}
-    if key == "training.optimizer":
-        return {key: "adamw_8bit"} if recipe.training.optimizer in ("adamw", "paged_adamw_32bit") else None
+    if key == "training.optimizer":  # (fsdp cannot step an 8-bit optimizer: the recipe refuses the pair)
+        fp32_state = recipe.training.optimizer in ("adamw", "paged_adamw_32bit")
+        return {key: "adamw_8bit"} if fp32_state and recipe.distributed.strategy != "fsdp" else None
     if key == "memory.gradient_checkpointing":
         current = recipe.memory.gradient_checkpointing
         if not current:
@@ -858,24 +1044,29 @@ def uses_bitsandbytes(recipe: Recipe) -> bool:
     return needs_bitsandbytes(recipe.training.optimizer, recipe.quantization.bits or teacher_bits)
 
 
-def _peak(shape: Shape, recipe: Recipe, device: str, gpu: GpuFacts, teacher: Shape | None = None) -> int:
-    settings = resolve_settings(recipe, device, shape, gpu, teacher)
+def _peak(shape: Shape, recipe: Recipe, device: str, gpu: GpuFacts, teacher: Shape | None = None,
+          processes: int = 1) -> int:
+    settings = resolve_settings(recipe, device, shape, gpu, teacher, processes)
     terms, _ = plan_terms(shape, settings, uses_bitsandbytes(recipe))
     return sum(t.bytes for t in terms)
 
 
 def suggest(shape: Shape, recipe: Recipe, device: str, memory: int, gpu: GpuFacts = GpuFacts(),
-            teacher: Shape | None = None) -> tuple[list[Suggestion], dict | None]:
+            teacher: Shape | None = None, processes: int = 1) -> tuple[list[Suggestion], dict | None]:
     """Single changes that each make the recipe fit (cheapest first), or, when none does alone, every
     change that saves something; and the cheapest combination that fits (what --fit writes), if any.
-    `teacher`: the distillation teacher's shape, when the recipe has one."""
-    base = _peak(shape, recipe, device, gpu, teacher)
+    `teacher`: the distillation teacher's shape, when the recipe has one; `memory`: one process's share."""
+
+    def peak_of(candidate: Recipe) -> int:
+        return _peak(shape, candidate, device, gpu, teacher, processes)
+
+    base = peak_of(recipe)
     singles = []
     for key, cost in CANDIDATES:
         changes = candidate_change(recipe, key, device)
         if changes is None:
             continue
-        peak = _peak(shape, apply_changes(recipe, changes), device, gpu, teacher)
+        peak = peak_of(apply_changes(recipe, changes))
         if peak < base:
             singles.append(Suggestion(changes, base - peak, cost, peak))
     fitting = [s for s in singles if s.peak <= memory]
@@ -887,7 +1078,7 @@ def suggest(shape: Shape, recipe: Recipe, device: str, memory: int, gpu: GpuFact
             if changes is None:
                 break
             trial = apply_changes(current, changes)
-            trial_peak = _peak(shape, trial, device, gpu, teacher)
+            trial_peak = peak_of(trial)
             if trial_peak >= current_peak:
                 break
             current, current_peak = trial, trial_peak
@@ -900,7 +1091,7 @@ def suggest(shape: Shape, recipe: Recipe, device: str, memory: int, gpu: GpuFact
         trial = recipe
         for changes in rest:
             trial = apply_changes(trial, changes)
-        if _peak(shape, trial, device, gpu, teacher) <= memory:
+        if peak_of(trial) <= memory:
             steps = rest
     combined = {key: value for changes in steps for key, value in changes.items()}
     return (fitting or singles), combined
@@ -1004,13 +1195,37 @@ def load_shape(loaded: LoadedRecipe) -> tuple[Shape, str]:
     return shape_from_config(config, source, tokenizer_rows(model.name_or_path, loaded.base_dir)), source
 
 
-def make_plan(loaded: LoadedRecipe, device: str | None = None, memory: int | None = None) -> Plan:
+def strategy_changes(recipe: Recipe, strategy: str, processes: int) -> dict:
+    """The recipe changes that train it with `strategy` ({} when it already does): fsdp also needs an optimizer
+    that steps sharded parameters and no memory.max_gpu_memory (the recipe refuses either beside it)."""
+    changes = {} if _strategy(recipe, processes) == strategy else {"distributed.strategy": strategy}
+    if strategy == "fsdp" and recipe.training.optimizer not in FSDP_OPTIMIZERS:
+        changes["training.optimizer"] = "adamw"  # sharding splits its fp32 moments N ways
+    if strategy == "fsdp" and recipe.memory.max_gpu_memory is not None:
+        changes["memory.max_gpu_memory"] = None
+    return changes
+
+
+def compare_strategies(shape: Shape, recipe: Recipe, device: str, gpu: GpuFacts, teacher: Shape | None,
+                       processes: int, budget: int | None) -> dict[str, StrategyFit]:
+    """One process's peak under ddp and under fsdp, and whether it fits `budget` (one process's memory)."""
+    fits = {}
+    for strategy in ("ddp", "fsdp"):
+        changes = strategy_changes(recipe, strategy, processes)
+        peak = _peak(shape, apply_changes(recipe, changes), device, gpu, teacher, processes)
+        fits[strategy] = StrategyFit(peak, None if budget is None else peak <= budget, changes)
+    return fits
+
+
+def make_plan(loaded: LoadedRecipe, device: str | None = None, memory: int | None = None, processes: int = 1,
+              nodes: int = 1) -> Plan:
+    """The plan of one process out of `processes` (on `nodes`), each `auto` decided as training decides it."""
     recipe = loaded.recipe
     device = device or default_device(recipe)
     gpu = gpu_facts(device)
     shape, source = load_shape(loaded)
     teacher, teacher_source = load_teacher_shape(loaded)
-    settings = resolve_settings(recipe, device, shape, gpu, teacher)
+    settings = resolve_settings(recipe, device, shape, gpu, teacher, processes)
     terms, assumptions = plan_terms(shape, settings, uses_bitsandbytes(recipe))
     if memory is not None:
         memory_source = "--memory"
@@ -1021,35 +1236,85 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, memory: int | Non
         assumptions.insert(1, f"teacher config: {teacher_source}")
     if recipe.precision == "auto" and device == "cuda" and gpu.major is None:
         assumptions.append("precision auto taken as bf16 (a GPU without bf16 uses fp16: the same bytes)")
+    # Processes on one machine share its RAM; on GPUs each has its own device.
+    share = -(-processes // nodes) if device == "cpu" else 1
+    if share > 1:
+        assumptions.append(f"the {share} processes on a node share its RAM: they must fit together")
     plan = Plan(device, settings.precision, terms, memory, memory_source, assumptions, method=recipe.peft.method,
-                trainable_params=trainable_params(shape, settings), method_detail=describe_method(shape, settings))
+                trainable_params=trainable_params(shape, settings), method_detail=describe_method(shape, settings),
+                processes=processes, nodes=nodes, strategy=settings.distribution.strategy, share=share,
+                offloaded=offloaded_terms(shape, settings))
+    if processes > 1:
+        budget = None if memory is None else memory // share
+        plan.strategies = compare_strategies(shape, recipe, device, gpu, teacher, processes, budget)
     if recipe.distill is not None:
         distill = recipe.distill
         plan.method_detail += (f"; distilled from {distill.teacher} (temperature {distill.temperature:g}, KL weight "
                                f"{distill.weight:g}" + (f", {distill.bits}-bit" if distill.bits else "") + ")")
-    if memory is not None and plan.peak > memory:
-        plan.suggestions, plan.fit_changes = suggest(shape, recipe, device, memory, gpu, teacher)
+    if plan.fits is False:
+        plan.suggestions, plan.fit_changes = suggest(shape, recipe, device, memory // share, gpu, teacher, processes)
     return plan
 
 
 def render(plan: Plan, recipe_name: str) -> str:
-    lines = [f"memory plan for {recipe_name} on {plan.device} ({plan.precision}), at the peak of a training step:"]
+    several = "" if plan.processes == 1 else (
+        f", one of {plan.processes} processes on {plan.nodes} node{'s' * (plan.nodes > 1)} ({plan.strategy})")
+    lines = [f"memory plan for {recipe_name} on {plan.device} ({plan.precision}){several}, at the peak of a "
+             "training step:"]
     if plan.method_detail:
         lines.append(f"  {plan.method_detail}")
     width = max(len(t.key) for t in plan.terms)
     for term in plan.terms:
         lines.append(f"  {term.key:<{width}}  {format_bytes(term.bytes):>10}  {term.detail}")
-    lines.append(f"  {'peak':<{width}}  {format_bytes(plan.peak):>10}")
+    lines.append(f"  {'peak':<{width}}  {format_bytes(plan.peak):>10}" + (" per process" if several else ""))
+    if plan.offloaded:
+        lines.append(f"  in CPU memory (distributed.cpu_offload), not in the peak: "
+                     f"{format_bytes(sum(t.bytes for t in plan.offloaded))} per process ("
+                     + ", ".join(f"{t.key} {format_bytes(t.bytes)}" for t in plan.offloaded) + ")")
     if plan.memory is None:
         lines.append(f"fits: unknown ({plan.memory_source})")
     else:
         verdict = "yes" if plan.fits else "NO"
-        lines.append(f"fits: {verdict}: {format_bytes(plan.peak)} of {format_bytes(plan.memory)} "
-                     f"({plan.memory_source}), {plan.peak / plan.memory:.0%}")
+        held = plan.peak * plan.share
+        together = f"{plan.share} x {format_bytes(plan.peak)}" if plan.share > 1 else format_bytes(plan.peak)
+        lines.append(f"fits: {verdict}: {together} of {format_bytes(plan.memory)} "
+                     f"({plan.memory_source}), {held / plan.memory:.0%}")
+        lines += render_strategies(plan)
     for note in plan.assumptions:
         lines.append(f"  assumes {note}")
     advice = render_suggestions(plan)
     return "\n".join(lines + ([advice] if advice else []))
+
+
+def _changes_text(changes: dict) -> str:
+    return ", ".join(f"{key}: {value if isinstance(value, str) else json.dumps(value)}"
+                     for key, value in changes.items())
+
+
+def render_strategies(plan: Plan) -> list[str]:
+    """Several processes and a known memory: each strategy's per-process peak, and which one lets it fit."""
+    if not plan.strategies:
+        return []
+    lines = [f"per process with each distributed.strategy ({plan.processes} processes):"]
+    for name, fit in plan.strategies.items():
+        also = f"  (with {_changes_text(fit.changes)})" if fit.changes else "  (this recipe)"
+        lines.append(f"  {name:<5} {format_bytes(fit.peak):>10}  {'fits' if fit.fits else 'does not fit'}{also}")
+    ddp, fsdp = plan.strategies["ddp"], plan.strategies["fsdp"]
+
+    def named(name: str, fit: StrategyFit) -> str:
+        return _changes_text({"distributed.strategy": name, **fit.changes})
+
+    if ddp.fits and fsdp.fits:  # ddp moves only gradients: the faster while the whole model fits each process
+        lines.append(f"fits with {named('ddp', ddp)} ({format_bytes(ddp.peak)} per process; the faster) and with "
+                     f"fsdp ({format_bytes(fsdp.peak)})")
+    elif ddp.fits or fsdp.fits:
+        (good, fit), (bad, miss) = sorted(plan.strategies.items(), key=lambda item: not item[1].fits)
+        lines.append(f"fits with {named(good, fit)} ({format_bytes(fit.peak)} per process), not with {bad} "
+                     f"({format_bytes(miss.peak)})")
+    else:
+        lines.append(f"fits with neither ddp ({format_bytes(ddp.peak)} per process) nor fsdp "
+                     f"({format_bytes(fsdp.peak)})")
+    return lines
 
 
 def render_suggestions(plan: Plan) -> str:
@@ -1084,11 +1349,17 @@ def write_fit(loaded: LoadedRecipe, changes: dict) -> Path:
     return target
 
 
+def _launched() -> tuple[None, None, int, int]:
+    """make_plan's (device, memory, processes, nodes) for a run this launcher started: one of its processes."""
+    processes, nodes = launch_layout(os.environ)
+    return None, None, processes, nodes
+
+
 def preflight_plan(loaded: LoadedRecipe, force: bool, warn) -> Plan | None:
     """The plan before anything is loaded. On CUDA a recipe predicted not to fit stops here (exit 2) unless
     `force`; elsewhere a predicted miss is a warning. A model the plan cannot describe is a warning too."""
     try:
-        plan = make_plan(loaded)
+        plan = make_plan(loaded, *_launched())
     except Exception as exc:  # the plan advises; a model it cannot describe must not stop the run
         warn(f"no memory plan: {exc}")
         return None

@@ -314,6 +314,34 @@ class CheckpointSection(_Section):
         return self.every_minutes
 
 
+class DistributedSection(_Section):
+    """How several processes share the work. One process ignores this section; the launcher (torchrun or
+    `accelerate launch`) says how many there are and on how many nodes."""
+
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="`ddp`: every process holds the whole model and the gradients are averaged "
+        "(fastest while the model fits one device). `fsdp`: PyTorch FSDP2 (`fully_shard`, like ZeRO-3) shards "
+        "weights, gradients and optimizer state across the processes, so each holds about 1/N of them plus one "
+        "layer gathered at a time. `auto`: ddp."
+    )
+    shard_frozen: bool = Field(
+        True, description="fsdp: shard the frozen base weights too (the memory saving for LoRA). `false` keeps "
+        "them whole on every process and shards only what trains. bitsandbytes-quantized base weights are "
+        "always kept whole: FSDP cannot shard their packed storage."
+    )
+    reshard_after_forward: bool = Field(
+        True, description="fsdp: free each layer's gathered weights after its forward and gather them again in "
+        "backward (ZeRO-3; least memory). `false` keeps them until backward (like ZeRO-2; less communication)."
+    )
+    cpu_offload: bool = Field(
+        False, description="fsdp on GPUs: keep the sharded weights, gradients and optimizer state in CPU memory "
+        "and step the optimizer there (a model that fits no GPU set, at the cost of speed). No effect on a CPU."
+    )
+
+
+FSDP_OPTIMIZERS = ("adamw", "sgd")  # optimizers whose step runs on FSDP2's sharded DTensor parameters
+
+
 class LoggingSection(_Section):
     """What gpupoor prints while training (metrics.jsonl always gets every step)."""
 
@@ -348,6 +376,24 @@ class Recipe(_Section):
     )
     training: TrainingSection = Field(default_factory=TrainingSection)
     memory: MemorySection = Field(default_factory=MemorySection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
+    @field_validator("distributed")
+    @classmethod
+    def _fsdp_combinations(cls, value: DistributedSection, info) -> DistributedSection:
+        if value.strategy != "fsdp":
+            return value
+        training, memory = info.data.get("training"), info.data.get("memory")
+        if training is not None and training.optimizer not in FSDP_OPTIMIZERS:
+            raise ValueError(f"distributed.strategy fsdp cannot step training.optimizer {training.optimizer}: its "
+                             "update kernels do not run on FSDP2's sharded (DTensor) parameters. Use optimizer "
+                             f"{' or '.join(FSDP_OPTIMIZERS)} with fsdp (sharding already splits the optimizer "
+                             "state), or strategy ddp with the 8-bit or factored optimizer")
+        if memory is not None and memory.max_gpu_memory is not None:
+            raise ValueError("distributed.strategy fsdp and memory.max_gpu_memory both place the weights: FSDP "
+                             "shards them across processes and cannot also stream them from CPU. Unset "
+                             "memory.max_gpu_memory (fsdp's cpu_offload keeps shards in CPU memory instead)")
+        return value
+
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, **RESUME_SAFE)
     logging: LoggingSection = Field(default_factory=LoggingSection, **RESUME_SAFE)
     seed: int = Field(42, ge=0, le=2**64 - 1, description="Seeds weights init of adapters, data order and dropout.")

@@ -80,8 +80,10 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, smoke
 
 
 def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=print,
-               started: float | None = None, stop=None) -> RunResult:
-    """Continue a run from its newest valid checkpoint (or say it is already done)."""
+               started: float | None = None, stop=None, recipe: LoadedRecipe | None = None) -> RunResult:
+    """Continue a run from its newest valid checkpoint (or say it is already done). `recipe`: a recipe file to
+    resume with instead of the stored one plus `overrides` (train --resume-if-present); its differences from
+    the stored recipe are judged like --set changes."""
     from gpupoor.rundir import require_run_dir
 
     started = time.monotonic() if started is None else started
@@ -90,11 +92,12 @@ def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=pri
     check_launch()
     if not _first_process():  # one process (the first) holds the lock and speaks for the others
         with _stop_requests(stop) as stop:
-            return _resume_locked(run_dir, overrides, force, lambda *args, **kwargs: None, started, None, stop)
+            return _resume_locked(run_dir, overrides, force, lambda *args, **kwargs: None, started, None, stop,
+                                  recipe)
     lock = RunLock(run_dir).acquire()
     try:
         with _stop_requests(stop) as stop:
-            return _resume_locked(run_dir, overrides, force, say, started, lock, stop)
+            return _resume_locked(run_dir, overrides, force, say, started, lock, stop, recipe)
     finally:
         lock.release()
 
@@ -104,13 +107,14 @@ def _first_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, started: float, lock, stop) -> RunResult:
+def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, started: float, lock, stop,
+                   replacement: LoadedRecipe | None = None) -> RunResult:
     from gpupoor.checkpoint import final_problem, latest_valid, sweep_temporary
     from gpupoor.recipe_diff import diff_recipes, format_changes
 
     stored = stored_recipe(run_dir)
     # Paths given with --set resolve against the current directory and are stored absolute, like train's.
-    recipe = portable_recipe(LoadedRecipe(stored_recipe(run_dir, overrides), None))
+    recipe = portable_recipe(replacement or LoadedRecipe(stored_recipe(run_dir, overrides), None))
     trajectory, safe = diff_recipes(stored, recipe)
     if trajectory and not force:
         raise UserError("these changes alter the training trajectory, so the result would no longer be the "
@@ -150,11 +154,13 @@ def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
 
 
 def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
-    """The memory plan for the startup summary, or None when the model is not one it can describe."""
+    """The memory plan for the startup summary (one of the processes launched), or None when the model is not
+    one it can describe."""
+    from gpupoor.decisions import launch_layout
     from gpupoor.plan import make_plan
 
     try:
-        return make_plan(loaded, device)
+        return make_plan(loaded, device, None, *launch_layout(os.environ))
     except Exception:  # advisory: never let the plan stop a run
         return None
 
@@ -176,9 +182,28 @@ def _stop_requests(stop):
 
 
 def check_launch(environ=os.environ) -> None:
-    """`accelerate launch --num_processes N` without --multi_gpu (e.g. with --cpu) runs accelerate's simple
-    launcher: ONE process, which only exports MASTER_ADDR/PORT for an mpirun that is not there. Training would
-    silently run on one process; say how to launch N instead."""
+    """A launch gpupoor cannot train under is refused before anything loads.
+
+    - DeepSpeed from an accelerate config: see the message.
+    - accelerate's own FSDP config: accelerate would wrap the model behind gpupoor's back (gpupoor shards with
+      FSDP2 itself when the recipe says distributed.strategy: fsdp, and writes its checkpoints to match).
+    - `accelerate launch --num_processes N` without --multi_gpu (e.g. with --cpu) runs accelerate's simple
+      launcher: ONE process, which only exports MASTER_ADDR/PORT for an mpirun that is not there. Training
+      would silently run on one process; say how to launch N instead."""
+    if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        raise UserError("this accelerate config launches DeepSpeed, which gpupoor does not train with: DeepSpeed's "
+                        "engine steps the optimizer inside backward and keeps its own partitioned optimizer "
+                        "state, so gpupoor could neither normalize accumulation by target tokens, skip a "
+                        "non-finite step, nor checkpoint and resume the run exactly",
+                        hint="use the same sharding through PyTorch: --set distributed.strategy=fsdp (ZeRO-3; with "
+                        "distributed.reshard_after_forward=false, like ZeRO-2; distributed.cpu_offload=true, like "
+                        "ZeRO-Offload), launched with an accelerate config without deepspeed, or torchrun "
+                        "(docs/distributed.md)")
+    if environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        raise UserError("this accelerate config turns on accelerate's FSDP: gpupoor applies FSDP2 itself, so that "
+                        "its checkpoints gather the weights and shard the optimizer state to match",
+                        hint="launch with an accelerate config without fsdp (or with torchrun) and set "
+                        "distributed.strategy: fsdp in the recipe (docs/distributed.md)")
     launched_by_accelerate = "ACCELERATE_USE_CPU" in environ or "ACCELERATE_MIXED_PRECISION" in environ
     ranked = any(key in environ for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK"))
     if launched_by_accelerate and "MASTER_ADDR" in environ and not ranked:
@@ -213,8 +238,9 @@ def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> i
     return max(1, math.ceil(epochs * batches_per_epoch / per_step))
 
 
-def make_accelerator(device: str, precision: str):
-    """The Accelerator: one process, or DDP under torchrun / accelerate launch (a new strategy goes here)."""
+def make_accelerator(device: str, precision: str, strategy: str = "single"):
+    """The Accelerator: one process, or several under torchrun / accelerate launch. It prepares DDP itself;
+    FSDP is applied by gpupoor.distributed.shard_model (accelerate builds FSDP on accelerators only)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -223,7 +249,15 @@ def make_accelerator(device: str, precision: str):
     # this private call is the one place gpupoor needs it. Launch settings (DDP etc.) come from the
     # environment and survive.
     AcceleratorState._reset_state()
-    return Accelerator(cpu=device == "cpu", mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision])
+    accelerator = Accelerator(cpu=device == "cpu",
+                              mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision])
+    if strategy == "fsdp" and accelerator.scaler is not None:
+        # fp16 under FSDP: each process sees only its shard of the gradients, so whether a step had an inf must
+        # be agreed by all of them (else one skips the step and another takes it). ShardedGradScaler does that.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        accelerator.scaler = ShardedGradScaler()
+    return accelerator
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -248,6 +282,7 @@ class Session:
     steps: int
     warmup: int
     summary: object  # gpupoor.model.ModelSummary
+    nodes: int = 1
     scheduler: object = None
     state: object = None  # gpupoor.train.state.TrainState
     memory_plan: object = None
@@ -266,17 +301,32 @@ class Session:
         return self.run_dir / "checkpoints"
 
     @property
+    def sharded(self) -> bool:
+        return self.choices["strategy"].value == "fsdp"
+
+    @property
     def full(self) -> bool:
         """`full` fine-tuning: checkpoints and final/ hold the whole model, not an adapter."""
         return self.recipe.peft.method == "full"
 
-    def save_weights(self, directory: Path) -> None:
+    def gather_weights(self) -> dict | None:
+        """Under FSDP, the trained weights gathered whole onto the first process (collective); else None: the
+        model holds them whole already."""
+        if not self.sharded:
+            return None
+        from gpupoor.distributed import gather_weights
+
+        return gather_weights(self.model, whole_model=self.full)
+
+    def save_weights(self, directory: Path, gathered: dict | None = None) -> None:
         """The trained weights in their standard layout: a PEFT adapter, or (full) a transformers model directory
-        in safetensors shards that AutoModelForCausalLM.from_pretrained loads with no gpupoor."""
+        in safetensors shards that AutoModelForCausalLM.from_pretrained loads with no gpupoor. `gathered`: what
+        gather_weights returned (FSDP)."""
+        extra = {} if gathered is None else {"state_dict": gathered}
         if self.full:
-            self.unwrapped.save_pretrained(directory, max_shard_size=FULL_SHARD_SIZE)
+            self.unwrapped.save_pretrained(directory, max_shard_size=FULL_SHARD_SIZE, **extra)
         else:
-            self.unwrapped.save_pretrained(directory, safe_serialization=True)  # adapter config + weights
+            self.unwrapped.save_pretrained(directory, safe_serialization=True, **extra)  # adapter config + weights
         self.tokenizer.save_pretrained(directory)
 
 
@@ -286,6 +336,7 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
 
     from gpupoor import faults
     from gpupoor.data.build import build_data
+    from gpupoor.decisions import choose_strategy, launch_layout
     from gpupoor.hardware import (resolve_attention, resolve_device, resolve_precision, resolve_sampler,
                                   usable_cpu_count)
     from gpupoor.model import build_model, load_tokenizer, model_location, summarize
@@ -296,8 +347,10 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
     device = resolve_device(recipe.training.device)
     precision = resolve_precision(recipe.precision, device.value)
     attention = resolve_attention(recipe.model.attention, device.value)
+    processes, nodes = launch_layout(os.environ)
+    strategy = choose_strategy(recipe.distributed.strategy, processes)
     # The Accelerator first: under `accelerate launch` it says which GPU this process owns.
-    accelerator = make_accelerator(device.value, precision.value)
+    accelerator = make_accelerator(device.value, precision.value, strategy.value)
     if not accelerator.is_main_process:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
     if device.value == "cpu":
@@ -325,13 +378,23 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
                                                    str(accelerator.device), recipe.seed, smoke)
         check_vocabularies(tokenizer, teacher_tokenizer)
     faults.at_stage("startup")  # tests: a signal while the model loads
+    if strategy.value == "fsdp":  # before the optimizer: sharding replaces the parameters it must hold
+        from gpupoor.distributed import shard_model
+
+        dist = recipe.distributed
+        model = shard_model(model, precision.value, device.value, dist.shard_frozen, dist.reshard_after_forward,
+                            dist.cpu_offload)
     raw_optimizer = build_optimizer(recipe.training, model, device.value)
     steps = total_steps(recipe, len(data.plan), accelerator.num_processes)
-    prepared_model, optimizer = accelerator.prepare(model, raw_optimizer)
-    choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler}
+    if strategy.value == "fsdp":
+        prepared_model, optimizer = model, accelerator.prepare(raw_optimizer)
+    else:
+        prepared_model, optimizer = accelerator.prepare(model, raw_optimizer)  # DDP-wrapped with several processes
+    choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler,
+               "strategy": strategy}
     return Session(recipe, run_dir, smoke, accelerator, choices, tokenizer, data, prepared_model,
                    accelerator.unwrap_model(prepared_model), raw_optimizer, optimizer, steps,
-                   warmup_steps(recipe.training, steps), summary, teacher=teacher)
+                   warmup_steps(recipe.training, steps), summary, nodes=nodes, teacher=teacher)
 
 
 def check_checkpoint_matches(session: Session, checkpoint) -> None:
@@ -346,6 +409,16 @@ def check_checkpoint_matches(session: Session, checkpoint) -> None:
         raise UserError(f"run_dir/recipe.yaml no longer describes the run that wrote {checkpoint.path.name} "
                         "(its trajectory settings were edited)",
                         hint="restore them, or pass --force to continue with the edited recipe")
+    saved, now = checkpoint.manifest.get("processes", 1), session.accelerator.num_processes
+    if saved != now:
+        # Each process draws its own micro-batches and the gradients meet by all-reduce: another count takes
+        # other micro-batches per optimizer step (and another step count per epoch).
+        raise UserError(f"these changes alter the training trajectory, so the result would no longer be the run "
+                        f"that was started:\n  processes: {saved} -> {now} (checkpoint {checkpoint.path.name} "
+                        "was written by a run on " f"{saved} process{'es' if saved != 1 else ''})",
+                        hint=f"launch {saved} process{'es' if saved != 1 else ''} again (e.g. torchrun --nproc-per-node "
+                        f"{saved}), or pass --force to continue on {now} (the data position carries over; the "
+                        "optimizer state is resharded)")
 
 
 def restore(session: Session, checkpoint, force: bool) -> None:
@@ -356,21 +429,12 @@ def restore(session: Session, checkpoint, force: bool) -> None:
 
     session.state = TrainState()
     if checkpoint is not None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+        from gpupoor.checkpoint import STATE, load_torch
+        from gpupoor.distributed import load_optimizer
 
-        from gpupoor.checkpoint import ADAPTER, STATE, load_torch
-
-        device = session.accelerator.device
-        device = "cpu" if device.type == "cpu" else str(device)  # safetensors refuses "cpu:0" (torchrun on CPUs)
-        if session.full:
-            load_model_weights(session.unwrapped, checkpoint.path, device)
-        else:
-            result = set_peft_model_state_dict(session.unwrapped, load_file(checkpoint.path / ADAPTER, device=device))
-            if getattr(result, "unexpected_keys", None):
-                raise UserError(f"checkpoint {checkpoint.path.name} does not fit this model: unexpected "
-                                f"{result.unexpected_keys[:3]}")
-        session.optimizer.load_state_dict(load_torch(checkpoint.path / "optimizer.pt"))
+        load_trained_weights(session, checkpoint.path)
+        # Into the bare optimizer: accelerate's wrapper adds nothing to its state.
+        load_optimizer(session.unwrapped, session.raw_optimizer, checkpoint.path)
         scaler = session.accelerator.scaler
         if scaler is not None and (checkpoint.path / "scaler.pt").is_file():
             scaler.load_state_dict(load_torch(checkpoint.path / "scaler.pt"))
@@ -393,23 +457,50 @@ def _resumed_warmup(session: Session, checkpoint, force: bool) -> int:
     return warmup_steps(session.recipe.training, checkpoint.manifest.get("total_steps", session.steps))
 
 
-def load_model_weights(model, directory: Path, device: str) -> None:
+def load_trained_weights(session: Session, directory: Path) -> None:
+    """A checkpoint's adapter (or, `full`, its whole model) into the built model."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from gpupoor.checkpoint import ADAPTER
+
+    device = session.accelerator.device
+    device = "cpu" if device.type == "cpu" else str(device)  # safetensors refuses "cpu:0" (torchrun on CPUs)
+    if session.full:
+        load_model_weights(session.unwrapped, directory, device, sharded=session.sharded)
+        return
+    weights = load_file(directory / ADAPTER, device=device)
+    if session.sharded:
+        from gpupoor.distributed import load_weights
+
+        unexpected = load_weights(session.model, weights, adapter=True)
+    else:
+        unexpected = getattr(set_peft_model_state_dict(session.unwrapped, weights), "unexpected_keys", None)
+    if unexpected:
+        raise UserError(f"checkpoint {directory.name} does not fit this model: unexpected {unexpected[:3]}")
+
+
+def load_model_weights(model, directory: Path, device: str, sharded: bool = False) -> None:
     """A full fine-tune's checkpoint into the built model, shard by shard. Only weights tied to another one (the
     output head tied to the embeddings, which save_pretrained writes once) may be absent."""
     from safetensors.torch import load_file
 
     from gpupoor.checkpoint import MODEL_INDEX
+    from gpupoor.distributed import load_weights
 
     index = directory / MODEL_INDEX
     shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
         else ["model.safetensors"]
-    missing: set[str] = set()
-    for number, shard in enumerate(shards):
-        result = model.load_state_dict(load_file(directory / shard, device=device), strict=False)
-        if result.unexpected_keys:
-            raise UserError(f"checkpoint {directory.name} does not fit this model: unexpected "
-                            f"{result.unexpected_keys[:3]}")
-        missing = set(result.missing_keys) if number == 0 else missing & set(result.missing_keys)
+    missing: set[str] = set(model.state_dict())
+    for shard in shards:
+        weights = load_file(directory / shard, device=device)
+        if sharded:
+            unexpected = load_weights(model, weights, adapter=False)
+        else:
+            unexpected = model.load_state_dict(weights, strict=False).unexpected_keys
+        if unexpected:
+            raise UserError(f"checkpoint {directory.name} does not fit this model: unexpected {unexpected[:3]}")
+        missing -= set(weights)
     tied = {name for name in missing if name.endswith("lm_head.weight")
             and getattr(model.config, "tie_word_embeddings", False)}
     if missing - tied:
@@ -438,8 +529,10 @@ def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
     say(f"gpupoor {verb}: {recipe.model.name_or_path}" + (" (shrunken random-weight copy)" if session.smoke else ""))
     say("  " + "; ".join(f"{name} {choices[name].value} ({choices[name].reason})"
                          for name in ("device", "precision", "attention")))
-    say(f"  processes: {processes}" + (f" (DDP, {session.accelerator.state.backend})" if processes > 1
-                                       else " (no data parallelism)"))
+    strategy = choices["strategy"]
+    nodes = f" on {session.nodes} nodes" if session.nodes > 1 else ""
+    say(f"  processes: {processes}{nodes}" + (f" ({strategy.value.upper()}, {session.accelerator.state.backend}; "
+                                               f"{strategy.reason})" if processes > 1 else " (no data parallelism)"))
     checkpointing = {False: "off", True: "on (non-reentrant)",
                      "offload": "on, layer inputs offloaded to CPU" if session.device == "cuda"
                      else "on (offload has no effect on a CPU)"}[recipe.memory.gradient_checkpointing]
@@ -571,7 +664,7 @@ class RunHooks:
         self.last_loss = record["loss"]
         self.metrics.write(record)
         self.progress.step(record)
-        if self.policy.due(state.step, self.session.steps):
+        if self._anywhere(self.policy.due(state.step, self.session.steps)):  # each process has its own clock
             self.save_checkpoint()
         faults.after_step(state.step)
 
@@ -594,7 +687,10 @@ class RunHooks:
         self.progress.message(f"step {record['step']}: eval_loss {record['eval_loss']:.4f}")
 
     def should_stop(self, state, last_step_s: float) -> str | None:
-        signal, out_of_time = self.stop.requested, self.policy.out_of_time(last_step_s)
+        from gpupoor import faults
+
+        signal = self.stop.requested
+        out_of_time = self.policy.out_of_time(last_step_s) or state.step in faults.steps_for("timeout")
         accelerator = self.session.accelerator
         if accelerator.num_processes > 1:
             # Every process must stop at the same step: a signal may reach one process only, and each measures
@@ -608,41 +704,89 @@ class RunHooks:
         return "time_limit" if out_of_time else None
 
     def save_checkpoint(self) -> str:
-        """Commit checkpoints/step-N for the current state; rotate older ones. Returns its name."""
+        """Commit checkpoints/step-N for the current state; rotate older ones. Returns its name.
+
+        With several processes the collective part comes first (FSDP: every process sends its share of the
+        weights to the first and writes its own shard of the optimizer state into a staging folder), then the
+        first process alone commits the checkpoint (weights, optimizer, progress, manifest last, one rename), and
+        all processes learn whether it landed: a failure stops every process, not only the one that saw it."""
+        from gpupoor import faults
         from gpupoor.checkpoint import CheckpointError, rotate, write_checkpoint
+        from gpupoor.distributed import local_values
         from gpupoor.files import dir_size
 
         session, step = self.session, self.session.state.step
         name = f"step-{step:06d}"
-        if not all(p.isfinite().all() for p in session.unwrapped.parameters() if p.requires_grad):
+        finite = all(local_values(p).isfinite().all() for p in session.unwrapped.parameters() if p.requires_grad)
+        if self._anywhere(not finite):
             raise RunFailed(f"refusing to save {name}: the trainable weights are not finite")
-        seconds = size = None
+        gathered = session.gather_weights()
+        faults.at_stage("gathered", step)
+        try:
+            staged = self._stage_optimizer(name)
+        except Exception as exc:  # DCP raises the same error on every process
+            raise RunFailed(f"could not write checkpoint {name}: {exc}\n  the previous checkpoint is intact; "
+                            f"continue with: gpupoor resume {session.run_dir}") from None
+        seconds = size = error = None
         if session.main:
             try:
-                seconds = write_checkpoint(session.checkpoints_dir / name, self._save_files, step,
-                                           {**self.manifest_base, "loss": self.last_loss},
-                                           int(self.policy.expected_bytes * 1.1))
+                seconds = write_checkpoint(session.checkpoints_dir / name,
+                                           functools.partial(self._save_files, gathered=gathered, staged=staged),
+                                           step, {**self.manifest_base, "loss": self.last_loss},
+                                           int(self.policy.expected_bytes * 1.1) - (dir_size(staged) if staged else 0))
             except CheckpointError as exc:
-                raise RunFailed(f"{exc}\n  free some space, then continue with: gpupoor resume "
-                                f"{session.run_dir}") from None
-            size = dir_size(session.checkpoints_dir / name)
-            rotate(session.checkpoints_dir, session.recipe.checkpoint.keep_last, step)
-        session.accelerator.wait_for_everyone()
+                error = exc
+            finally:
+                if staged is not None:
+                    shutil.rmtree(staged, ignore_errors=True)  # moved into the checkpoint, or abandoned
+            if error is None:
+                size = dir_size(session.checkpoints_dir / name)
+                rotate(session.checkpoints_dir, session.recipe.checkpoint.keep_last, step)
+        if self._anywhere(error is not None):
+            reason = str(error) if error is not None else f"the first process could not write checkpoint {name}"
+            raise RunFailed(f"{reason}\n  free some space, then continue with: gpupoor resume {session.run_dir}")
         self.policy.saved(step, seconds, size)
         self.metrics.write({"step": step, "checkpoint": name, "save_s": round(self.policy.save_s, 3)})
         return name
 
-    def _save_files(self, tmp: Path) -> None:
+    def _anywhere(self, flag: bool) -> bool:
+        """True on every process when `flag` is true on any (one all-reduce: a sync point); one process: flag."""
+        accelerator = self.session.accelerator
+        if accelerator.num_processes == 1:
+            return flag
+        import torch
+
+        return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum").item())
+
+    def _stage_optimizer(self, name: str) -> Path | None:
+        """FSDP: every process writes its shard of the optimizer state into a staging folder beside the
+        checkpoints (removed by the next resume's sweep if a crash leaves it). None otherwise."""
+        from gpupoor.checkpoint import TMP_PREFIX
+
+        session = self.session
+        if not session.sharded:
+            return None
+        from gpupoor.distributed import save_optimizer
+
+        staged = session.checkpoints_dir / f"{TMP_PREFIX}{name}-optimizer-shards"
+        save_optimizer(session.model, session.raw_optimizer, staged, session.main)
+        return staged
+
+    def _save_files(self, tmp: Path, gathered: dict | None = None, staged: Path | None = None) -> None:
         import torch
 
         from gpupoor import faults
         from gpupoor.checkpoint import STATE
+        from gpupoor.distributed import DCP_OPTIMIZER, TORCH_OPTIMIZER
         from gpupoor.train.state import capture_rng
 
         session, step = self.session, self.session.state.step
-        session.save_weights(tmp)
+        session.save_weights(tmp, gathered)
         faults.at_stage("weights", step)
-        torch.save(session.optimizer.state_dict(), tmp / "optimizer.pt")
+        if staged is not None:
+            os.rename(staged, tmp / DCP_OPTIMIZER)  # the same filesystem: the shards move, nothing is copied
+        else:
+            torch.save(session.optimizer.state_dict(), tmp / TORCH_OPTIMIZER)
         if session.accelerator.scaler is not None:
             torch.save(session.accelerator.scaler.state_dict(), tmp / "scaler.pt")
         faults.at_stage("optimizer", step)
@@ -665,7 +809,7 @@ def loop_settings(session: Session, loss_fn, eval_loss_fn=None):
                         # bitsandbytes 4-bit layers repack their weights in eval mode on some CPUs
                         eval_in_train_mode=session.recipe.quantization.bits is not None and session.device == "cpu",
                         max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn,
-                        eval_loss_fn=eval_loss_fn)
+                        eval_loss_fn=eval_loss_fn, lockstep=session.sharded)
 
 
 def choose_loss(session: Session):
@@ -728,6 +872,9 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
     if checkpoint is not None and not force:
         check_checkpoint_matches(session, checkpoint)
+    elif checkpoint is not None and checkpoint.manifest.get("processes", 1) != session.accelerator.num_processes:
+        say(f"warning: --force: processes {checkpoint.manifest.get('processes', 1)} -> "
+            f"{session.accelerator.num_processes}: resuming on another layout (the optimizer state is resharded)")
     restore(session, checkpoint, force)
     loss_fn, eval_loss_fn, loss_path = choose_loss(session)
     if plan is not None and plan.device != session.device:  # planned for another device than torch found
@@ -745,6 +892,8 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
                               last_step=session.state.step)
     manifest_base = {"recipe_hash": trajectory_hash(recipe), "data_fingerprint": session.data.fingerprint,
                      "weights": "model" if session.full else "adapter",
+                     "optimizer": "dcp" if session.sharded else "torch",
+                     "processes": session.accelerator.num_processes, "strategy": session.choices["strategy"].value,
                      "total_steps": session.steps, "warmup_steps": session.warmup, "precision":
                      session.choices["precision"].value, "device": session.device, "versions": library_versions()}
     hooks = RunHooks(session, policy, stop, manifest_base)
@@ -798,17 +947,22 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
         why = f"time limit {recipe.checkpoint.time_limit} nearly reached" if reason == "time_limit" else reason
         say(f"{why}: stopped after step {state.step} with checkpoint checkpoints/{name}\n"
             f"continue with: gpupoor resume {run_dir}")
+        _all_finished(session, hooks)
         return RunResult(run_dir, reason, hooks.last_loss, state.step)
+    gathered = session.gather_weights()  # collective under FSDP
     if session.main:
-        write_checkpoint(run_dir / "final", _final_files(session), state.step,
+        write_checkpoint(run_dir / "final", functools.partial(session.save_weights, gathered=gathered), state.step,
                          {**hooks.manifest_base, "loss": hooks.last_loss}, 0)
-    session.accelerator.wait_for_everyone()
     loss_text = f"{hooks.last_loss:.4f}" if hooks.last_loss is not None else "-"
     what = "model" if session.full else "adapter"
     where = "smoke test passed" if session.smoke else f"{what} in {run_dir / 'final'}"
     say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {loss_text}; {where}")
+    _all_finished(session, hooks)
     return RunResult(run_dir, "done", hooks.last_loss, state.step)
 
 
-def _final_files(session: Session):
-    return session.save_weights
+def _all_finished(session: Session, hooks: RunHooks) -> None:
+    """No process exits before every process has finished its part: torchrun stops the others as soon as one
+    exits with a non-zero code (75 after a stop), which would cut the first process's bookkeeping short."""
+    session.accelerator.wait_for_everyone()
+    hooks.stop.finished = True

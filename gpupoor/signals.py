@@ -16,6 +16,10 @@ class StopRequest:
     def __init__(self):
         self.count = 0
         self.name: str | None = None
+        # Set once this process's part of the run is over (several processes: after the last barrier). A
+        # launcher stops the other processes when the first one exits; those finish exiting, with their own
+        # exit code, instead of reporting a checkpoint that is already written.
+        self.finished = False
         self._previous: dict = {}
 
     @property
@@ -23,6 +27,8 @@ class StopRequest:
         return self.count > 0
 
     def _handle(self, signum, frame) -> None:
+        if self.finished:
+            return
         self.count += 1
         self.name = self.name or signal.Signals(signum).name
         if self.count == 1:
@@ -39,6 +45,12 @@ class StopRequest:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
+
+    def ignore_from_now(self) -> None:
+        """Ignore stop signals until this process exits. SIG_IGN, not a Python handler: Python puts the default
+        action (death) back for its own handlers as the interpreter shuts down."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():

@@ -57,3 +57,32 @@ def test_flash_attention_packing_equals_one_by_one(tiny_model, tokenizer):
             single += F.cross_entropy(out[0, :-1].float(), one["labels"][0, 1:], ignore_index=IGNORE_INDEX,
                                       reduction="sum")
     assert torch.allclose(total, single, rtol=2e-2)  # bf16 kernels: same numbers up to rounding
+
+
+def _two_gpus():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL takes one process per GPU)")
+
+
+@pytest.mark.parametrize("settings", [["precision=bf16"], ["precision=fp16"],
+                                      ["precision=bf16", "distributed.cpu_offload=true"]])
+def test_fsdp_on_two_gpus_trains_like_one_and_resumes(make_recipe, tmp_path, settings):
+    """nccl, FSDP2 in half precision (fp16: ShardedGradScaler), CPU offload; stopped on rank 1 and resumed."""
+    _two_gpus()
+    from test_distributed import exit_codes, losses, one_process, torchrun
+
+    recipe = make_recipe(training={"device": "cuda", "max_steps": 4, "micro_batch_size": 2})
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    one = one_process("train", recipe, "--output-dir", tmp_path / "one", *sets,
+                      "--set", "training.gradient_accumulation_steps=2")
+    assert one.returncode == 0, one.stderr[-2000:]
+    stopped = torchrun("train", recipe, "--output-dir", tmp_path / "fsdp", *sets, "--set",
+                       "distributed.strategy=fsdp", fault="rank1/sigterm@2")
+    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+    assert "(FSDP, nccl" in stopped.stdout
+    resumed = torchrun("resume", tmp_path / "fsdp")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    reference = [loss for _, loss, _ in losses(tmp_path / "one")]
+    assert [loss for _, loss, _ in losses(tmp_path / "fsdp")] == pytest.approx(reference, rel=2e-2)

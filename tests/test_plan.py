@@ -595,3 +595,146 @@ def test_fit_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "qwen.fit.yaml").mkdir()  # where the fitted recipe would go: a directory
     result = runner.invoke(app, ["plan", str(source), "--device", "cuda", "--memory", "4GiB", "--fit"])
     assert result.exit_code == 2 and f"cannot write {tmp_path / 'qwen.fit.yaml'}" in result.output, result.output
+
+
+# ---------------------------------------------------------------------------------------- several processes
+def distributed_terms(recipe: str, *args: str) -> dict:
+    result = runner.invoke(app, ["plan", recipe, "--device", "cuda", "--memory", "80GiB", "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+@pytest.mark.parametrize("name, bits", [(name, bits) for name in sorted(PEFT_METHODS) for bits in (None, 4)
+                                        if not (bits and PEFT_METHODS[name]["method"] == "full")])  # never quantized
+def test_fsdp_units_hold_every_trainable_parameter_and_the_frozen_weights_once(name, bits):
+    shape, s = tiny_settings(precision="bf16", **PEFT_METHODS[name])
+    s = planning.replace(s, bits=bits, distribution=planning.Distribution(2, "fsdp"))
+    units, root = planning.shard_units(shape, s)
+    assert sum(u.trainable for u in units) + root.trainable == 4 * planning.trainable_params(shape, s)
+    assert root.trainable >= 0
+    assert all(u.gathered == u.frozen + u.trainable // 2 for u in [*units, root])  # all in bf16 once gathered
+    frozen = sum(u.frozen for u in units) + root.frozen
+    whole = planning.fsdp_shares(shape, s)["base_weights"][0]
+    assert frozen + whole == planning.weight_bytes(shape, s)[0]  # sharded + kept whole = every frozen byte
+    assert (whole > 0) == (bits is not None)  # only bitsandbytes' packed linears stay whole
+
+
+def test_fsdp_on_two_processes_holds_half_the_weights_of_a_full_fine_tune(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recipe = str(RECIPES / "qwen2.5-1.5b-lora.yaml")
+    sets = ["--set", "peft.method=full", "--set", "training.optimizer=adamw", "--set", "distributed.strategy=fsdp"]
+    one = {k: v["bytes"] for k, v in distributed_terms(recipe, *sets)["terms"].items()}
+    two = {k: v["bytes"] for k, v in distributed_terms(recipe, *sets, "--processes", "2")["terms"].items()}
+    # `full`: every weight trains, so the fp32 master weights (the trainable term) are the model's weights
+    for key in ("trainable", "gradients", "optimizer"):
+        assert two[key] == pytest.approx(one[key] / 2, rel=1e-6), key
+    assert "all_gather" in two and "all_gather" not in one
+    assert two["loss"] == one["loss"]  # each process its own micro-batch
+    # FSDP gathers the trained weights already in bf16: autocast has no fp32 weight to keep a half copy of
+    assert one["activations"] - two["activations"] == 2 * (1_543_714_304 - 57 * 1536)  # all but the 57 norms
+    lora = {k: v["bytes"] for k, v in distributed_terms(recipe, "--processes", "2", "--set",
+                                                         "distributed.strategy=fsdp")["terms"].items()}
+    single = {k: v["bytes"] for k, v in distributed_terms(recipe)["terms"].items()}
+    assert lora["base_weights"] == pytest.approx(single["base_weights"] / 2, rel=1e-6)  # bf16, halved
+    assert lora["activations"] == single["activations"]
+
+
+@pytest.fixture
+def llama_8b(tmp_path, make_recipe) -> Path:
+    """A LoRA recipe for Llama-3.1-8B on paper: its config.json alone, no weights. bf16, rank 16 on every
+    linear, adamw, 1 x 1024 tokens with gradient checkpointing."""
+    model = tmp_path / "llama-3.1-8b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    return make_recipe(model={"name_or_path": str(model)}, data={"max_length": 1024, "sampler": "packed"},
+                       peft={"rank": 16}, precision="bf16", training={"micro_batch_size": 1},
+                       memory={"gradient_checkpointing": True})
+
+
+def test_llama_8b_lora_fits_two_16gb_gpus_with_fsdp_and_not_with_ddp(llama_8b):
+    args = ["plan", str(llama_8b), "--processes", "2", "--memory", "16GB", "--device", "cuda"]
+    fsdp = runner.invoke(app, args + ["--set", "distributed.strategy=fsdp", "--json"])
+    assert fsdp.exit_code == 0, fsdp.output
+    plan = json.loads(fsdp.output)
+    assert plan["fits"] is True and plan["strategy"] == "fsdp"
+    terms = {k: v["bytes"] for k, v in plan["terms"].items()}
+    assert terms["base_weights"] == 8_030_261_248 * 2 // 2  # bf16, half on each process
+    # The all-gather working set, by hand: the root (embeddings + head + final norm) stays gathered through the
+    # step, two layers at a time, all in bf16 (LoRA included); one layer's LoRA gradients in bf16 and fp32.
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    lora = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 2 * (4096 + 14336) + (14336 + 4096))
+    root = 2 * 128256 * 4096 + 4096
+    assert terms["all_gather"] == 2 * root + 2 * 2 * (layer + lora) + (2 + 4) * lora
+    ddp = runner.invoke(app, args + ["--json"])
+    assert ddp.exit_code == 3, ddp.output
+    assert json.loads(ddp.output)["fits"] is False
+    assert plan["strategies"]["ddp"]["fits"] is False and plan["strategies"]["fsdp"]["fits"] is True
+    text = runner.invoke(app, args).output
+    assert "fits with distributed.strategy: fsdp (" in text and "per process), not with ddp (" in text
+
+
+def test_json_of_several_processes_compares_the_strategies(llama_8b):
+    args = ["plan", str(llama_8b), "--memory", "16GB", "--device", "cuda", "--json"]
+    single = json.loads(runner.invoke(app, args).output)
+    assert "processes" not in single and "strategies" not in single  # one process: the plan as it was
+    plan = json.loads(runner.invoke(app, args + ["--processes", "2", "--nodes", "1"]).output)
+    assert plan["processes"] == 2 and plan["nodes"] == 1 and plan["strategy"] == "ddp"  # auto: ddp
+    assert set(plan["strategies"]) == {"ddp", "fsdp"}
+    assert plan["strategies"]["ddp"] == {"peak_bytes": plan["peak_bytes"], "fits": plan["fits"], "changes": {}}
+    fsdp = json.loads(runner.invoke(app, args + ["--processes", "2", "--set", "distributed.strategy=fsdp"]).output)
+    assert plan["strategies"]["fsdp"]["peak_bytes"] == fsdp["peak_bytes"]  # the comparison is the real plan
+    assert plan["strategies"]["fsdp"]["changes"] == {"distributed.strategy": "fsdp"}
+    eight_bit = json.loads(runner.invoke(app, args + ["--processes", "2", "--set",
+                                                      "training.optimizer=adamw_8bit"]).output)
+    assert eight_bit["strategies"]["fsdp"]["changes"] == {"distributed.strategy": "fsdp",
+                                                          "training.optimizer": "adamw"}  # fsdp steps no 8-bit
+    unknown = json.loads(runner.invoke(app, ["plan", str(llama_8b), "--device", "cpu", "--json", "--processes",
+                                             "2", "--memory", "1TiB"]).output)
+    assert unknown["processes_sharing_memory"] == 2  # a node's processes share its RAM
+
+
+def test_ddp_bucket_term_only_with_several_processes(llama_8b, monkeypatch):
+    args = ["plan", str(llama_8b), "--memory", "80GB", "--device", "cuda", "--json"]
+    one = json.loads(runner.invoke(app, args).output)["terms"]
+    assert "ddp_buckets" not in one
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets: the default of --processes
+    two = json.loads(runner.invoke(app, args).output)["terms"]
+    assert two["ddp_buckets"]["bytes"] == two["gradients"]["bytes"] == one["gradients"]["bytes"]
+    assert {k: v for k, v in two.items() if k != "ddp_buckets"} == one
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert "ddp_buckets" not in json.loads(runner.invoke(app, args).output)["terms"]
+
+
+def test_fsdp_options_move_the_terms(llama_8b):
+    args = ["plan", str(llama_8b), "--memory", "80GB", "--device", "cuda", "--json", "--processes", "4",
+            "--set", "distributed.strategy=fsdp"]
+    base = json.loads(runner.invoke(app, args).output)
+    terms = {k: v["bytes"] for k, v in base["terms"].items()}
+    # reshard_after_forward false: every layer stays gathered until its backward, the unsharded size on top
+    kept = json.loads(runner.invoke(app, args + ["--set", "distributed.reshard_after_forward=false"]).output)
+    assert kept["terms"]["all_gather"]["bytes"] > 8_030_261_248 * 2 > terms["all_gather"]
+    whole = json.loads(runner.invoke(app, args + ["--set", "distributed.shard_frozen=false"]).output)
+    assert whole["terms"]["base_weights"]["bytes"] == 8_030_261_248 * 2
+    offload = json.loads(runner.invoke(app, args + ["--set", "distributed.cpu_offload=true"]).output)
+    moved = ("base_weights", "trainable", "gradients", "optimizer")
+    assert all(offload["terms"][key]["bytes"] == 0 for key in moved)
+    assert {k: v["bytes"] for k, v in offload["offloaded"].items()} == {key: terms[key] for key in moved}
+    assert offload["peak_bytes"] == base["peak_bytes"] - offload["offloaded_bytes"]
+    text = runner.invoke(app, [a for a in args if a != "--json"] + ["--set", "distributed.cpu_offload=true"]).output
+    assert "in CPU memory (distributed.cpu_offload), not in the peak" in text
+
+
+def test_a_fsdp_recipe_that_does_not_fit_is_never_offered_an_8_bit_optimizer(llama_8b):
+    result = runner.invoke(app, ["plan", str(llama_8b), "--memory", "8GB", "--device", "cuda", "--json",
+                                 "--processes", "2", "--set", "distributed.strategy=fsdp"])
+    assert result.exit_code == 3, result.output
+    plan = json.loads(result.output)
+    assert plan["suggestions"] and all("training.optimizer" not in s["changes"] for s in plan["suggestions"])
+
+
+def test_more_nodes_than_processes_is_an_error(llama_8b):
+    result = runner.invoke(app, ["plan", str(llama_8b), "--processes", "2", "--nodes", "3"])
+    assert result.exit_code == 2 and "--nodes 3 with --processes 2" in result.output

@@ -323,7 +323,7 @@ def test_two_processes_train_like_one_with_accumulation(make_recipe, tmp_path):
     two = subprocess.run([str(torchrun), "--nproc_per_node", "2", "-m", "gpupoor", "train", str(recipe),
                           "--output-dir", str(tmp_path / "two")], capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
-    assert "processes: 2 (DDP, gloo)" in two.stdout
+    assert "processes: 2 (DDP, gloo; auto: ddp)" in two.stdout
     one = run_cli(["train", recipe, "--output-dir", tmp_path / "one", "--set", "training.gradient_accumulation_steps=2"])
     assert one.returncode == 0, one.stderr
     a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from gpupoor.data.build import DataBundle, collate, count_targets, count_tokens
+from gpupoor.distributed import full_value
 from gpupoor.loss import plain_loss_sum
 from gpupoor.train.state import TrainState
 
@@ -28,6 +29,7 @@ class LoopSettings:
     max_consecutive_skips: int = 10
     loss_fn: Callable = plain_loss_sum  # (model, batch) -> summed loss over target tokens
     eval_loss_fn: Callable | None = None  # what eval_loss reports (default: loss_fn); distillation evaluates CE
+    lockstep: bool = False  # FSDP: every forward is collective, so every process runs as many eval forwards
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -77,14 +79,23 @@ def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> f
     targets = 0
     size = settings.eval_micro_batch_size
     # Each process evaluates every num_processes-th batch; the sums are reduced once at the end.
-    starts = range(accelerator.process_index * size, len(data.eval), size * accelerator.num_processes)
+    processes = accelerator.num_processes
+    starts = list(range(accelerator.process_index * size, len(data.eval), size * processes))
+    if settings.lockstep:
+        # Under FSDP a forward gathers weights from every process: one with fewer batches of its own runs its
+        # first batch again (or the first of all) and does not count it, so no process waits alone.
+        rounds = -(-len(data.eval) // (size * processes))
+        starts += [None] * (rounds - len(starts))
     with torch.no_grad():
         for start in starts:
-            batch = collate(data.eval, list(range(start, min(start + size, len(data.eval)))), settings.pad_id)
+            first = start if start is not None else (starts[0] if starts[0] is not None else 0)
+            batch = collate(data.eval, list(range(first, min(first + size, len(data.eval)))), settings.pad_id)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.autocast():
-                loss_sum += (settings.eval_loss_fn or settings.loss_fn)(model, batch)
-            targets += count_targets(batch)
+                loss = (settings.eval_loss_fn or settings.loss_fn)(model, batch)
+            if start is not None:
+                loss_sum += loss
+                targets += count_targets(batch)
     model.train()  # the same module object the caller trains, wrapped or not
     totals = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(targets), device=loss_sum.device)]), "sum")
     return float(totals[0] / totals[1].clamp(min=1))  # all-reduce + CPU-GPU sync point, once per eval
@@ -170,7 +181,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
         # clip_grad_norm_ unscales fp16 gradients first; with no limit it still returns the norm we log.
         grad_norm = accelerator.clip_grad_norm_(params, settings.max_grad_norm or math.inf)
         loss = float(accelerator.reduce(loss_sum, "sum")) / max(global_targets, 1.0)  # all-reduce + sync point
-        grad_norm = float(grad_norm)  # CPU-GPU sync point (already global: gradients were all-reduced)
+        grad_norm = float(full_value(grad_norm))  # sync point; global (DDP all-reduced; FSDP: reduced DTensor)
         skipped, diverging = _optimizer_step(optimizer, accelerator, loss, grad_norm)
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]

@@ -1,0 +1,193 @@
+"""Several processes: what the launcher started, FSDP2 sharding, and the collective half of a checkpoint.
+
+DDP comes from accelerate (`Accelerator.prepare`). FSDP2 is PyTorch's `fully_shard`, applied here to each
+decoder layer and then to the root module: accelerate builds FSDP only on accelerators, and gpupoor's CPU
+tests (and CPU users) need the same code path a GPU runs. Checkpoints under FSDP keep the layout every other
+run writes (a PEFT adapter or a transformers model directory, gathered to the first process), with the
+optimizer state saved sharded by `torch.distributed.checkpoint` (DCP): no process ever holds all of it, and
+DCP reshards it when a run resumes on another number of processes.
+
+Everything here that takes a model is collective under FSDP: every process must call it, in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+DCP_OPTIMIZER = "optimizer"  # the folder of a checkpoint holding DCP's optimizer shards (+ .metadata)
+TORCH_OPTIMIZER = "optimizer.pt"
+PARAM_GROUPS = "param_groups.json"  # beside the shards: each group's hyperparameters and parameter names
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model, precision: str, device: str, shard_frozen: bool, reshard_after_forward: bool,
+                cpu_offload: bool):
+    """Apply FSDP2 in place: each decoder layer is one unit (gathered for its forward and backward, then
+    freed), the root holds the rest (embeddings, final norm, head). Returns the model (now an FSDPModule)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    # bitsandbytes keeps quantized weights packed in integer storage with their quantization state beside
+    # them: sharding along dim 0 would split the blocks from their scales. They stay whole on every process.
+    ignored = {p for p in model.parameters() if not p.is_floating_point()}
+    if not shard_frozen:
+        ignored |= {p for p in model.parameters() if not p.requires_grad}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    # Weights are gathered in the compute dtype (LoRA's fp32 adapters included: FSDP gathers one dtype per
+    # unit); gradients are reduced in fp32 so the average over processes loses nothing.
+    mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if cpu_offload and device != "cpu" else OffloadPolicy()
+    options = {"reshard_after_forward": reshard_after_forward, "mp_policy": mixed, "offload_policy": offload,
+               "ignored_params": ignored or None}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    # The root unit (embeddings, final norm, head) stays gathered from its forward to the end of backward, as
+    # FSDP2 does by default: the fused loss multiplies by the head's weight after the model's forward returns.
+    fully_shard(model, **{**options, "reshard_after_forward": False})
+    return model
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks, by the class names transformers itself never splits across devices."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise RuntimeError(f"{type(base).__name__} does not name its decoder layers (_no_split_modules): "
+                           "FSDP would gather the whole model at once; use distributed.strategy ddp")
+    return layers
+
+
+def gather_weights(model, whole_model: bool) -> dict:
+    """The trained weights (`whole_model`: every weight) as full tensors on the CPU of the first process; the
+    others get {}. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not whole_model)
+    return get_model_state_dict(model, options=options)
+
+
+def load_weights(model, weights: dict, adapter: bool) -> list[str]:
+    """Full tensors from a saved adapter (its PEFT keys) or model shard into the sharded model. Returns the
+    keys that name no weight of the model. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    names = _adapter_names(model) if adapter else {name: name for name in model.state_dict()}
+    unknown = [key for key in weights if key not in names]
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, {names[key]: value for key, value in weights.items() if key in names},
+                         options=options)
+    return unknown
+
+
+def _adapter_names(model) -> dict[str, str]:
+    """PEFT's saved key -> the model's parameter name, asking peft itself how it names what it saves (it drops
+    the adapter name and renames some keys): the values of the trainable state dict identify each entry."""
+    from peft import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    live = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    by_identity = {id(value): name for name, value in live.items()}
+    saved = get_peft_model_state_dict(model, state_dict=live)
+    return {key: by_identity[id(value)] for key, value in saved.items() if id(value) in by_identity}
+
+
+def save_optimizer(model, optimizer, directory: Path, main: bool) -> None:
+    """DCP: each process writes its own shard of the optimizer's tensors; the first also writes DCP's .metadata
+    and the hyperparameters of each parameter group as JSON. Collective; an error on any process raises on all.
+    Only tensors go through DCP: DCP would pickle anything else, and gpupoor unpickles nothing it reads back."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)
+    odd = [f"{name}.{key}" for name, values in state["state"].items() for key, value in values.items()
+           if not torch.is_tensor(value)]
+    if odd:
+        raise RuntimeError(f"optimizer state that is not a tensor cannot be saved sharded: {odd[:3]}")
+    dcp.save({"state": state["state"]}, checkpoint_id=str(directory))
+    if main:
+        (directory / PARAM_GROUPS).write_text(json.dumps(state["param_groups"], indent=1))
+
+
+def load_optimizer(model, optimizer, checkpoint: Path) -> None:
+    """The optimizer state of a checkpoint, whichever layout wrote it, into this run's: DCP shards (resharded
+    to this number of processes) or a whole optimizer.pt (FSDP takes its full tensors and shards them)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    if (checkpoint / DCP_OPTIMIZER).is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        state = get_optimizer_state_dict(model, optimizer)  # the layout (and this process's shards) to fill
+        dcp.load({"state": state["state"]}, storage_reader=_SafeReader(checkpoint / DCP_OPTIMIZER))
+        groups = json.loads((checkpoint / DCP_OPTIMIZER / PARAM_GROUPS).read_text())
+        state["param_groups"] = [{**group, **({"betas": tuple(group["betas"])} if "betas" in group else {})}
+                                 for group in groups]
+        set_optimizer_state_dict(model, optimizer, state)
+        return
+    saved = torch.load(checkpoint / TORCH_OPTIMIZER, map_location="cpu", weights_only=True)
+    if not is_sharded(model):
+        optimizer.load_state_dict(saved)
+        return
+    # optimizer.pt numbers the parameters in the order the optimizer was built with: the model's trainable
+    # parameters in registration order, which sharding keeps. Name them for DCP's full-state loader.
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    by_name = {"state": {names[index]: value for index, value in saved["state"].items()},
+               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                for group in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def _safe_unpickler():
+    import pickle
+
+    class MetadataUnpickler(pickle.Unpickler):
+        """DCP's .metadata is a pickle of its own dataclasses: load those and nothing else (no code runs)."""
+
+        def find_class(self, module: str, name: str):
+            value = super().find_class(module, name)
+            if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem") \
+                    and isinstance(value, type) or (module, name) in _METADATA_GLOBALS \
+                    or module == "torch" and isinstance(value, torch.dtype):
+                return value
+            raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}: not loaded")
+
+    return MetadataUnpickler
+
+
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                     ("pathlib", "Path")}
+
+
+def _SafeReader(path: Path):  # noqa: N802 -- a reader object, built where torch is imported
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as handle:
+                metadata = _safe_unpickler()(handle).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def local_values(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (FSDP's parameters and gradients), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective for sharded ones; a reduced norm is already whole), or the tensor."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -1,0 +1,277 @@
+"""Several processes on this CPU (gloo): FSDP2 and two "nodes" train like one process accumulating their
+micro-batches; a signal to one process stops them all with one checkpoint; sharded checkpoints resume bitwise,
+refuse another process count unless --force, and survive a process that dies mid-save; one command line for a
+requeued batch job."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import alpaca_rows, invoke, read_metrics, write_jsonl
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+FSDP = ["--set", "distributed.strategy=fsdp"]
+
+
+def _run(command: list, fault: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPUPOOR_FAULT": fault}
+    return subprocess.run([str(c) for c in command], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(*args, fault: str = "") -> subprocess.CompletedProcess:
+    return _run([TORCHRUN, "--nproc_per_node", "2", "-m", "gpupoor", *args], fault)
+
+
+def one_process(*args, fault: str = "") -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "gpupoor", *args], fault)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def two_nodes(*args) -> list[subprocess.CompletedProcess]:
+    """torchrun's multi-node rendezvous with two "nodes" of one process each on this machine."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "-m", "gpupoor",
+                               *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "GPUPOOR_FAULT": ""})
+             for rank in (0, 1)]
+    return [subprocess.CompletedProcess(node.args, node.wait(timeout=300), *node.communicate()) for node in nodes]
+
+
+def losses(run: Path) -> list[tuple]:
+    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(run) if "loss" in r or "eval_loss" in r]
+
+
+def adapter(run: Path, where: str = "final") -> dict[str, torch.Tensor]:
+    return load_file(run / where / "adapter_model.safetensors")
+
+
+def close(a: dict, b: dict, tolerance: float = 1e-5) -> bool:
+    """Equal to rounding, relative to each tensor's norm (gradients meet through gloo's all-reduce or
+    reduce-scatter instead of in-place accumulation)."""
+    return a.keys() == b.keys() and all(
+        (a[k].double() - b[k].double()).norm() <= tolerance * b[k].double().norm() + 1e-12 for k in a)
+
+
+def exit_codes(result: subprocess.CompletedProcess) -> list[int]:
+    """Each process's exit code from torchrun's failure report (torchrun itself exits 1 when any failed)."""
+    return [int(line.split(":")[1].split()[0]) for line in result.stderr.splitlines()
+            if line.strip().startswith("exitcode") and ":" in line]
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, tiny_model) -> Path:
+    """One recipe for the module's runs (4 steps, eval at 2 and 4, checkpoints every 2), so the runs that are
+    never interrupted are trained once (`straight`)."""
+    root = tmp_path_factory.mktemp("distributed")
+    data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
+    recipe = {"model": {"name_or_path": str(tiny_model)},
+              "data": {"path": str(data), "format": "alpaca", "max_length": 128, "sampler": "random", "eval_rows": 6},
+              "peft": {"rank": 4},
+              "training": {"micro_batch_size": 2, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
+                           "warmup_steps": 0, "eval_every_steps": 2},
+              "checkpoint": {"every_steps": 2, "time_limit": "1h"}, "logging": {"progress": "none"}, "seed": 0}
+    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return root / "recipe.yaml"
+
+
+@pytest.fixture(scope="module")
+def straight(recipe, tmp_path_factory):
+    """straight(layout) -> the run dir of an uninterrupted run: `one` (one process accumulating two
+    micro-batches), `ddp` or `fsdp` (two processes); each trained once per module."""
+    runs: dict[str, Path] = {}
+
+    def run(layout: str) -> Path:
+        if layout not in runs:
+            target = tmp_path_factory.mktemp("straight") / layout
+            if layout == "one":
+                result = one_process("train", recipe, "--output-dir", target, "--set",
+                                     "training.gradient_accumulation_steps=2")
+            else:
+                result = torchrun("train", recipe, "--output-dir", target, "--set", f"distributed.strategy={layout}")
+            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+            assert layout == "one" or f"processes: 2 ({layout.upper()}, gloo" in result.stdout
+            runs[layout] = target
+        return runs[layout]
+
+    return run
+
+
+@pytest.mark.slow
+def test_fsdp_and_two_nodes_train_like_one_process_accumulating(recipe, straight, tmp_path):
+    nodes = two_nodes("train", recipe, "--output-dir", tmp_path / "nodes")
+    assert [node.returncode for node in nodes] == [0, 0], nodes[0].stderr[-2000:] + nodes[1].stderr[-2000:]
+    assert "processes: 2 on 2 nodes (DDP, gloo" in nodes[0].stdout + nodes[1].stdout
+    reference = losses(straight("one"))
+    assert len([r for r in reference if r[1] is not None]) == 4
+    for run in (straight("fsdp"), tmp_path / "nodes"):
+        for (step, loss, eval_loss), (step_b, loss_b, eval_b) in zip(reference, losses(run), strict=True):
+            assert step == step_b
+            assert loss == pytest.approx(loss_b, rel=1e-5) if loss is not None else loss_b is None
+            assert eval_loss == pytest.approx(eval_b, rel=1e-5) if eval_loss is not None else eval_b is None
+        assert close(adapter(straight("one")), adapter(run)), run
+    # FSDP's checkpoint: the same adapter layout, the optimizer state as DCP shards with the groups as JSON.
+    checkpoint = straight("fsdp") / "checkpoints" / "step-000004"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest["optimizer"] == "dcp" and manifest["processes"] == 2 and manifest["strategy"] == "fsdp"
+    assert {"optimizer/.metadata", "optimizer/param_groups.json", "adapter_model.safetensors"} <= manifest["files"].keys()
+    assert sum(name.endswith(".distcp") for name in manifest["files"]) == 2  # one shard per process
+    assert not (checkpoint / "optimizer.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, fault, why", [
+    ("ddp", "rank1/sigterm@3", "stop requested on another process"),
+    ("fsdp", "rank1/sigterm@3", "stop requested on another process"),
+    ("ddp", "rank1/timeout@3", "time limit 1h nearly reached"),
+])
+def test_a_stop_on_one_process_stops_all_at_one_step_and_resumes_bitwise(recipe, straight, tmp_path, strategy,
+                                                                          fault, why):
+    """SIGTERM reaches the process of rank 1 only (SLURM may signal some processes and not others), or rank 1
+    alone finds its time limit reached (each process measures its own)."""
+    stopped = torchrun("train", recipe, "--output-dir", tmp_path / "run", "--set", f"distributed.strategy={strategy}",
+                       fault=fault)
+    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+    assert f"{why}: stopped after step 3" in stopped.stdout
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    resumed = torchrun("resume", run)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert losses(run) == losses(straight(strategy))
+    a, b = adapter(straight(strategy)), adapter(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same layout: bitwise
+
+
+@pytest.mark.slow
+def test_fsdp_resume_on_another_process_count_is_refused_then_forced(recipe, tmp_path):
+    run = tmp_path / "run"
+    stopped = torchrun("train", recipe, "--output-dir", run, *FSDP, fault="sigterm@2")
+    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+    refused = one_process("resume", run)
+    assert refused.returncode == 2
+    assert "processes: 2 -> 1" in refused.stderr and "--force" in refused.stderr
+    forced = one_process("resume", run, "--force")
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert "processes 2 -> 1" in forced.stdout
+    # DCP resharded the two processes' optimizer shards into this one's: AdamW's step count carried over
+    # (a fresh optimizer would count 2 steps at step 4).
+    optimizer = torch.load(run / "checkpoints" / "step-000004" / "optimizer.pt", weights_only=True)
+    assert optimizer["state"] and all(int(s["step"]) == 4 for s in optimizer["state"].values())
+    assert (run / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_process_dying_mid_save_leaves_the_previous_checkpoint(recipe, straight, tmp_path):
+    run = tmp_path / "run"
+    # Rank 1 dies in the middle of step 4's save (weights gathered, its optimizer shard not yet written).
+    died = torchrun("train", recipe, "--output-dir", run, *FSDP, fault="rank1/kill@gathered:4")
+    assert died.returncode != 0
+    assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step-000002"]
+    resumed = torchrun("resume", run)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "removed an incomplete checkpoint write" in resumed.stdout
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    a, b = adapter(straight("fsdp")), adapter(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_if_present_trains_then_resumes_then_says_done(make_recipe, tmp_path, monkeypatch):
+    """The same command line, repeated by a requeued batch job."""
+    recipe = make_recipe(training={"max_steps": 4})
+    command = ("train", recipe, "--output-dir", tmp_path / "run", "--resume-if-present")
+    first = invoke(*command, monkeypatch=monkeypatch, fault="sigterm@2")
+    assert first.exit_code == 75, first.output
+    again = invoke(*command, monkeypatch=monkeypatch)
+    assert again.exit_code == 0, again.output
+    assert "resuming from step-000002" in again.output
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4]
+    done = invoke(*command, monkeypatch=monkeypatch)
+    assert done.exit_code == 0 and "already finished at step 4" in done.output
+    # An edited recipe that would change the trajectory is refused, not silently mixed into the run.
+    changed = invoke(*command, "--set", "training.learning_rate=0.5", monkeypatch=monkeypatch)
+    assert changed.exit_code == 2 and "training.learning_rate" in changed.output
+    # Without the flag an existing run is never trained over.
+    refused = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
+    assert refused.exit_code == 2
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("training.optimizer", "adamw_8bit", "training.optimizer adamw_8bit"),
+    ("training.optimizer", "adafactor", "training.optimizer adafactor"),
+    ("memory.max_gpu_memory", "4GiB", "memory.max_gpu_memory"),
+])
+def test_fsdp_combinations_that_cannot_work_are_refused_at_validate(make_recipe, key, value, named):
+    result = invoke("validate", make_recipe(), "--set", "distributed.strategy=fsdp", "--set", f"{key}={value}")
+    assert result.exit_code == 2 and "distributed.strategy fsdp" in result.output and named in result.output
+
+
+def test_launch_layout_counts_nodes():
+    from gpupoor.decisions import launch_layout
+
+    assert launch_layout({}) == (1, 1)
+    assert launch_layout({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == (8, 2)
+    assert launch_layout({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}) == (2, 2)
+
+
+@pytest.mark.parametrize("variable, named", [("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"),
+                                             ("ACCELERATE_USE_FSDP", "accelerate's FSDP")])
+def test_launches_gpupoor_cannot_train_under_are_refused_before_loading(make_recipe, monkeypatch, tmp_path,
+                                                                        variable, named):
+    monkeypatch.setenv(variable, "true")
+    result = invoke("train", make_recipe(), "--output-dir", tmp_path / "run")
+    assert result.exit_code == 2 and named in result.output and "distributed.strategy" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of final/: the adapter, or a full fine-tune's model shards."""
+    found = {}
+    for file in sorted((run / "final").glob("*.safetensors")):
+        found.update(load_file(file))
+    return found
+
+
+FSDP_METHODS = {  # LoRA itself runs in the tests above
+    "full": {"peft": {"method": "full"}},
+    "dora-last-layer": {"peft": {"method": "dora", "rank": 4, "last_layers": 1}},
+    "ia3": {"peft": {"method": "ia3"}},
+    "qlora-4bit-checkpointing-distill": {"quantization": {"bits": 4}, "memory": {"gradient_checkpointing": True},
+                                         "distill": "teacher"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FSDP_METHODS)
+def test_every_method_trains_and_resumes_under_fsdp(make_recipe, tiny_tied_model, tmp_path, name):
+    """Each method under FSDP x 2, stopped by a signal to rank 1 at step 2 and resumed, ends where one process
+    accumulating two micro-batches ends: sharding, the gathered checkpoint and the resharded optimizer state are
+    all right (a lost optimizer state or a wrongly mapped weight moves the result far beyond rounding)."""
+    sections = dict(FSDP_METHODS[name])
+    if sections.get("distill") == "teacher":
+        sections["distill"] = {"teacher": str(tiny_tied_model), "weight": 0.5}
+    recipe = make_recipe(training={"max_steps": 4, "micro_batch_size": 2}, **sections)
+    one = one_process("train", recipe, "--output-dir", tmp_path / "one", "--set",
+                      "training.gradient_accumulation_steps=2")
+    assert one.returncode == 0, one.stderr[-2000:]
+    stopped = torchrun("train", recipe, "--output-dir", tmp_path / "fsdp", *FSDP, fault="rank1/sigterm@2")
+    assert exit_codes(stopped) == [75, 75], stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    resumed = torchrun("resume", tmp_path / "fsdp")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    reference = [loss for _, loss, _ in losses(tmp_path / "one")]
+    assert [loss for _, loss, _ in losses(tmp_path / "fsdp")] == pytest.approx(reference, rel=1e-5)
+    assert close(weights(tmp_path / "one"), weights(tmp_path / "fsdp"))
