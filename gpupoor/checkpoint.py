@@ -189,15 +189,18 @@ def sweep_temporary(checkpoints_dir: Path) -> list[str]:
     return removed
 
 
-def rotate(checkpoints_dir: Path, keep_last: int, step: int | None = None) -> list[str]:
+def rotate(checkpoints_dir: Path, keep_last: int, step: int | None = None, keep: str | None = None) -> list[str]:
     """Keep the `keep_last` newest valid checkpoints (by manifest step) and remove older valid ones. Never
-    removes the newest valid checkpoint; leaves invalid ones for the user to inspect (resume skips them)."""
+    removes the newest valid checkpoint, nor `keep` (the best by eval loss); leaves invalid ones for the user
+    to inspect (resume skips them)."""
     faults.at_stage("rotate", step)
     # Manifests only: the newest was verified as it was written, and rehashing every kept checkpoint on
     # every save would cost more than the save.
     valid = [path for path, _, problem in scan(checkpoints_dir, check_files=False) if problem is None]
     removed = []
     for path in valid[max(1, keep_last):]:
+        if path.name == keep:
+            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path.name)
     return removed

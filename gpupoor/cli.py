@@ -53,6 +53,17 @@ def _time_limit_override(time_limit: str | None) -> list[str]:
     return [f"checkpoint.time_limit={json.dumps(time_limit)}"]  # a JSON string is a quoted YAML scalar
 
 
+PROFILE_HELP = ("Profile N optimizer steps after 2 warm-up steps (sets logging.profile_steps): a Chrome/Perfetto "
+                "trace, the top operators and where the step time goes, in RUN_DIR/profile/.")
+
+
+def _profile_override(steps: int | None) -> list[str]:
+    return [] if steps is None else [f"logging.profile_steps={steps}"]
+
+
+FINISHED = ("done", "already_done", "early_stop")  # exit 0; any other reason stopped with a checkpoint: exit 75
+
+
 def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int | None]:
     """Train and resume note SIGTERM/SIGINT/SIGUSR1 from their first line to their last, so a signal during
     start-up or after the stop checkpoint still ends in a checkpoint and exit 75, never a bare 143."""
@@ -106,6 +117,7 @@ def train(
                                "random-weight model of the same architecture, the first rows, a few CPU steps."),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
     force: bool = typer.Option(False, "--force", help=FORCE_FIT_HELP),
+    profile: Optional[int] = typer.Option(None, "--profile", min=1, help=PROFILE_HELP),
     resume_if_present: bool = typer.Option(False, "--resume-if-present", help="When the output directory already "
                                            "holds a run, resume it (with this recipe: changes that alter the "
                                            "trajectory are refused) instead of refusing: one command line for a "
@@ -120,14 +132,14 @@ def train(
         from gpupoor.preflight import preflight
         from gpupoor.recipe import load_recipe
 
-        overrides = (set_ or []) + _time_limit_override(time_limit)
+        overrides = (set_ or []) + _time_limit_override(time_limit) + _profile_override(profile)
         loaded = load_recipe(recipe, overrides)
         existing = _existing_run(loaded, output_dir) if resume_if_present and not smoke else None
         if existing is not None:
             from gpupoor.run import resume_run
 
             result = resume_run(existing, [], started=started, stop=stop, recipe=loaded)
-            return EXIT_RESUMABLE if result.reason not in ("done", "already_done") else 0
+            return 0 if result.reason in FINISHED else EXIT_RESUMABLE
         for warning in preflight(loaded):
             typer.echo(f"warning: {warning}", err=True)
         plan = None
@@ -139,7 +151,7 @@ def train(
         from gpupoor.run import train_from_recipe
 
         result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started, plan=plan, stop=stop)
-        return EXIT_RESUMABLE if result.reason != "done" else 0
+        return 0 if result.reason in FINISHED else EXIT_RESUMABLE
 
     _guarded(debug, _with_stop_requests(action))
 
@@ -160,6 +172,7 @@ def resume(
     force: bool = typer.Option(False, "--force", help="Resume even with trajectory-changing recipe changes "
                                "or changed data."),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
+    profile: Optional[int] = typer.Option(None, "--profile", min=1, help=PROFILE_HELP),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Continue a run exactly from its newest valid checkpoint."""
@@ -169,9 +182,9 @@ def resume(
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.run import resume_run
 
-        overrides = (set_ or []) + _time_limit_override(time_limit)
+        overrides = (set_ or []) + _time_limit_override(time_limit) + _profile_override(profile)
         result = resume_run(run_dir, overrides, force=force, started=started, stop=stop)
-        return EXIT_RESUMABLE if result.reason not in ("done", "already_done") else 0
+        return 0 if result.reason in FINISHED else EXIT_RESUMABLE
 
     _guarded(debug, _with_stop_requests(action))
 
@@ -193,6 +206,30 @@ def status(
         if problem not in (None, "absent"):
             raise UserError(f"{run_dir / 'final'}: {problem}",
                             hint=f"gpupoor resume {run_dir} writes final/ again from the last checkpoint")
+        return 0
+
+    _guarded(debug, action)
+
+
+@app.command()
+def report(
+    run_dirs: list[Path] = typer.Argument(..., help="One or more run directories; several "
+                                          "are overlaid on the same axes, labelled by directory name."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="X.html: one self-contained page with "
+                                          "the figures and each run's summary; X.png: the figures only. "
+                                          "Default: RUN_DIR/report.html for one run, ./report.html for several."),
+    log_scale: bool = typer.Option(False, "--log-scale", help="Loss on a log scale (the HTML page embeds both "
+                                   "scales; this picks the one shown first)."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Plot loss and eval loss (with checkpoints, resumes, stops, skipped steps and the best checkpoint marked),
+    learning rate, tokens/s and peak memory of one or more runs. Needs matplotlib (the `report` extra of gpupoor)."""
+
+    def action() -> int:
+        from gpupoor.run_report import write_report
+
+        written = write_report(run_dirs, output, log_scale)
+        typer.echo(f"wrote {written} ({written.stat().st_size / 1024:.0f} KiB)")
         return 0
 
     _guarded(debug, action)

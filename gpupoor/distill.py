@@ -24,6 +24,7 @@ from gpupoor.data.formats import IGNORE_INDEX
 from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.errors import UserError
 from gpupoor.loss import FusedHead, accumulate_head_grads, last_hidden_state, model_inputs, precomputed_backward
+from gpupoor.profiling import span
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,8 +129,9 @@ def linear_distill_sum(student_hidden: torch.Tensor, student_weight: torch.Tenso
     if chunk is None:
         chunk = loss_chunk_tokens(max(student_weight.shape[0], teacher_weight.shape[0]))
     # The teacher is frozen: no gradient flows into it, whatever its parameters say.
-    return _LinearDistill.apply(student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(),
-                                targets, temperature, weight, chunk)
+    with span("loss"):
+        return _LinearDistill.apply(student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(),
+                                    targets, temperature, weight, chunk)
 
 
 def distill_loss_sum(student_model: torch.nn.Module, teacher_model: torch.nn.Module, batch: dict[str, torch.Tensor],
@@ -153,17 +155,19 @@ def plain_distill_loss_sum(student_model: torch.nn.Module, teacher_model: torch.
     head cannot be fused (an adapted head, post-processed logits)."""
     labels = batch["labels"][:, 1:]
     mask = labels != IGNORE_INDEX
-    logits = student_model(**model_inputs(batch), use_cache=False).logits[:, :-1][mask]
-    # fp32 at least: a bf16 log-softmax over a large vocabulary loses precision.
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    student = logits.to(acc)
-    with torch.no_grad():
-        teacher = teacher_model(**model_inputs(batch), use_cache=False).logits[:, :-1][mask].to(acc)
-    common = min(student.shape[-1], teacher.shape[-1])
-    kl = F.kl_div(F.log_softmax(student[:, :common] / temperature, dim=-1),
-                  F.log_softmax(teacher[:, :common] / temperature, dim=-1), log_target=True, reduction="sum")
-    ce = F.cross_entropy(student, labels[mask], reduction="sum")
-    return weight * temperature ** 2 * kl + (1 - weight) * ce
+    with span("forward"):
+        logits = student_model(**model_inputs(batch), use_cache=False).logits[:, :-1][mask]
+        # fp32 at least: a bf16 log-softmax over a large vocabulary loses precision.
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        student = logits.to(acc)
+        with torch.no_grad():
+            teacher = teacher_model(**model_inputs(batch), use_cache=False).logits[:, :-1][mask].to(acc)
+    with span("loss"):
+        common = min(student.shape[-1], teacher.shape[-1])
+        kl = F.kl_div(F.log_softmax(student[:, :common] / temperature, dim=-1),
+                      F.log_softmax(teacher[:, :common] / temperature, dim=-1), log_target=True, reduction="sum")
+        ce = F.cross_entropy(student, labels[mask], reduction="sum")
+        return weight * temperature ** 2 * kl + (1 - weight) * ce
 
 
 def check_vocabularies(student_tokenizer, teacher_tokenizer) -> None:

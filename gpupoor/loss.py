@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from gpupoor.data.formats import IGNORE_INDEX
 from gpupoor.decisions import choose_fused_loss, logit_postprocessing, loss_chunk_tokens
+from gpupoor.profiling import span
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -27,12 +28,14 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def plain_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = model(**model_inputs(batch), use_cache=False).logits
-    # Position t predicts token t+1. Compute in fp32: a bf16 log-softmax over a large vocab loses precision.
-    shifted = logits[:, :-1, :].float()
-    targets = batch["labels"][:, 1:]
-    return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    with span("forward"):
+        logits = model(**model_inputs(batch), use_cache=False).logits
+    with span("loss"):
+        # Position t predicts token t+1. Compute in fp32: a bf16 log-softmax over a large vocab loses precision.
+        shifted = logits[:, :-1, :].float()
+        targets = batch["labels"][:, 1:]
+        return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -91,7 +94,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0 + weight.sum() * 0.0  # keeps the graph connected for an empty batch
     chunk = loss_chunk_tokens(weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
+    with span("loss"):
+        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
 
 
 @dataclass
@@ -130,7 +134,8 @@ def last_hidden_state(model: torch.nn.Module, batch: dict[str, torch.Tensor], de
 
     handle = decoder.register_forward_hook(keep_hidden)
     try:
-        model(**model_inputs(batch), use_cache=False, logits_to_keep=1)
+        with span("forward"):
+            model(**model_inputs(batch), use_cache=False, logits_to_keep=1)
     finally:
         handle.remove()
     return captured["hidden"]
@@ -142,3 +147,35 @@ def fused_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused
     mask = labels != IGNORE_INDEX
     hidden = hidden[:, :-1][mask]  # only positions whose next token is a target
     return linear_cross_entropy_sum(hidden, fused.weight, labels[mask])
+
+
+# ----------------------------------------------------------------------------------------------------- eval
+def plain_eval_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, number of targets the model ranks first) from the model's full logits."""
+    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1, :].float()
+    targets = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    correct = ((logits.argmax(-1) == targets) & (targets != IGNORE_INDEX)).sum()
+    return loss, correct
+
+
+@torch.no_grad()
+def fused_eval_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                    fused: FusedHead) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same two sums through the fused head, chunk by chunk over the target positions: token accuracy
+    costs one argmax per chunk of logits that the loss computes anyway, and no vocabulary-sized tensor per batch."""
+    hidden = last_hidden_state(model, batch, fused.decoder)
+    labels = batch["labels"][:, 1:]
+    mask = labels != IGNORE_INDEX
+    hidden, targets, weight = hidden[:, :-1][mask], labels[mask], fused.weight
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    loss = torch.zeros((), dtype=acc, device=hidden.device)
+    correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+    chunk = loss_chunk_tokens(weight.shape[0])
+    for start in range(0, hidden.shape[0], chunk):
+        logits = (hidden[start:start + chunk] @ weight.t()).to(acc)
+        t = targets[start:start + chunk]
+        loss += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
+        correct += (logits.argmax(-1) == t).sum()
+    return loss, correct

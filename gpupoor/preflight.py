@@ -187,9 +187,20 @@ def check_module_names(loaded: LoadedRecipe) -> list[str]:
     return []
 
 
+def check_trackers(report_to: list[str]) -> None:
+    from gpupoor.trackers import missing_trackers
+
+    missing = missing_trackers(report_to)
+    if missing:
+        raise UserError(f"logging.report_to names {', '.join(missing)} but its package is not installed here",
+                        hint="pip install " + " ".join(f"'{extra}'" for extra in missing) + ", or remove it from "
+                        "logging.report_to (metrics.jsonl always has every record)")
+
+
 def preflight(loaded: LoadedRecipe) -> list[str]:
     """Raise UserError on the first definite problem; return warnings for what could not be checked."""
     recipe = loaded.recipe
+    check_trackers(recipe.logging.report_to)
     warnings = check_model(recipe.model.name_or_path, loaded.base_dir)
     warnings += check_module_names(loaded)
     if recipe.distill is not None:

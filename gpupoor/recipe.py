@@ -232,9 +232,18 @@ class TrainingSection(_Section):
     eval_every_steps: int | None = Field(
         None, ge=1, description="Evaluate every N optimizer steps (and at the end) when eval data is set.", **RESUME_SAFE
     )
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="Stop when eval_loss has not improved by `early_stopping_min_delta` for this many "
+        "evaluations in a row: final/ is written and the exit code is 0. Needs eval data and `eval_every_steps`.",
+        **RESUME_SAFE
+    )
+    early_stopping_min_delta: float = Field(
+        0.0, ge=0, description="The least fall of eval_loss that counts as an improvement.", **RESUME_SAFE
+    )
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="`auto`: CUDA when available, else CPU.", **RESUME_SAFE)
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads on CPU. Default: the cores this process may use.", **RESUME_SAFE
+        None, ge=1, description="torch threads on CPU. Default: the cores this process may use, divided among the "
+        "processes a launcher started on this node.", **RESUME_SAFE
     )
 
 
@@ -283,6 +292,14 @@ class CheckpointSection(_Section):
     )
     keep_last: int = Field(
         2, ge=1, description="Valid checkpoints kept; older ones are removed after each new one is committed."
+    )
+    keep_best: bool = Field(
+        False, description="Also keep the checkpoint with the lowest eval_loss: an eval that improves on the best "
+        "saves a checkpoint of its step (when none was due), and `keep_last` never removes it. Needs eval data."
+    )
+    final: Literal["last", "best"] = Field(
+        "last", description="What final/ holds: the weights of the last step, or (`best`, with `keep_best`) those "
+        "of the best checkpoint by eval_loss."
     )
     time_limit: str | None = Field(
         None, description="Wall-clock budget of the run, e.g. `11h30m`, `45m`, `90s`. gpupoor saves a "
@@ -343,16 +360,56 @@ FSDP_OPTIMIZERS = ("adamw", "sgd")  # optimizers whose step runs on FSDP2's shar
 
 
 class LoggingSection(_Section):
-    """What gpupoor prints while training (metrics.jsonl always gets every step)."""
+    """What gpupoor prints while training and which trackers get the metrics (metrics.jsonl always gets every
+    step)."""
 
     every_steps: int = Field(1, ge=1, description="Print a plain log line every N optimizer steps (non-TTY).")
     progress: Literal["auto", "bar", "plain", "none"] = Field(
         "auto", description="`auto`: a progress bar on a terminal, plain log lines otherwise."
     )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Trackers that get every metrics record (loss, lr, grad norm, tokens/s, "
+        "memory, eval loss and accuracy, checkpoint times, skipped steps) and the recipe as the run's config. Each "
+        "is an extra: `pip install 'gpupoor[tensorboard]'` (or `[wandb]`, `[mlflow]`). TensorBoard writes into "
+        "RUN_DIR/tensorboard; MLflow uses MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns; W&B follows "
+        "its own login and WANDB_MODE. A tracker that fails warns once; training goes on."
+    )
+    project: str = Field("gpupoor", description="The W&B project / MLflow experiment the run is logged under.")
+    run_name: str | None = Field(None, description="The tracker run's name. Default: the run directory's name.")
+    offline: bool = Field(
+        False, description="Trackers write only local files: W&B in offline mode (RUN_DIR/wandb; `wandb sync` "
+        "uploads it later), MLflow to RUN_DIR/mlruns even when MLFLOW_TRACKING_URI is set."
+    )
+
+    profile_steps: int | None = Field(
+        None, ge=1, description="Profile this many optimizer steps with torch.profiler after 2 warm-up steps "
+        "(`train --profile N`): a Chrome/Perfetto trace, the top operators and where the step time goes "
+        "(data, forward, loss, backward, optimizer) in RUN_DIR/profile/; on CUDA also a memory snapshot."
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_once(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
 
 
 class Recipe(_Section):
     """A gpupoor training recipe."""
+
+    @model_validator(mode="after")
+    def _evaluation_that_decides(self) -> "Recipe":
+        data, training, checkpoint = self.data, self.training, self.checkpoint
+        has_eval = bool(data.eval_path or data.eval_split or data.eval_rows)
+        if training.early_stopping_patience is not None and not (has_eval and training.eval_every_steps):
+            raise ValueError("training.early_stopping_patience needs evaluations to count: set data.eval_rows (or "
+                             "data.eval_path / data.eval_split) and training.eval_every_steps")
+        if checkpoint.keep_best and not has_eval:
+            raise ValueError("checkpoint.keep_best needs an eval loss to rank checkpoints: set data.eval_rows (or "
+                             "data.eval_path / data.eval_split)")
+        if checkpoint.final == "best" and not checkpoint.keep_best:
+            raise ValueError("checkpoint.final: best needs checkpoint.keep_best: true (the best checkpoint is kept "
+                             "to be copied into final/)")
+        return self
 
     model: ModelSection
     data: DataSection
@@ -582,12 +639,22 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[str, 
             msg = f"{where}: '{dotted}' is required"
         else:
             detail = err["msg"].removeprefix("Value error, ")
-            msg = f"{where}: '{dotted}' = {_short(err.get('input'))}: {detail}"
+            named = _named_key(detail) if len(loc) <= 1 else None
+            if named:  # a rule across sections names the key it is about: point there, not at the whole section
+                msg = f"{_where(named, source, lines, overridden)}: {detail}"
+            else:
+                msg = f"{where}: '{dotted}' = {_short(err.get('input'))}: {detail}"
         messages.append(msg)
     if len(errors) > MAX_REPORTED_ERRORS:
         messages.append(f"... and {len(errors) - MAX_REPORTED_ERRORS} more errors")
     return "invalid recipe:\n  " + "\n  ".join(messages) + \
         "\n  see docs/recipe.md or `gpupoor schema` for every key"
+
+
+def _named_key(detail: str) -> str | None:
+    """The dotted recipe key a message starts with (`training.early_stopping_patience needs ...`), if any."""
+    first = detail.split(" ", 1)[0]
+    return first if "." in first and first.split(".", 1)[0] in Recipe.model_fields else None
 
 
 def _where(dotted: str, source: str, lines: dict[str, int], overridden: set[str]) -> str:

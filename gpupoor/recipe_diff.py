@@ -56,7 +56,9 @@ def format_changes(changes: list[tuple[str, object, object]]) -> str:
 
 # Keys added to the schema after runs were written, with the value that means "as before": left out of the hash
 # while they hold it, so a checkpoint written by an older gpupoor still matches its run's recipe.
-ADDED_KEYS = {"peft.last_layers": None, "distill": None}
+ADDED_KEYS = {"peft.last_layers": None, "distill": None, "distributed.strategy": "auto",
+              "distributed.shard_frozen": True, "distributed.reshard_after_forward": True,
+              "distributed.cpu_offload": False}
 
 
 def trajectory_hash(recipe: Recipe) -> str:

@@ -136,12 +136,23 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
             say(f"the run in {run_dir} finished but has no checkpoint to continue from")
             return RunResult(run_dir, "already_done", None, 0)
         say("warning: no valid checkpoint: starting this run again from step 0")
-    elif finished and checkpoint.step >= _planned_steps(recipe, safe, checkpoint):
+    elif finished and (checkpoint.step >= _planned_steps(recipe, safe, checkpoint) or _stopped_early(run_dir, safe)):
         say(f"the run already finished at step {checkpoint.step}: the adapter is in {run_dir / 'final'}\n"
-            "  (to train further: gpupoor resume RUN_DIR --set training.max_steps=N)")
+            "  (to train further: gpupoor resume RUN_DIR --set training.max_steps=N"
+            + (", or a larger training.early_stopping_patience)" if _stopped_early(run_dir, safe) else ")"))
         return RunResult(run_dir, "already_done", checkpoint.manifest.get("loss"), checkpoint.step)
     plan = _plan_quietly(LoadedRecipe(recipe, None))
     return _execute(recipe, run_dir, checkpoint, False, say, started, force=force, lock=lock, plan=plan, stop=stop)
+
+
+def _stopped_early(run_dir: Path, safe_changes: list) -> bool:
+    """The finished run stopped early (final/'s manifest says so: it was verified) and nothing that decides
+    stopping changed since."""
+    from gpupoor.checkpoint import read_manifest
+
+    decisive = ("training.early_stopping", "training.max_steps", "training.epochs")
+    return read_manifest(run_dir / "final").get("stop") == "early_stop" and \
+        not any(key.startswith(decisive) for key, _, _ in safe_changes)
 
 
 def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
@@ -283,6 +294,7 @@ class Session:
     warmup: int
     summary: object  # gpupoor.model.ModelSummary
     nodes: int = 1
+    logged: set = field(default_factory=set)  # (step, kind) of what earlier sessions logged (trackers.already_logged)
     scheduler: object = None
     state: object = None  # gpupoor.train.state.TrainState
     memory_plan: object = None
@@ -354,8 +366,10 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
     if not accelerator.is_main_process:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
     if device.value == "cpu":
-        # Oversubscribed cores are far slower than idle ones: use the cores we may run on, no more.
-        torch.set_num_threads(recipe.training.cpu_threads or usable_cpu_count())
+        # Oversubscribed cores are far slower than idle ones: use the cores we may run on, no more, shared with
+        # the other processes of this node.
+        per_process = max(1, usable_cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(recipe.training.cpu_threads or per_process)
     torch.manual_seed(recipe.seed)
 
     location = model_location(recipe.model, Path.cwd())  # a local directory (built-ins built) or a hub id
@@ -572,7 +586,8 @@ def open_run_dir(session: Session, lock: RunLock | None, started: float) -> RunL
     metrics the resumed steps will write again, and record this session. Returns a lock this call took."""
     from gpupoor.rundir import METRICS
     from gpupoor.train.loop import eval_due
-    from gpupoor.train.report import truncate_metrics
+    from gpupoor.train.report import read_metrics, truncate_metrics
+    from gpupoor.trackers import already_logged
 
     owned = None
     if lock is None and session.main:  # a new run: create and lock it, then make sure no other run got there first
@@ -588,7 +603,9 @@ def open_run_dir(session: Session, lock: RunLock | None, started: float) -> RunL
         step = session.state.step
         # The eval of the checkpoint's step is dropped only where the loop will run it again (an eval point, or
         # the last step, whose eval follows the loop): a crash between checkpoint and eval record loses nothing.
-        redone = step > 0 and (step >= session.steps or eval_due(session.data, loop_settings(session, None), step))
+        redone = step > 0 and session.state.evaluated_step < step and \
+            (step >= session.steps or eval_due(session.data, loop_settings(session, None), step))
+        session.logged = already_logged(read_metrics(session.run_dir / METRICS))
         truncate_metrics(session.run_dir / METRICS, step, redone)
         write_session(session.run_dir, session.recipe.checkpoint.time_limit_s, started)
     return owned
@@ -641,7 +658,9 @@ class CheckpointPolicy:
 class RunHooks:
     """What happens at each step boundary of the loop: metrics, progress, checkpoints, stopping."""
 
-    def __init__(self, session: Session, policy: CheckpointPolicy, stop, manifest_base: dict):
+    def __init__(self, session: Session, policy: CheckpointPolicy, stop, manifest_base: dict, resumed: bool = False):
+        import time as clock
+
         from gpupoor.train.report import MetricsWriter, NullWriter, Progress
 
         self.session, self.policy, self.stop, self.manifest_base = session, policy, stop, manifest_base
@@ -653,6 +672,20 @@ class RunHooks:
         self.metrics = MetricsWriter(session.run_dir / "metrics.jsonl") if main else NullWriter()
         self.progress = Progress(session.steps, session.state.step, session.recipe.logging.progress if main else "none",
                                  session.recipe.logging.every_steps)
+        self.trackers = self.profiler = None
+        if main and session.recipe.logging.report_to:
+            from gpupoor.trackers import Trackers
+
+            self.trackers = Trackers(session.run_dir, session.recipe.logging, session.recipe.model_dump(mode="json"),
+                                     session.logged, lambda text: self.progress.message(text, always=True))
+        self.write({"step": self.first_step, "event": "start", "session": "resume" if resumed else "train",
+                    "time": round(clock.time(), 3)})
+
+    def write(self, record: dict) -> None:
+        """One record to metrics.jsonl (the record of truth) and to the trackers."""
+        self.metrics.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def on_step(self, record: dict, state) -> None:
         from gpupoor import faults
@@ -662,8 +695,10 @@ class RunHooks:
         if state.step - self.first_step in (1, 3) and self.session.main:
             self._memory_line(record, state.step)
         self.last_loss = record["loss"]
-        self.metrics.write(record)
+        self.write(record)
         self.progress.step(record)
+        if self.profiler is not None:
+            self.profiler.step(record)
         if self._anywhere(self.policy.due(state.step, self.session.steps)):  # each process has its own clock
             self.save_checkpoint()
         faults.after_step(state.step)
@@ -683,8 +718,34 @@ class RunHooks:
                               always=True)
 
     def on_eval(self, record: dict, state) -> None:
-        self.metrics.write(record)
-        self.progress.message(f"step {record['step']}: eval_loss {record['eval_loss']:.4f}")
+        self.write(record)
+        self.progress.message(f"step {record['step']}: eval_loss {record['eval_loss']:.4f}, "
+                              f"accuracy {record['eval_accuracy']:.1%}")
+        if record["step"] > state.evaluated_step:  # judge each eval once
+            self._judge(record["eval_loss"], state)
+
+    def _judge(self, loss: float, state) -> None:
+        """Early stopping and the best checkpoint. Any fall of eval_loss makes a new best; only a fall of at least
+        early_stopping_min_delta resets the count of evaluations without improvement."""
+        training, keep_best = self.session.recipe.training, self.session.recipe.checkpoint.keep_best
+        state.evaluated_step = state.step
+        best = state.best_eval_loss
+        if best is None or loss < best - training.early_stopping_min_delta:
+            state.evals_without_improvement = 0
+        else:
+            state.evals_without_improvement += 1
+        if best is None or loss < best:
+            state.best_eval_loss, state.best_step = loss, state.step
+            if keep_best:
+                # Every process knows whether this step is saved (the policy's record is common): the save is
+                # collective under FSDP.
+                name = f"step-{state.step:06d}" if self.policy.last_step == state.step else self.save_checkpoint()
+                self.write({"step": state.step, "event": "best", "checkpoint": name, "best_eval_loss": loss})
+
+    def best_checkpoint(self) -> str | None:
+        state = self.session.state
+        keep = self.session.recipe.checkpoint.keep_best and state.best_step is not None
+        return f"step-{state.best_step:06d}" if keep else None
 
     def should_stop(self, state, last_step_s: float) -> str | None:
         from gpupoor import faults
@@ -699,6 +760,9 @@ class RunHooks:
 
             flags = torch.tensor([float(signal), float(out_of_time)], device=accelerator.device)
             signal, out_of_time = (bool(x) for x in accelerator.reduce(flags, "sum").tolist())
+        patience = self.session.recipe.training.early_stopping_patience
+        if patience and state.evals_without_improvement >= patience:  # the same on every process: evals are reduced
+            return "early_stop"
         if signal:
             return self.stop.name or "stop requested on another process"
         return "time_limit" if out_of_time else None
@@ -741,12 +805,12 @@ class RunHooks:
                     shutil.rmtree(staged, ignore_errors=True)  # moved into the checkpoint, or abandoned
             if error is None:
                 size = dir_size(session.checkpoints_dir / name)
-                rotate(session.checkpoints_dir, session.recipe.checkpoint.keep_last, step)
+                rotate(session.checkpoints_dir, session.recipe.checkpoint.keep_last, step, keep=self.best_checkpoint())
         if self._anywhere(error is not None):
             reason = str(error) if error is not None else f"the first process could not write checkpoint {name}"
             raise RunFailed(f"{reason}\n  free some space, then continue with: gpupoor resume {session.run_dir}")
         self.policy.saved(step, seconds, size)
-        self.metrics.write({"step": step, "checkpoint": name, "save_s": round(self.policy.save_s, 3)})
+        self.write({"step": step, "checkpoint": name, "save_s": round(self.policy.save_s, 3)})
         return name
 
     def _anywhere(self, flag: bool) -> bool:
@@ -796,10 +860,12 @@ class RunHooks:
 
     def close(self) -> None:
         self.progress.close()
+        if self.trackers is not None:
+            self.trackers.close()
         self.metrics.close()
 
 
-def loop_settings(session: Session, loss_fn, eval_loss_fn=None):
+def loop_settings(session: Session, loss_fn, eval_fn=None):
     from gpupoor.train.loop import LoopSettings
 
     training = session.recipe.training
@@ -809,30 +875,32 @@ def loop_settings(session: Session, loss_fn, eval_loss_fn=None):
                         # bitsandbytes 4-bit layers repack their weights in eval mode on some CPUs
                         eval_in_train_mode=session.recipe.quantization.bits is not None and session.device == "cpu",
                         max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn,
-                        eval_loss_fn=eval_loss_fn, lockstep=session.sharded)
+                        **({"eval_fn": eval_fn} if eval_fn is not None else {}), lockstep=session.sharded)
 
 
 def choose_loss(session: Session):
-    """(training loss, eval loss, how the startup summary names it). Fault injection may make chosen steps
-    non-finite. With distillation the eval loss stays the cross-entropy, comparable across runs."""
+    """(training loss, eval sums (cross-entropy and correct targets), how the startup summary names the loss).
+    Fault injection may make chosen steps non-finite. With distillation eval stays the cross-entropy,
+    comparable across runs."""
     from gpupoor import faults
-    from gpupoor.loss import find_fused_head, fused_loss_sum, plain_loss_sum
+    from gpupoor.loss import find_fused_head, fused_eval_sums, fused_loss_sum, plain_eval_sums, plain_loss_sum
 
     fused, reason = find_fused_head(session.unwrapped, enabled=session.recipe.memory.fused_cross_entropy)
     cross_entropy = functools.partial(fused_loss_sum, fused=fused) if fused is not None else plain_loss_sum
+    evaluation = functools.partial(fused_eval_sums, fused=fused) if fused is not None else plain_eval_sums
     name = f"{'fused chunked cross-entropy' if fused is not None else 'plain cross-entropy'} ({reason})"
     base_loss = cross_entropy
     if session.teacher is not None:
         base_loss, name = _distill_loss(session, fused)
     nan_steps = faults.steps_for("nan")
     if not nan_steps:
-        return base_loss, cross_entropy, name
+        return base_loss, evaluation, name
 
     def loss_with_faults(model, batch):
         loss = base_loss(model, batch)
         return loss * float("nan") if session.state.step + 1 in nan_steps else loss
 
-    return loss_with_faults, cross_entropy, name
+    return loss_with_faults, evaluation, name
 
 
 def _distill_loss(session: Session, student_head):
@@ -876,7 +944,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
         say(f"warning: --force: processes {checkpoint.manifest.get('processes', 1)} -> "
             f"{session.accelerator.num_processes}: resuming on another layout (the optimizer state is resharded)")
     restore(session, checkpoint, force)
-    loss_fn, eval_loss_fn, loss_path = choose_loss(session)
+    loss_fn, eval_fn, loss_path = choose_loss(session)
     if plan is not None and plan.device != session.device:  # planned for another device than torch found
         plan = _plan_quietly(LoadedRecipe(recipe, None), session.device)
     session.memory_plan = plan
@@ -896,11 +964,11 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
                      "processes": session.accelerator.num_processes, "strategy": session.choices["strategy"].value,
                      "total_steps": session.steps, "warmup_steps": session.warmup, "precision":
                      session.choices["precision"].value, "device": session.device, "versions": library_versions()}
-    hooks = RunHooks(session, policy, stop, manifest_base)
+    hooks = RunHooks(session, policy, stop, manifest_base, resumed=checkpoint is not None)
     if checkpoint is not None:
         restore_rng(session.state.rng)  # last, so nothing above consumes the restored stream
     try:
-        reason, name = _train(session, hooks, loss_fn, eval_loss_fn)
+        reason, name = _train(session, hooks, loss_fn, eval_fn)
     finally:
         hooks.close()
         if session.main:
@@ -910,14 +978,15 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
     return _finish(session, hooks, reason, name, started, say)
 
 
-def _train(session: Session, hooks: RunHooks, loss_fn, eval_loss_fn) -> tuple[str, str]:
+def _train(session: Session, hooks: RunHooks, loss_fn, eval_fn) -> tuple[str, str]:
     """Run the loop; always end on a committed checkpoint of the last step. Returns (why it stopped, its name)."""
     from gpupoor.train.loop import Hooks, TooManySkippedSteps, train
 
     try:
-        reason = train(session.model, session.optimizer, session.scheduler, session.accelerator, session.data,
-                       session.state, loop_settings(session, loss_fn, eval_loss_fn),
-                       Hooks(on_step=hooks.on_step, on_eval=hooks.on_eval, should_stop=hooks.should_stop))
+        with _profiler(session, hooks) as hooks.profiler:
+            reason = train(session.model, session.optimizer, session.scheduler, session.accelerator, session.data,
+                           session.state, loop_settings(session, loss_fn, eval_fn),
+                           Hooks(on_step=hooks.on_step, on_eval=hooks.on_eval, should_stop=hooks.should_stop))
     except TooManySkippedSteps as exc:
         raise RunFailed(f"{exc}. The last good checkpoint is kept; lower training.learning_rate or check the "
                         f"data, then continue with: gpupoor resume {session.run_dir}") from None
@@ -927,16 +996,32 @@ def _train(session: Session, hooks: RunHooks, loss_fn, eval_loss_fn) -> tuple[st
     name = f"step-{step:06d}"
     if hooks.policy.last_step != step or not (session.checkpoints_dir / name).is_dir():
         name = hooks.save_checkpoint()  # also at the end, so `resume --set training.max_steps=N` can extend
+    state = session.state
+    if reason == "early_stop":
+        hooks.write({"step": step, "event": "early_stop", "best_step": state.best_step,
+                     "best_eval_loss": state.best_eval_loss})
+    elif reason != "done":
+        hooks.write({"step": step, "event": "stop", "reason": reason})
     return reason, name
+
+
+def _profiler(session: Session, hooks: RunHooks):
+    """logging.profile_steps: a StepProfiler around the loop (RunHooks.on_step advances it), else nothing."""
+    steps = session.recipe.logging.profile_steps
+    if not steps:
+        return contextlib.nullcontext()
+    from gpupoor.profiling import StepProfiler
+
+    return StepProfiler(steps, session.run_dir / "profile", session.device, session.accelerator.process_index,
+                        session.main, lambda text: hooks.progress.message(text, always=True))
 
 
 def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: float, say) -> RunResult:
     """The final adapter, or why the run stopped early and how to continue it."""
     from gpupoor import faults
-    from gpupoor.checkpoint import write_checkpoint
 
     recipe, run_dir, state = session.recipe, session.run_dir, session.state
-    if reason != "done":
+    if reason not in ("done", "early_stop"):
         faults.at_stage("stopped")
         if reason == "time_limit" and state.step == hooks.first_step:
             raise UserError(f"checkpoint.time_limit {recipe.checkpoint.time_limit} is too short for one optimizer "
@@ -949,16 +1034,51 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
             f"continue with: gpupoor resume {run_dir}")
         _all_finished(session, hooks)
         return RunResult(run_dir, reason, hooks.last_loss, state.step)
-    gathered = session.gather_weights()  # collective under FSDP
-    if session.main:
-        write_checkpoint(run_dir / "final", functools.partial(session.save_weights, gathered=gathered), state.step,
-                         {**hooks.manifest_base, "loss": hooks.last_loss}, 0)
+    best = hooks.best_checkpoint() if recipe.checkpoint.final == "best" else None
+    _write_final(session, hooks, reason, best)
     loss_text = f"{hooks.last_loss:.4f}" if hooks.last_loss is not None else "-"
     what = "model" if session.full else "adapter"
     where = "smoke test passed" if session.smoke else f"{what} in {run_dir / 'final'}"
+    if best is not None:
+        where += f" (the best checkpoint, {best}: eval_loss {state.best_eval_loss:.4f})"
+    if reason == "early_stop":
+        training = recipe.training
+        say(f"early stop: eval_loss did not improve by more than {training.early_stopping_min_delta} for "
+            f"{training.early_stopping_patience} evaluations; best {state.best_eval_loss:.4f} at step {state.best_step}")
     say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {loss_text}; {where}")
     _all_finished(session, hooks)
-    return RunResult(run_dir, "done", hooks.last_loss, state.step)
+    return RunResult(run_dir, reason, hooks.last_loss, state.step)
+
+
+def _write_final(session: Session, hooks: RunHooks, reason: str, best: str | None) -> None:
+    """final/: the last step's weights (gathered under FSDP), or a copy of the best checkpoint's weights."""
+    from gpupoor.checkpoint import write_checkpoint
+
+    state, final = session.state, session.run_dir / "final"
+    extra = {"loss": hooks.last_loss, "stop": reason}
+    if best is not None:
+        if session.main:
+            write_checkpoint(final, functools.partial(_copy_weights, session.checkpoints_dir / best), state.best_step,
+                             {**hooks.manifest_base, **extra, "from_checkpoint": best,
+                              "eval_loss": state.best_eval_loss}, 0)
+        return
+    gathered = session.gather_weights()  # collective under FSDP
+    if session.main:
+        write_checkpoint(final, functools.partial(session.save_weights, gathered=gathered), state.step,
+                         {**hooks.manifest_base, **extra}, 0)
+
+
+def _copy_weights(checkpoint: Path, tmp: Path) -> None:
+    """A checkpoint's weights, config and tokenizer files, without what only training reads back."""
+    from gpupoor.checkpoint import MANIFEST, TRAINING_FILES
+    from gpupoor.distributed import DCP_OPTIMIZER
+
+    skip = {MANIFEST, "scaler.pt", *TRAINING_FILES}
+    for path in checkpoint.rglob("*"):
+        relative = path.relative_to(checkpoint)
+        if path.is_file() and str(relative) not in skip and relative.parts[0] != DCP_OPTIMIZER:
+            (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, tmp / relative)
 
 
 def _all_finished(session: Session, hooks: RunHooks) -> None:

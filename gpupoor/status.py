@@ -3,6 +3,7 @@ and how to continue. Imports no torch."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -10,6 +11,33 @@ from gpupoor.checkpoint import final_problem, read_manifest, scan
 from gpupoor.rundir import METRICS, RunLock, read_session, stored_recipe
 from gpupoor.train.report import read_metrics
 from gpupoor.units import format_duration
+
+
+SPARK_MARKS = "▁▂▃▄▅▆▇█"
+
+
+def loss_sparkline(records: list[dict], width: int = 40) -> str | None:
+    """`loss █▆▅▄▃▂▁ 6.002 -> 5.898 (steps 1-1200, 30 per mark)`: the step records' losses averaged into at
+    most `width` marks, lowest ▁ to highest █; non-finite losses left out. None when there is no loss to show."""
+    points = [(r["step"], r["loss"]) for r in records
+              if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
+    if not points:
+        return None
+    count = min(width, len(points))
+    # Bucket i holds points [i*n/count, (i+1)*n/count): sizes differ by at most one, every point used once.
+    means = []
+    for i in range(count):
+        bucket = points[i * len(points) // count:(i + 1) * len(points) // count]
+        means.append(sum(loss for _, loss in bucket) / len(bucket))
+    low, high = min(means), max(means)
+    top = len(SPARK_MARKS) - 1
+    marks = "".join(SPARK_MARKS[round((m - low) / (high - low) * top) if high > low else top // 2] for m in means)
+    first, last = points[0][0], points[-1][0]
+    span = f"step {first}" if first == last else f"steps {first}-{last}"
+    per = len(points) / count
+    if per > 1:
+        span += f", {per:.0f} per mark" if per == int(per) else f", ~{per:.1f} per mark"
+    return f"loss {marks} {means[0]:.4g} -> {means[-1]:.4g} ({span})"
 
 
 def _session_line(run_dir: Path, time_limit: str | None) -> str:
@@ -56,6 +84,9 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
     elapsed = steps[last]["elapsed_s"] if steps else 0.0
     lines = [f"run {run_dir}", f"  model {recipe.model.name_or_path}; data {recipe.data.path}",
              f"  progress: step {last}{total} logged; {elapsed / 60:.1f} min of training"]
+    sparkline = loss_sparkline([steps[step] for step in sorted(steps)])
+    if sparkline:
+        lines.append(f"  {sparkline}")
     lines += _checkpoint_lines(run_dir)
     lines.append(_session_line(run_dir, recipe.checkpoint.time_limit))
     final = final_problem(run_dir)

@@ -86,3 +86,10 @@ def test_fsdp_on_two_gpus_trains_like_one_and_resumes(make_recipe, tmp_path, set
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     reference = [loss for _, loss, _ in losses(tmp_path / "one")]
     assert [loss for _, loss, _ in losses(tmp_path / "fsdp")] == pytest.approx(reference, rel=2e-2)
+
+
+def test_profile_on_gpu_records_a_memory_snapshot(make_recipe, tmp_path):
+    result = CliRunner().invoke(app, ["train", str(make_recipe(training={"device": "cuda", "max_steps": 6})),
+                                      "--output-dir", str(tmp_path / "run"), "--profile", "2"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "run" / "profile" / "memory_snapshot-rank0.pickle").stat().st_size > 0

@@ -13,7 +13,8 @@ import torch
 
 from gpupoor.data.build import DataBundle, collate, count_targets, count_tokens
 from gpupoor.distributed import full_value
-from gpupoor.loss import plain_loss_sum
+from gpupoor.loss import plain_eval_sums, plain_loss_sum
+from gpupoor.profiling import span
 from gpupoor.train.state import TrainState
 
 
@@ -28,7 +29,9 @@ class LoopSettings:
     eval_in_train_mode: bool = False  # bitsandbytes 4-bit layers repack their weights in eval mode on CPU
     max_consecutive_skips: int = 10
     loss_fn: Callable = plain_loss_sum  # (model, batch) -> summed loss over target tokens
-    eval_loss_fn: Callable | None = None  # what eval_loss reports (default: loss_fn); distillation evaluates CE
+    # (model, batch) -> (summed cross-entropy, targets ranked first): eval_loss and eval_accuracy. The training
+    # loss may differ (distillation); eval is always the cross-entropy, comparable across runs.
+    eval_fn: Callable = plain_eval_sums
     lockstep: bool = False  # FSDP: every forward is collective, so every process runs as many eval forwards
 
 
@@ -61,7 +64,8 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> float:
+def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> dict:
+    """{"eval_loss": mean cross-entropy per target token, "eval_accuracy": share of targets ranked first}."""
     assert data.eval is not None
     # Evaluation must not move the training RNG (dropout in train-mode eval would), or a run that evaluated
     # at step k and one resumed from step k would diverge.
@@ -70,12 +74,13 @@ def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> fl
         return _evaluate(model, accelerator, data, settings)
 
 
-def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> float:
+def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> dict:
     # The bare model, not its DDP wrapper: DDP's forward syncs buffers with every process, and a process with no
     # eval batch of its own would leave the others waiting in that collective.
     model = accelerator.unwrap_model(model)
     model.train(settings.eval_in_train_mode)
     loss_sum = torch.zeros((), device=accelerator.device)
+    correct = torch.zeros((), device=accelerator.device)
     targets = 0
     size = settings.eval_micro_batch_size
     # Each process evaluates every num_processes-th batch; the sums are reduced once at the end.
@@ -92,13 +97,16 @@ def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> f
             batch = collate(data.eval, list(range(first, min(first + size, len(data.eval)))), settings.pad_id)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.autocast():
-                loss = (settings.eval_loss_fn or settings.loss_fn)(model, batch)
+                loss, right = settings.eval_fn(model, batch)
             if start is not None:
-                loss_sum += loss
+                loss_sum += loss.float()
+                correct += right
                 targets += count_targets(batch)
     model.train()  # the same module object the caller trains, wrapped or not
-    totals = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(targets), device=loss_sum.device)]), "sum")
-    return float(totals[0] / totals[1].clamp(min=1))  # all-reduce + CPU-GPU sync point, once per eval
+    totals = accelerator.reduce(torch.stack([loss_sum, correct, torch.tensor(float(targets), device=loss_sum.device)]),
+                                "sum")  # all-reduce + CPU-GPU sync point, once per eval
+    loss, right, count = totals.tolist()
+    return {"eval_loss": loss / max(count, 1.0), "eval_accuracy": round(right / max(count, 1.0), 6)}
 
 
 def _take_window(stream, state: TrainState, accelerator, data: DataBundle, settings: LoopSettings) -> list[dict]:
@@ -113,6 +121,25 @@ def _take_window(stream, state: TrainState, accelerator, data: DataBundle, setti
                 window.append(data.collate(indices, settings.pad_id))
             state.samples_seen += len(indices)
     return window
+
+
+def _forward_backward(model, window: list[dict], accelerator, settings: LoopSettings, scale: float) -> torch.Tensor:
+    """Forward and backward of each micro-batch of the window (the gradients add up); the summed loss. The loss
+    function marks its forward and loss parts for the profiler."""
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for micro_step, batch in enumerate(window):
+        with span("data"):
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+        last = micro_step == len(window) - 1
+        # Skip the gradient all-reduce on all but the last micro-batch of the window.
+        sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
+        with sync:
+            with accelerator.autocast():
+                micro_loss = settings.loss_fn(model, batch)
+            with span("backward"):
+                accelerator.backward(micro_loss * scale)
+        loss_sum += micro_loss.detach()
+    return loss_sum
 
 
 def _optimizer_step(optimizer, accelerator, loss: float, grad_norm: float) -> tuple[bool, bool]:
@@ -144,48 +171,39 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
     model.train()
     last_step_s = 0.0
     skips_in_a_row = 0
-    if state.step > 0 and eval_due(data, settings, state.step):
-        # A resumed run evaluates the step it starts from again when that step is an eval point: the process
-        # that wrote the checkpoint may have died before writing the eval record (the run drops that record).
-        hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
+    if 0 < state.step and state.evaluated_step < state.step and eval_due(data, settings, state.step):
+        # A resumed run evaluates the step it starts from again when that step is an eval point whose eval the
+        # checkpoint does not include: the process that wrote the checkpoint may have died before writing the eval
+        # record (the run drops that record).
+        hooks.on_eval({"step": state.step, **evaluate(model, accelerator, data, settings)}, state)
     while state.step < settings.total_steps:
         reason = hooks.should_stop(state, last_step_s)
         if reason:
             return reason
         started = time.perf_counter()
 
-        # One optimizer step = `accumulation` micro-batches. Collate the whole window first: the loss is
-        # normalized by the target tokens of the window (summed over all processes), not per micro-batch.
-        window = _take_window(stream, state, accelerator, data, settings)
-        # Target and token counts of the whole window on all processes, in one all-reduce before the forward:
-        # the loss scale needs the targets. A blocking sync point (exact in float64 up to 2**53 tokens).
-        counts = torch.tensor([float(sum(count_targets(b) for b in window)), float(sum(count_tokens(b) for b in window))],
-                              dtype=torch.float64, device=device)
-        global_targets, step_tokens = (float(x) for x in accelerator.reduce(counts, "sum").tolist())
-        step_tokens = int(step_tokens)
+        with span("data"):
+            # One optimizer step = `accumulation` micro-batches. Collate the whole window first: the loss is
+            # normalized by the target tokens of the window (summed over all processes), not per micro-batch.
+            window = _take_window(stream, state, accelerator, data, settings)
+            # Target and token counts of the whole window on all processes, in one all-reduce before the forward:
+            # the loss scale needs the targets. A blocking sync point (exact in float64 up to 2**53 tokens).
+            counts = torch.tensor([float(sum(count_targets(b) for b in window)),
+                                   float(sum(count_tokens(b) for b in window))], dtype=torch.float64, device=device)
+            global_targets, step_tokens = (float(x) for x in accelerator.reduce(counts, "sum").tolist())
+            step_tokens = int(step_tokens)
         # DDP averages gradients over processes; multiplying by their number turns that into a sum.
-        scale = accelerator.num_processes / max(global_targets, 1.0)
+        loss_sum = _forward_backward(model, window, accelerator, settings, accelerator.num_processes / max(global_targets, 1.0))
 
-        loss_sum = torch.zeros((), device=device)
-        for micro_step, batch in enumerate(window):
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            last = micro_step == len(window) - 1
-            # Skip the gradient all-reduce on all but the last micro-batch of the window.
-            sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
-            with sync:
-                with accelerator.autocast():
-                    micro_loss = settings.loss_fn(model, batch)
-                accelerator.backward(micro_loss * scale)
-            loss_sum += micro_loss.detach()
-
-        # clip_grad_norm_ unscales fp16 gradients first; with no limit it still returns the norm we log.
-        grad_norm = accelerator.clip_grad_norm_(params, settings.max_grad_norm or math.inf)
-        loss = float(accelerator.reduce(loss_sum, "sum")) / max(global_targets, 1.0)  # all-reduce + sync point
-        grad_norm = float(full_value(grad_norm))  # sync point; global (DDP all-reduced; FSDP: reduced DTensor)
-        skipped, diverging = _optimizer_step(optimizer, accelerator, loss, grad_norm)
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()  # the schedule follows the step count, skipped steps included
+        with span("optimizer"):
+            # clip_grad_norm_ unscales fp16 gradients first; with no limit it still returns the norm we log.
+            grad_norm = accelerator.clip_grad_norm_(params, settings.max_grad_norm or math.inf)
+            loss = float(accelerator.reduce(loss_sum, "sum")) / max(global_targets, 1.0)  # all-reduce + sync point
+            grad_norm = float(full_value(grad_norm))  # sync point; global (DDP all-reduced; FSDP: reduced DTensor)
+            skipped, diverging = _optimizer_step(optimizer, accelerator, loss, grad_norm)
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()  # the schedule follows the step count, skipped steps included
         state.step += 1
         state.skipped_steps += int(skipped)
         state.tokens_seen += step_tokens
@@ -209,7 +227,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
             raise TooManySkippedSteps(f"{skips_in_a_row} optimizer steps in a row had a non-finite loss or "
                                       f"gradient norm (last at step {state.step})")
         if eval_due(data, settings, state.step):
-            hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
-    if data.eval is not None:
-        hooks.on_eval({"step": state.step, "eval_loss": evaluate(model, accelerator, data, settings)}, state)
+            hooks.on_eval({"step": state.step, **evaluate(model, accelerator, data, settings)}, state)
+    if data.eval is not None and state.evaluated_step < state.step:  # (a resumed checkpoint may include it)
+        hooks.on_eval({"step": state.step, **evaluate(model, accelerator, data, settings)}, state)
     return "done"

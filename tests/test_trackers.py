@@ -1,0 +1,113 @@
+"""Trackers (logging.report_to), read back with their own readers: TensorBoard's event files, MLflow's file store
+through its client, W&B's offline run. Offline throughout; a resumed run continues the same tracker runs and logs
+no step twice; a tracker that fails warns once and the run goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import invoke, read_metrics
+
+REPORT_ALL = {"report_to": ["tensorboard", "mlflow", "wandb"], "offline": True, "progress": "none"}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_wandb(monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def tensorboard_scalars(run, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def mlflow_history(run, key: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    run_id = json.loads((run / "trackers.json").read_text())["mlflow"]
+    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))]
+
+
+def steps_and_losses(run) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
+
+
+def test_every_tracker_gets_every_record_offline_and_a_resume_continues_the_same_runs(make_recipe, tmp_path,
+                                                                                       monkeypatch):
+    recipe = make_recipe(training={"max_steps": 6, "eval_every_steps": 3}, data={"eval_rows": 6},
+                         checkpoint={"every_steps": 2}, logging=REPORT_ALL)
+    run = tmp_path / "run"
+    # Killed while saving step 4: steps 3 and 4 were logged, the checkpoint is step 2, so the resumed run trains
+    # (and would log) steps 3 and 4 again.
+    killed = subprocess.run([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run)],
+                            env={**os.environ, "GPUPOOR_FAULT": "kill@start:4"}, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert [step for step, _ in tensorboard_scalars(run, "train/loss")] == [1, 2, 3, 4]
+    ids = json.loads((run / "trackers.json").read_text())
+    resumed = invoke("resume", run, monkeypatch=monkeypatch)
+    assert resumed.exit_code == 0, resumed.output
+    assert "failed" not in resumed.output  # no tracker warned
+    assert json.loads((run / "trackers.json").read_text()) == ids  # the same W&B and MLflow runs continue
+    expected = steps_and_losses(run)
+    assert [step for step, _ in expected] == [1, 2, 3, 4, 5, 6]
+    for logged in (tensorboard_scalars(run, "train/loss"), mlflow_history(run, "train/loss")):
+        assert [step for step, _ in logged] == [1, 2, 3, 4, 5, 6]  # each step once
+        assert [value for _, value in logged] == pytest.approx([loss for _, loss in expected], rel=1e-6)
+    evals = [(r["step"], r["eval_loss"]) for r in read_metrics(run) if "eval_loss" in r]
+    assert [step for step, _ in mlflow_history(run, "eval/loss")] == [step for step, _ in evals] == [3, 6]
+    assert [step for step, _ in tensorboard_scalars(run, "eval/accuracy")] == [3, 6]
+    assert {step for step, _ in tensorboard_scalars(run, "checkpoint/save_s")} == {2, 4, 6}
+    # The recipe is the run's config.
+    from mlflow.tracking import MlflowClient
+
+    params = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri()).get_run(ids["mlflow"]).data.params
+    assert params["training.learning_rate"] == "0.01" and params["peft.rank"] == "4"
+    # W&B: one offline run (resumed, not a second one) whose history names the metrics.
+    offline = sorted((run / "wandb").glob("offline-run-*"))
+    history = b"".join(path.read_bytes() for path in (run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert offline and all(ids["wandb"] in path.name for path in offline)
+    assert b"train/loss" in history and b"eval/loss" in history
+
+
+def test_a_failing_tracker_warns_once_and_training_goes_on(make_recipe, tmp_path, monkeypatch):
+    import accelerate.tracking
+
+    calls = []
+
+    def broken(self, values, step=None, **kwargs):
+        calls.append(step)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(accelerate.tracking.TensorBoardTracker, "log", broken)
+    recipe = make_recipe(training={"max_steps": 4}, logging={"report_to": ["tensorboard"], "progress": "none"})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("tracker tensorboard failed") == 1 and "training goes on" in result.output
+    assert calls == [1]  # dropped after its first failure
+    assert [step for step, _ in steps_and_losses(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+def test_a_tracker_that_is_not_installed_is_exit_2_at_validate_with_the_pip_command(make_recipe, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    result = invoke("validate", make_recipe(logging={"report_to": ["wandb"]}))
+    assert result.exit_code == 2
+    assert "logging.report_to" in result.output and "pip install 'gpupoor[wandb]'" in result.output
+
+
+def test_unknown_tracker_names_are_schema_errors(make_recipe):
+    result = invoke("validate", make_recipe(logging={"report_to": ["comet"]}))
+    assert result.exit_code == 2 and "logging.report_to" in result.output and "tensorboard" in result.output
