@@ -35,3 +35,9 @@ bench: install
 	@test -f $(KIT)/peer_trl.py || { echo "make bench: the peer benchmark kit is not at $(KIT); it compares gpupoor against TRL using that kit. Set KIT=path/to/bench."; exit 1; }
 	$(PY) -m pip install -q trl
 	$(PY) bench/compare_trl.py --kit $(KIT)
+
+# 1 process vs DDP x2 vs FSDP x2 (each process's peak RSS, wall and step time) on a larger model built by the
+# same kit's fixture.py; prints a markdown table. Run it on a quiet machine.
+.PHONY: bench-distributed
+bench-distributed: install
+	$(PY) bench/distributed.py --kit $(KIT)
