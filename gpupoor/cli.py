@@ -308,7 +308,7 @@ def generate(
         quiet_libraries()
         generator = load_generator(source, checkpoint, base, fmt)
         encoder = generator.encoder
-        rows = [(prompt_row(prompt, encoder.fmt), "--prompt")] if prompt is not None else rows_from_file(file, encoder.fmt)
+        rows = [(prompt_row(prompt, encoder), "--prompt")] if prompt is not None else rows_from_file(file, encoder)
         prompts = [encoder.encode_prompt(row, where) for row, where in rows]
         if not prompts:
             raise UserError(f"--file {file}: no prompts in it")
@@ -331,40 +331,48 @@ def validate(
     recipes: list[Path] = typer.Argument(..., help="One or more recipe files."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
     force: bool = typer.Option(False, "--force", help="Do not fail a recipe the memory plan predicts not to fit the GPU."),
+    show: int = typer.Option(0, "--show", min=0, metavar="N",
+                             help="After the checks, print the first N training rows of each data source exactly as "
+                             "training tokenizes them: trained text between « » (green on a terminal), token counts "
+                             "(total / trained) and truncation. Loads the tokenizer, not the weights."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
-    """Check recipes without loading weights: schema, data files and their format, the model's config, and
-    the memory plan (a recipe predicted not to fit the GPU fails)."""
+    """Check recipes without loading weights: schema, data files and their format, the chat template, the
+    model's config, and the memory plan (a recipe predicted not to fit the GPU fails). --show N prints rows as
+    training will see them."""
+
+    def check(path: Path) -> str:
+        """Raise on a bad recipe; return what to print on success."""
+        from gpupoor.plan import preflight_plan
+        from gpupoor.preflight import preflight, show_rows
+        from gpupoor.recipe import load_recipe
+        from gpupoor.units import format_bytes
+
+        loaded = load_recipe(path, set_ or [])
+        warnings = preflight(loaded)
+        plan = preflight_plan(loaded, force, warnings.append)
+        rows = show_rows(loaded, show, colour=sys.stdout.isatty()) if show else []
+        for warning in warnings:
+            typer.echo(f"{path}: warning: {warning}", err=True)
+        memory = "" if plan is None else f" (predicted peak {format_bytes(plan.peak)} on {plan.device})"
+        return "\n".join([f"{path}: ok{memory}", *rows])
 
     def action() -> int:
-        from gpupoor.plan import preflight_plan
-        from gpupoor.units import format_bytes
-        from gpupoor.preflight import preflight
-        from gpupoor.recipe import load_recipe
-
         failed = crashed = 0
         for path in recipes:
             try:
-                loaded = load_recipe(path, set_ or [])
-                warnings = preflight(loaded)
-                plan = preflight_plan(loaded, force, warnings.append)
+                typer.echo(check(path))
             except UserError as exc:
                 if debug:
                     raise
                 typer.echo(f"{path}: error: {exc}", err=True)
                 failed += 1
-                continue
             except Exception as exc:  # a bug, not bad input: report it (exit 1) but still check the next recipe
                 if debug:
                     raise
                 typer.echo(f"{path}: error: {type(exc).__name__}: {exc}\n  (run again with --debug for the "
                            "traceback)", err=True)
                 crashed += 1
-                continue
-            for warning in warnings:
-                typer.echo(f"{path}: warning: {warning}", err=True)
-            memory = "" if plan is None else f" (predicted peak {format_bytes(plan.peak)} on {plan.device})"
-            typer.echo(f"{path}: ok{memory}")
         return 1 if crashed else EXIT_BAD_INPUT if failed else 0
 
     _guarded(debug, action)
@@ -410,7 +418,7 @@ def plan(
         if fit and result.fits is False:
             if not result.fit_changes:
                 return EXIT_DOES_NOT_FIT
-            written = write_fit(loaded, result.fit_changes)
+            written = write_fit(loaded, result.fit_changes, plan=result)
             typer.echo(f"wrote {written}", err=as_json)
             return 0
         if fit and not as_json:
@@ -421,13 +429,51 @@ def plan(
 
 
 @app.command()
+def tokenize(
+    recipe: Path = typer.Argument(..., help="The recipe YAML file: its data section, and its model's tokenizer."),
+    output: Path = typer.Option(..., "--output", help="The directory to write (an earlier output of gpupoor "
+                                "tokenize there is replaced atomically)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Tokenize a recipe's data once, into a directory that data.tokenized_path trains from: memory-mapped and
+    read-only, so many runs and nodes can share it. Loads the tokenizer, no weights."""
+
+    def action() -> int:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # worker processes are the parallelism
+        from gpupoor.data.build import build_data
+        from gpupoor.data.tokenize import write_tokenized_dir
+        from gpupoor.model import load_tokenizer, model_location
+        from gpupoor.recipe import load_recipe
+
+        loaded = load_recipe(recipe, set_ or [])
+        settings = loaded.recipe
+        if settings.data.tokenized_path:
+            raise UserError(f"{recipe}: data.tokenized_path is set, so its data is tokenized already",
+                            hint="tokenize a recipe whose data.path or data.datasets names the rows")
+        tokenizer = load_tokenizer(model_location(settings.model, loaded.base_dir), settings.model)
+        bundle = build_data(settings.data, tokenizer, settings.training.micro_batch_size, settings.seed,
+                            loaded.base_dir)
+        for warning in bundle.warnings:
+            typer.echo(f"warning: {warning}", err=True)
+        manifest = write_tokenized_dir(output, bundle, settings.data, tokenizer, settings.seed)
+        stats = bundle.train.stats
+        evaluation = f", {manifest['eval']['examples']} eval examples" if manifest["eval"] else ""
+        typer.echo(f"wrote {output}: {len(bundle.train)} training examples ({stats.tokens} tokens, "
+                   f"{stats.truncated} truncated, {stats.dropped_no_target} dropped){evaluation}")
+        return 0
+
+    _guarded(debug, action)
+
+
+@app.command()
 def schema() -> None:
     """Print the recipe JSON schema (for yaml-language-server / editor autocompletion)."""
     import json
 
-    from gpupoor.recipe import Recipe
+    from gpupoor.recipe import recipe_json_schema
 
-    typer.echo(json.dumps(Recipe.model_json_schema(), indent=2))
+    typer.echo(json.dumps(recipe_json_schema(), indent=2))
 
 
 def main() -> None:

@@ -107,14 +107,23 @@ def save_optimizer(model, optimizer, directory: Path, main: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, optimizer)
-    odd = [f"{name}.{key}" for name, values in state["state"].items() for key, value in values.items()
-           if not torch.is_tensor(value)]
-    if odd:
-        raise RuntimeError(f"optimizer state that is not a tensor cannot be saved sharded: {odd[:3]}")
-    dcp.save({"state": state["state"]}, checkpoint_id=str(directory))
+    if not optimizer.state:
+        # No step yet (a checkpoint at step 0): get_optimizer_state_dict would create the state with a fake
+        # step (AdamW's step count 1, zero moments), and a resumed run would not be the run that never stopped.
+        # An empty DCP checkpoint and the groups' hyperparameters say "no state yet".
+        dcp.save({"state": {}}, checkpoint_id=str(directory))
+        groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+        state = {"param_groups": groups, "empty": True}
+    else:
+        state = get_optimizer_state_dict(model, optimizer)
+        odd = [f"{name}.{key}" for name, values in state["state"].items() for key, value in values.items()
+               if not torch.is_tensor(value)]
+        if odd:
+            raise RuntimeError(f"optimizer state that is not a tensor cannot be saved sharded: {odd[:3]}")
+        dcp.save({"state": state["state"]}, checkpoint_id=str(directory))
     if main:
-        (directory / PARAM_GROUPS).write_text(json.dumps(state["param_groups"], indent=1))
+        (directory / PARAM_GROUPS).write_text(json.dumps(state["param_groups"] if "empty" not in state else state,
+                                                         indent=1))
 
 
 def load_optimizer(model, optimizer, checkpoint: Path) -> None:
@@ -126,15 +135,20 @@ def load_optimizer(model, optimizer, checkpoint: Path) -> None:
     if (checkpoint / DCP_OPTIMIZER).is_dir():
         import torch.distributed.checkpoint as dcp
 
+        saved = json.loads((checkpoint / DCP_OPTIMIZER / PARAM_GROUPS).read_text())
+        if isinstance(saved, dict) and saved.get("empty"):  # saved before the first step: hyperparameters only
+            for group, values in zip(optimizer.param_groups, saved["param_groups"]):
+                group.update({key: tuple(value) if key == "betas" else value for key, value in values.items()})
+            return
         state = get_optimizer_state_dict(model, optimizer)  # the layout (and this process's shards) to fill
         dcp.load({"state": state["state"]}, storage_reader=_SafeReader(checkpoint / DCP_OPTIMIZER))
-        groups = json.loads((checkpoint / DCP_OPTIMIZER / PARAM_GROUPS).read_text())
         state["param_groups"] = [{**group, **({"betas": tuple(group["betas"])} if "betas" in group else {})}
-                                 for group in groups]
+                                 for group in saved]
         set_optimizer_state_dict(model, optimizer, state)
         return
     saved = torch.load(checkpoint / TORCH_OPTIMIZER, map_location="cpu", weights_only=True)
-    if not is_sharded(model):
+    if not is_sharded(model) or not saved["state"]:
+        # (An empty state through DCP's loader would be created with a fake step: load it as it is.)
         optimizer.load_state_dict(saved)
         return
     # optimizer.pt numbers the parameters in the order the optimizer was built with: the model's trainable
@@ -153,10 +167,12 @@ def _safe_unpickler():
         """DCP's .metadata is a pickle of its own dataclasses: load those and nothing else (no code runs)."""
 
         def find_class(self, module: str, name: str):
-            value = super().find_class(module, name)
-            if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem") \
-                    and isinstance(value, type) or (module, name) in _METADATA_GLOBALS \
-                    or module == "torch" and isinstance(value, torch.dtype):
+            # The module is checked before anything is imported; only then the object itself.
+            allowed = module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                                 "torch") or (module, name) in _METADATA_GLOBALS
+            value = super().find_class(module, name) if allowed else None
+            if module.startswith("torch.distributed.checkpoint.") and isinstance(value, type) \
+                    or (module, name) in _METADATA_GLOBALS or module == "torch" and isinstance(value, torch.dtype):
                 return value
             raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}: not loaded")
 

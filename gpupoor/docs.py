@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from gpupoor.recipe import Recipe, is_resume_safe, section_model
+from gpupoor.recipe import Recipe, is_resume_safe, recipe_json_schema, section_model
 
 HEADER = """# Recipe reference
 
@@ -46,9 +46,22 @@ def _render_type(annotation) -> str:
     if origin is not None:
         name = getattr(origin, "__name__", None) or str(origin).removeprefix("typing.")
         return f"{name}[{', '.join(_render_type(arg) for arg in args)}]" if args else name
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "mapping"  # its keys get a table of their own
     if isinstance(annotation, type):
         return annotation.__name__
     return str(annotation).removeprefix("typing.")
+
+
+def _item_models(annotation) -> list[type[BaseModel]]:
+    """Models inside a list-valued key (`list[SourceSection] | None`): each gets a table of its keys."""
+    found = []
+    for arg in typing.get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            found.append(arg)
+        else:
+            found += _item_models(arg)
+    return found
 
 
 def _default(field) -> str:
@@ -81,6 +94,10 @@ def render_recipe_reference() -> str:
             safe = " Every key of this section may change on resume." if is_resume_safe(field) else ""
             out += [f"## `{name}`", "", (annotation.__doc__ or "").strip() + safe, ""] + \
                 _table(annotation, f"{name}.") + [""]
+            for key, inner in annotation.model_fields.items():
+                for item in _item_models(inner.annotation):
+                    out += [f"### `{name}.{key}[]`", "", (item.__doc__ or "").strip(), ""] + \
+                        _table(item, f"{name}.{key}[].") + [""]
         else:
             scalars.append(name)
     out += ["## Top-level keys", "", "| key | type | default | description |", "|---|---|---|---|"]
@@ -91,7 +108,7 @@ def render_recipe_reference() -> str:
 def main() -> None:
     docs = Path(__file__).resolve().parents[1] / "docs"
     (docs / "recipe.md").write_text(render_recipe_reference())
-    (docs / "recipe.schema.json").write_text(json.dumps(Recipe.model_json_schema(), indent=2) + "\n")
+    (docs / "recipe.schema.json").write_text(json.dumps(recipe_json_schema(), indent=2) + "\n")
     print(f"wrote {docs / 'recipe.md'} and {docs / 'recipe.schema.json'}")
 
 

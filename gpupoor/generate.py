@@ -113,18 +113,22 @@ def cap_new_tokens(model, prompts: list[list[int]], max_new_tokens: int) -> tupl
     return max_new_tokens, None
 
 
-def prompt_row(text: str, fmt: str) -> dict:
-    """A row of the run's format holding one user prompt."""
+def prompt_row(text: str, encoder) -> dict:
+    """A row of the run's format (the encoder's, with its field names) holding one user prompt."""
+    fmt = encoder.fmt
     if fmt == "alpaca":
         return {"instruction": text}
     if fmt == "chat":
-        return {"messages": [{"role": "user", "content": text}]}
+        return {encoder.messages_field: [{"role": "user", "content": text}]}
+    if fmt == "sharegpt":
+        user = next((name for name, role in encoder.sharegpt_roles.items() if role == "user"), "human")
+        return {encoder.conversations_field: [{"from": user, "value": text}]}
     if fmt == "completion":
         return {"prompt": text}
-    return {"text": text}
+    return {encoder.text_field: text}
 
 
-def rows_from_file(path: Path, fmt: str) -> list[tuple[dict, str]]:
+def rows_from_file(path: Path, encoder) -> list[tuple[dict, str]]:
     """(row, where) per JSONL line: rows in the run's format, or {"prompt": "..."}. A chat row's trailing
     assistant turn (the expected answer) is dropped so the model writes its own."""
     from gpupoor.data.loading import read_rows, resolve_source
@@ -133,12 +137,12 @@ def rows_from_file(path: Path, fmt: str) -> list[tuple[dict, str]]:
     for row in read_rows(resolve_source(str(path), Path.cwd(), "train", "--file")):
         fields = dict(row.fields)
         if "prompt" in fields and isinstance(fields["prompt"], str):
-            fields = prompt_row(fields["prompt"], fmt)
-        elif fmt == "chat" and isinstance(fields.get("messages"), list):
-            messages = list(fields["messages"])
+            fields = prompt_row(fields["prompt"], encoder)
+        elif encoder.fmt == "chat" and isinstance(fields.get(encoder.messages_field), list):
+            messages = list(fields[encoder.messages_field])
             while messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
                 messages.pop()
-            fields["messages"] = messages
+            fields[encoder.messages_field] = messages
         rows.append((fields, row.where))
     return rows
 

@@ -1,7 +1,8 @@
 """`gpupoor validate`: everything that can be checked without loading weights or torch.
 
-Schema (done by load_recipe), data files exist and parse in the recipe's format, the model resolves to a
-config. Hub ids are checked against the local cache and, when the network allows, the hub itself.
+Schema (done by load_recipe), every data source exists and parses in its own format, a chat template is there
+for chat rows, the model resolves to a config. Hub ids are checked against the local cache and, when the network
+allows, the hub itself. `validate --show` (show_rows) loads the tokenizer, never the weights.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import os
 import re
 from pathlib import Path
 
-from gpupoor.data.formats import check_row
-from gpupoor.data.loading import Row, read_rows, resolve_source
-from gpupoor.errors import UserError
 from gpupoor.builtin_models import resolve_model_path
-from gpupoor.recipe import LoadedRecipe
+from gpupoor.data.formats import CHAT_FORMATS, IGNORE_INDEX, chat_messages, check_row, sharegpt_messages
+from gpupoor.data.loading import Row, read_rows, resolve_source
+from gpupoor.data.templates import missing_template_error, resolve_chat_template
+from gpupoor.errors import UserError
+from gpupoor.recipe import DataSection, LoadedRecipe, SourceSection
 
 PREFLIGHT_ROWS = 200  # rows parsed per data file: enough to catch a wrong format, fast on big files
 TEMPLATE_ROWS = 20  # rows rendered with a recipe's chat template
@@ -61,20 +63,68 @@ def _check_hub_model(value: str, key: str) -> list[str]:
     return []
 
 
-def check_data(value: str, key: str, loaded: LoadedRecipe, split: str) -> list[str]:
+def data_sources(data: DataSection) -> list[tuple[str, SourceSection]]:
+    """(dotted key prefix, source) of each training source: `data` for a single `path`, else data.datasets[i]."""
+    if data.datasets is None:
+        return [("data", source) for source in data.sources()]
+    return [(f"data.datasets[{number}]", source) for number, source in enumerate(data.sources())]
+
+
+def check_training_data(loaded: LoadedRecipe) -> list[str]:
+    """Every source's path and eval_path parse in the source's own format; data.tokenized_path exists."""
     data = loaded.recipe.data
-    source = resolve_source(value, loaded.base_dir, split, key)
-    if source.kind == "hub":
-        return [f"{key}: {value} is a hub dataset name; its rows are checked when training starts"]
-    rows = read_rows(source, PREFLIGHT_ROWS)
-    if not rows:
-        raise UserError(f"{key}: {source.location} has no rows")
-    for row in rows:
-        check_row(row.fields, row.where, data.format, data.text_field, data.messages_field,
-                  needs_assistant=not data.train_on_prompt)
-    if data.format == "chat" and data.chat_template is not None:  # the tokenizer's own template is trusted
-        check_chat_template(data.chat_template, rows[:TEMPLATE_ROWS], data.messages_field)
+    if data.tokenized_path:
+        return check_tokenized_path(data.tokenized_path, loaded.base_dir)
+    warnings: list[str] = []
+    for prefix, source in data_sources(data):
+        warnings += check_data(source.path, f"{prefix}.path", loaded, source.split, source)
+        if source.eval_path:
+            warnings += check_data(source.eval_path, f"{prefix}.eval_path", loaded, "train", source)
+    return warnings
+
+
+def check_tokenized_path(value: str, base_dir: Path) -> list[str]:
+    # What `gpupoor tokenize` writes inside is checked when training opens it; here only that it is there.
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if not path.exists():
+        raise UserError(f"data.tokenized_path: {path} does not exist",
+                        hint="write it with `gpupoor tokenize`; relative paths resolve against the recipe file's "
+                        "directory")
+    if not path.is_dir():
+        raise UserError(f"data.tokenized_path: {path} is not a directory (it is what `gpupoor tokenize` writes)")
     return []
+
+
+def check_data(value: str, key: str, loaded: LoadedRecipe, split: str, source: SourceSection | None = None
+               ) -> list[str]:
+    """The first PREFLIGHT_ROWS rows of one data location parse in `source`'s format (default: the first
+    source's); a chat or sharegpt source's rows also render with a data.chat_template."""
+    data = loaded.recipe.data
+    source = source or data.sources()[0]
+    location = resolve_source(value, loaded.base_dir, split, key)
+    if location.kind == "hub":
+        return [f"{key}: {value} is a hub dataset name; its rows are checked when training starts"]
+    rows = read_rows(location, PREFLIGHT_ROWS)
+    if not rows:
+        raise UserError(f"{key}: {location.location} has no rows")
+    for row in rows:
+        check_row(row.fields, row.where, source.format, source.text_field, source.messages_field,
+                  needs_assistant=not data.train_on_prompt, conversations_field=source.conversations_field,
+                  sharegpt_roles=data.sharegpt_roles)
+    template = resolve_chat_template(data.chat_template)
+    if source.format in CHAT_FORMATS and template is not None:  # the tokenizer's own template is trusted
+        field = source.conversations_field if source.format == "sharegpt" else source.messages_field
+        conversations = [(row.where, _conversation(row, source, data)) for row in rows[:TEMPLATE_ROWS]]
+        check_chat_template(template, conversations, field)
+    return []
+
+
+def _conversation(row: Row, source: SourceSection, data: DataSection) -> list[dict]:
+    if source.format == "sharegpt":
+        return sharegpt_messages(row.fields, row.where, source.conversations_field, data.sharegpt_roles,
+                                 needs_assistant=False)
+    return chat_messages(row.fields, row.where, source.messages_field, needs_assistant=False)
 
 
 def _template_environment():
@@ -124,9 +174,10 @@ def _template_environment():
     return env
 
 
-def check_chat_template(template: str, rows: list[Row], messages_field: str) -> None:
-    """Render rows with data.chat_template the way training does (each prefix up to an assistant turn with the
-    generation prompt, each longer prefix without), so a template that raises fails here, not mid-run."""
+def check_chat_template(template: str, conversations: list[tuple[str, list[dict]]], messages_field: str) -> None:
+    """Render (where, messages) with data.chat_template the way training does (each prefix up to an assistant
+    turn with the generation prompt, each longer prefix without), so a template that raises fails here, not
+    mid-run."""
     import jinja2
 
     try:
@@ -135,8 +186,7 @@ def check_chat_template(template: str, rows: list[Row], messages_field: str) -> 
         raise UserError(f"data.chat_template: not a valid Jinja template: {exc.message} (template line "
                         f"{exc.lineno})", hint="fix the template's syntax") from None
     tokens = {name: f"<{name}>" for name in _SPECIAL_TOKENS}
-    for row in rows:
-        messages = row.fields[messages_field]
+    for where, messages in conversations:
         for index, message in enumerate(messages):
             renders = [(messages[: index + 1], False)]
             if message["role"] == "assistant":
@@ -146,11 +196,64 @@ def check_chat_template(template: str, rows: list[Row], messages_field: str) -> 
                     compiled.render(messages=prefix, tools=None, documents=None,
                                     add_generation_prompt=generation_prompt, **tokens)
                 except Exception as exc:  # the template is user code
-                    raise UserError(f"data.chat_template fails on {row.where} ({messages_field}[:{len(prefix)}], "
+                    raise UserError(f"data.chat_template fails on {where} ({messages_field}[:{len(prefix)}], "
                                     f"add_generation_prompt={generation_prompt}): {type(exc).__name__}: {exc}",
                                     hint="fix the template (templates see messages, add_generation_prompt, "
                                     "tools, documents and the special tokens such as eos_token), or the row if "
                                     "the template rejects it on purpose") from None
+
+
+def check_tokenizer_template(loaded: LoadedRecipe) -> list[str]:
+    """A chat or sharegpt source with no data.chat_template needs the tokenizer's own template: read the
+    tokenizer's files (no weights, no tokenizer load) to fail now rather than at training."""
+    recipe = loaded.recipe
+    formats = sorted({source.format for source in recipe.data.sources()} & set(CHAT_FORMATS))
+    if recipe.data.chat_template is not None or not formats:
+        return []
+    name = recipe.model.name_or_path
+    has_template = tokenizer_has_chat_template(name, loaded.base_dir, recipe.model.revision)
+    if has_template is None:
+        return [f"data.chat_template: not set, and {name}'s tokenizer files are not in the local hub cache, so "
+                "whether it has a chat template is checked when training starts"]
+    if not has_template:
+        raise missing_template_error(f"{name}'s tokenizer", " and ".join(formats))
+    return []
+
+
+def tokenizer_has_chat_template(name_or_path: str, base_dir: Path, revision: str | None = None) -> bool | None:
+    """Whether a model's tokenizer has a chat template, from its files: chat_template.jinja (how transformers
+    5 saves it), additional_chat_templates/, or "chat_template" in tokenizer_config.json. None: cannot tell
+    (a hub model whose files are not cached; validate does not download)."""
+    local = resolve_model_path(name_or_path, base_dir)
+    if local is not None:
+        if (local / "chat_template.jinja").is_file() or any((local / "additional_chat_templates").glob("*.jinja")):
+            return True
+        config = local / "tokenizer_config.json"
+        return config.is_file() and _config_has_template(config)
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename: str):  # a path, None (not known) or a marker that the file does not exist
+        try:
+            return try_to_load_from_cache(name_or_path, filename, revision=revision)
+        except Exception:  # a malformed id: check_model reports it
+            return None
+
+    jinja, config = cached("chat_template.jinja"), cached("tokenizer_config.json")
+    if isinstance(jinja, str) or (isinstance(config, str) and _config_has_template(Path(config))):
+        return True
+    if isinstance(config, str) and jinja is not None:  # the cache knows there is no chat_template.jinja
+        return False
+    return None
+
+
+def _config_has_template(path: Path) -> bool:
+    import json
+
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # an unreadable tokenizer config: loading the tokenizer reports it
+    return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
 # Module names of the Llama-family decoders (what `gpupoor plan` also covers), for checking peft names against
@@ -205,7 +308,75 @@ def preflight(loaded: LoadedRecipe) -> list[str]:
     warnings += check_module_names(loaded)
     if recipe.distill is not None:
         warnings += check_model(recipe.distill.teacher, loaded.base_dir, "distill.teacher")
-    warnings += check_data(recipe.data.path, "data.path", loaded, recipe.data.split)
-    if recipe.data.eval_path:
-        warnings += check_data(recipe.data.eval_path, "data.eval_path", loaded, "train")
+    warnings += check_training_data(loaded)
+    warnings += check_tokenizer_template(loaded)
+    if recipe.peft.init_adapter:  # (imports torch: only when there is an adapter to check)
+        from gpupoor.model import check_init_adapter
+
+        check_init_adapter(loaded)
     return warnings
+
+
+TRAINED_OPEN, TRAINED_CLOSE = "«", "»"  # around trained text in `validate --show`
+
+
+def show_rows(loaded: LoadedRecipe, count: int, colour: bool = False) -> list[str]:
+    """`validate --show N`: the first N rows of each source exactly as training tokenizes them (the same
+    Encoder), decoded back, trained tokens between « » (and in colour on a terminal), with token counts."""
+    from gpupoor.data.build import make_encoder
+    from gpupoor.model import load_tokenizer, model_location
+    from gpupoor.quiet import quiet_libraries
+
+    recipe = loaded.recipe
+    if recipe.data.tokenized_path:
+        return ["data.tokenized_path holds rows `gpupoor tokenize` already tokenized: --show renders rows of "
+                "data.path or data.datasets"]
+    quiet_libraries()
+    tokenizer = load_tokenizer(model_location(recipe.model, loaded.base_dir), recipe.model)
+    lines = [f"trained tokens are between {TRAINED_OPEN} {TRAINED_CLOSE}; the first token is never a target"]
+    for prefix, source in data_sources(recipe.data):
+        encoder = make_encoder(recipe.data, tokenizer, source)
+        location = resolve_source(source.path, loaded.base_dir, source.split, f"{prefix}.path")
+        label = f"{prefix}.path" if recipe.data.datasets is None else f"{prefix} ({source.name})"
+        for row in read_rows(location, min(count, source.max_rows or count)):
+            lines += show_row(encoder, row, label, colour)
+    return lines
+
+
+def show_row(encoder, row: Row, label: str, colour: bool = False) -> list[str]:
+    """One row: a header (where, token counts, truncation) and its text with the trained spans marked."""
+    import typer
+
+    encoded = encoder.encode(row.fields, row.where)
+    # What training counts (dataset.tokenize_rows): position 0 is never predicted, so it is never a target.
+    trained = [False] + [label_id != IGNORE_INDEX for label_id in encoded.labels[1:]]
+    header = f"--- {label} {row.where}: {len(encoded.input_ids)} tokens, {sum(trained)} trained"
+    if encoded.truncated:
+        header += f", truncated to data.max_length = {encoder.max_length}"
+    if not any(trained):
+        header += "; no trained tokens, so training drops this row"
+    text = ""
+    for is_trained, piece in _decoded_runs(encoder.tokenizer, encoded.input_ids, trained):
+        if is_trained:
+            piece = TRAINED_OPEN + piece + TRAINED_CLOSE
+            piece = typer.style(piece, fg="green", bold=True) if colour else piece
+        text += piece
+    return [header, text]
+
+
+def _decoded_runs(tokenizer, ids: list[int], trained: list[bool]) -> list[tuple[bool, str]]:
+    """(trained, text) for each run of tokens with the same state. Each run's text is the difference of the
+    decoded prefixes, so spaces a tokenizer attaches to the next token stay where decoding the whole row puts
+    them; a prefix that does not decode to a prefix (a character split across runs) falls back to the run alone."""
+    def decode(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    runs, start, done = [], 0, ""
+    for end in range(1, len(ids) + 1):
+        if end < len(ids) and trained[end] == trained[start]:
+            continue
+        upto = decode(ids[:end])
+        piece = upto[len(done):] if upto.startswith(done) else decode(ids[start:end])
+        runs.append((trained[start], piece))
+        start, done = end, upto
+    return runs

@@ -7,7 +7,7 @@ step, the schedule). A span costs nothing while no profiler runs: it is a null c
 
 Outputs in RUN_DIR/profile/: trace.json (Chrome / Perfetto: chrome://tracing or ui.perfetto.dev), top_ops.txt
 (operators by self time), summary.json (each part's seconds over the profiled steps, and the steps' own time),
-and on CUDA memory_snapshot.pickle (PyTorch's memory visualizer, pytorch.org/memory_viz). Several processes:
+and on CUDA memory_snapshot-rank{N}.pickle (PyTorch's memory visualizer, pytorch.org/memory_viz). Several processes:
 each writes trace-rank{N}.json; the first process writes the rest.
 """
 

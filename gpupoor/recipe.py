@@ -52,27 +52,83 @@ class ModelSection(_Section):
     )
 
 
-class DataSection(_Section):
-    """What to train on and how to turn rows into tokens."""
+DATA_FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion", "tokenized")
+DataFormat = Literal["text", "alpaca", "chat", "sharegpt", "completion", "tokenized"]
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
 
-    path: str = Field(
-        description="A local .jsonl/.json/.csv/.parquet file, a directory written by "
-        "`datasets.save_to_disk`, or a hub dataset name (needs network). Relative paths resolve against "
-        "the recipe file."
+
+class SourceSection(_Section):
+    """One source of a mixture (`data.datasets`). Keys left unset take the `data` section's value."""
+
+    path: str = Field(description="A file, a `save_to_disk` directory or a hub dataset, as `data.path`.")
+    name: str | None = Field(None, description="The source's name in the summary and metrics. Default: the file "
+                             "or dataset name.")
+    format: DataFormat | None = Field(None, description="As `data.format`; default `data.format`.")
+    split: str | None = Field(None, description="As `data.split`.")
+    text_field: str | None = Field(None, description="As `data.text_field`.")
+    messages_field: str | None = Field(None, description="As `data.messages_field`.")
+    conversations_field: str | None = Field(None, description="As `data.conversations_field`.")
+    max_rows: int | None = Field(None, ge=1, description="Use only the first N rows of this source.")
+    weight: float | None = Field(
+        None, gt=0, description="The source's share of each epoch of the mixture, relative to the other sources' "
+        "weights (set it on every source or on none). An epoch holds as many examples as all sources together; "
+        "a source with more weight than examples repeats them."
     )
-    format: Literal["text", "alpaca", "chat", "completion"] = Field(
+    rows: int | None = Field(None, ge=1, description="Exactly this many examples of this source per epoch.")
+    epochs: float | None = Field(None, gt=0, description="Passes over this source per epoch (0.5: half of it, "
+                                 "2: each example twice). Default 1 when neither `weight` nor `rows` is set.")
+    eval_rows: int = Field(0, ge=0, description="Hold out this many rows of this source for eval.")
+    eval_path: str | None = Field(None, description="This source's eval data, in its format.")
+
+    @model_validator(mode="after")
+    def _one_amount(self) -> "SourceSection":
+        amounts = [name for name in ("weight", "rows", "epochs") if getattr(self, name) is not None]
+        if len(amounts) > 1:
+            raise ValueError(f"set one of weight, rows and epochs for a source, not {' and '.join(amounts)}")
+        if self.eval_rows and self.eval_path:
+            raise ValueError("choose one evaluation source per data source, not eval_rows and eval_path")
+        return self
+
+
+class DataSection(_Section):
+    """What to train on and how to turn rows into tokens: one source (`path`) or a mixture (`datasets`)."""
+
+    path: str | None = Field(
+        None, description="A local .jsonl/.json/.csv/.parquet file, a directory written by "
+        "`datasets.save_to_disk`, or a hub dataset name (needs network). Relative paths resolve against "
+        "the recipe file. One of `path`, `datasets` and `tokenized_path`."
+    )
+    datasets: list[SourceSection] | None = Field(
+        None, description="A mixture: several sources, each with its own path, format, split, field names and "
+        "amount (`weight`, `rows` or `epochs`). The mixture of every epoch is a function of (seed, epoch), so a "
+        "run resumes in the middle of it exactly."
+    )
+    tokenized_path: str | None = Field(
+        None, description="A directory `gpupoor tokenize` wrote: the training (and eval) data already tokenized, "
+        "memory-mapped, for reuse by many runs or nodes."
+    )
+    format: DataFormat = Field(
         "text",
         description="`text`: a `text` field trained as a completion. `alpaca`: `instruction`, optional "
         "`input`, `output`, in the Alpaca prompt template; loss on `output`. `chat`: a `messages` list of "
-        "{role, content} rendered with the tokenizer's chat template (a ChatML template when it has none); loss "
-        "on assistant turns. `completion`: `prompt` and `completion` strings joined as they are (TRL's "
-        "prompt-completion format); loss on `completion`.",
+        "{role, content} rendered with the chat template; loss on assistant turns. `sharegpt`: a "
+        "`conversations` list of {from, value} (roles by `sharegpt_roles`: human, gpt, system...), rendered like "
+        "`chat`. `completion`: `prompt` and `completion` strings joined as they are (TRL's prompt-completion "
+        "format); loss on `completion`. `tokenized`: rows that hold `input_ids` and `labels` (-100 where not "
+        "trained) or a 0/1 `loss_mask`, used as they are.",
     )
     split: str = Field("train", description="Split to read from a hub dataset or a saved DatasetDict.")
     text_field: str = Field("text", description="Field holding the text for `format: text`.")
     messages_field: str = Field("messages", description="Field holding the message list for `format: chat`.")
+    conversations_field: str = Field("conversations", description="Field holding the turns for `format: sharegpt`.")
+    sharegpt_roles: dict[str, Literal["system", "user", "assistant", "tool"]] = Field(
+        default_factory=lambda: dict(SHAREGPT_ROLES),
+        description="ShareGPT `from` values and the chat role each one is."
+    )
     chat_template: str | None = Field(
-        None, description="A Jinja chat template that replaces the tokenizer's own (for `format: chat`)."
+        None, description="For `chat` and `sharegpt`: a template name (`llama3`, `chatml`, `gemma`, `mistral`, "
+        "`phi3`) or a Jinja template. Default: the tokenizer's own; a tokenizer without one needs this set."
     )
     max_length: int = Field(
         2048, ge=8, description="Tokens per example; longer examples are truncated and counted."
@@ -106,12 +162,55 @@ class DataSection(_Section):
         "cache key covers the data bytes, tokenizer files, template, format and max_length.", **RESUME_SAFE,
     )
 
+    def describe(self) -> str:
+        """Where the training data comes from, in a few words (status, reports)."""
+        if self.tokenized_path:
+            return f"tokenized data in {self.tokenized_path}"
+        if not self.datasets:
+            return str(self.path)
+
+        def amount(source: SourceSection) -> str:
+            return (f"weight {source.weight:g}" if source.weight is not None else f"{source.rows} rows"
+                    if source.rows is not None else f"{source.epochs or 1:g} epochs")
+
+        return "mixture of " + ", ".join(f"{source.name} ({amount(source)})" for source in self.sources())
+
+    def sources(self) -> list["SourceSection"]:
+        """The training sources with every unset key taken from this section: `datasets`, or `path` as a
+        mixture of one (named `data`). Names are unique (a repeated stem gets -2, -3)."""
+        inherited = ("format", "split", "text_field", "messages_field", "conversations_field")
+        if self.datasets is None:
+            if self.path is None:
+                return []
+            return [SourceSection(path=self.path, name="data", max_rows=self.max_rows, eval_rows=self.eval_rows,
+                                  eval_path=self.eval_path, **{key: getattr(self, key) for key in inherited})]
+        resolved, seen = [], {}
+        for source in self.datasets:
+            stem = source.name or Path(source.path.rstrip("/")).stem or source.path
+            seen[stem] = seen.get(stem, 0) + 1
+            name = stem if seen[stem] == 1 else f"{stem}-{seen[stem]}"  # (tracker keys take no #)
+            updates = {key: getattr(self, key) for key in inherited if getattr(source, key) is None}
+            resolved.append(source.model_copy(update={**updates, "name": name}))
+        return resolved
+
     @model_validator(mode="after")
     def _one_eval_source(self) -> "DataSection":
         sources = [n for n, v in (("eval_path", self.eval_path), ("eval_split", self.eval_split),
                                   ("eval_rows", self.eval_rows)) if v]
         if len(sources) > 1:
             raise ValueError(f"choose one evaluation source, not {' and '.join(sources)}")
+        given = [n for n in ("path", "datasets", "tokenized_path") if getattr(self, n)]
+        if len(given) != 1:
+            raise ValueError("data.path, data.datasets or data.tokenized_path: set exactly one" +
+                             (f", not {' and '.join(given)}" if given else " (the training data)"))
+        if self.datasets:
+            weighted = [source.weight is not None for source in self.datasets]
+            if any(weighted) and not all(weighted):
+                raise ValueError("data.datasets: give every source a weight, or none (then each source uses rows, "
+                                 "epochs, or one pass)")
+            if self.eval_path or self.eval_split or self.eval_rows:
+                raise ValueError("data.datasets: set eval_path (or eval_rows) on each source; data.eval_path, "
+                                 "data.eval_split and data.eval_rows belong to a single `path`")
         return self
 
 
@@ -140,6 +239,11 @@ class PeftSection(_Section):
         description="Module names to adapt (e.g. `[q_proj, v_proj]`), or `all-linear` for every linear "
         "layer except the output head. For `ia3`, `all-linear` means peft's IA3 defaults for the architecture "
         "(Llama family: k_proj, v_proj, down_proj). Not used by `full`.",
+    )
+    init_adapter: str | None = Field(
+        None, description="Start from this adapter's weights instead of fresh ones: a gpupoor run's final/ (or a "
+        "checkpoint), or any PEFT adapter directory of the same method. Continued training or a second stage, "
+        "QLoRA included; the stored recipe keeps the path."
     )
     modules_to_save: list[str] = Field(
         default_factory=list,
@@ -399,7 +503,8 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _evaluation_that_decides(self) -> "Recipe":
         data, training, checkpoint = self.data, self.training, self.checkpoint
-        has_eval = bool(data.eval_path or data.eval_split or data.eval_rows)
+        has_eval = bool(data.eval_path or data.eval_split or data.eval_rows
+                        or any(source.eval_rows or source.eval_path for source in data.datasets or []))
         if training.early_stopping_patience is not None and not (has_eval and training.eval_every_steps):
             raise ValueError("training.early_stopping_patience needs evaluations to count: set data.eval_rows (or "
                              "data.eval_path / data.eval_split) and training.eval_every_steps")
@@ -462,31 +567,44 @@ class Recipe(_Section):
 
 DEFAULT_CHECKPOINT_MINUTES = 30.0
 
+
+def recipe_json_schema() -> dict:
+    """The JSON schema of a recipe file: the Recipe model plus `extends`, which loading resolves (a base
+    recipe whose keys this file's keys are merged over)."""
+    schema = Recipe.model_json_schema()
+    schema["properties"] = {"extends": {"type": "string", "title": "Extends", "description": "A base recipe (path "
+                                        "relative to this file) whose keys this file's keys are deep-merged over."},
+                            **schema["properties"]}
+    return schema
+
 # ----------------------------------------------------------------------------------------------------------
 # Loading: YAML with line numbers, --set overrides, and errors that say where.
 
 
 class LoadedRecipe:
-    """A validated recipe plus where it came from (for relative paths and error messages)."""
+    """A validated recipe plus where it came from (for relative paths and error messages) and the dotted keys
+    `--set` gave (plan --fit writes them beside its own changes)."""
 
-    def __init__(self, recipe: Recipe, source: Path | None):
+    def __init__(self, recipe: Recipe, source: Path | None, overridden: tuple[str, ...] = ()):
         self.recipe = recipe
         self.source = source
+        self.overridden = overridden
 
     @property
     def base_dir(self) -> Path:
         return self.source.parent if self.source else Path.cwd()
 
 
-def _line_map(text: str) -> dict[str, int]:
-    """Dotted key -> 1-based line of that key in the YAML text."""
-    lines: dict[str, int] = {}
+def _line_map(text: str, source: str) -> dict[str, str]:
+    """Dotted key -> `source:line` of that key in the YAML text (1-based line). A location names its file because
+    a recipe that `extends` another holds keys of both."""
+    lines: dict[str, str] = {}
 
     def walk(node: yaml.Node, prefix: str) -> None:
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-                lines[key] = key_node.start_mark.line + 1
+                lines[key] = f"{source}:{key_node.start_mark.line + 1}"
                 walk(value_node, key)
 
     try:
@@ -618,7 +736,7 @@ def _short(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def format_validation_error(exc: ValidationError, source: str, lines: dict[str, int],
+def format_validation_error(exc: ValidationError, source: str, lines: dict[str, str],
                             overridden: set[str]) -> str:
     messages = []
     errors = exc.errors()
@@ -657,7 +775,7 @@ def _named_key(detail: str) -> str | None:
     return first if "." in first and first.split(".", 1)[0] in Recipe.model_fields else None
 
 
-def _where(dotted: str, source: str, lines: dict[str, int], overridden: set[str]) -> str:
+def _where(dotted: str, source: str, lines: dict[str, str], overridden: set[str]) -> str:
     parts = dotted.split(".")
     for depth in range(len(parts), 0, -1):  # the override itself, or one that set a whole section
         if ".".join(parts[:depth]) in overridden:
@@ -665,16 +783,42 @@ def _where(dotted: str, source: str, lines: dict[str, int], overridden: set[str]
     key = dotted
     while key and key not in lines:  # point at the nearest enclosing key that is in the file
         key = key.rpartition(".")[0]
-    return f"{source}:{lines[key]}" if key else source
+    return lines[key] if key else source
+
+
+EXTENDS = "extends"  # the one top-level key that is not the schema's: the base recipe this one starts from
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedRecipe:
-    """Read, override and validate a recipe file. Raises UserError with file:line on any problem."""
+    """Read a recipe (its `extends:` bases merged under it), apply `--set` overrides, validate. Raises UserError
+    with file:line on any problem, naming the file (base or child) that wrote the key."""
     path = Path(path)
     if not path.is_file():
         if path.exists():  # a directory, a FIFO, a device: reading it would fail or block
             raise UserError(f"{path}: not a regular file", hint="pass the path of a .yaml recipe file")
         raise UserError(f"recipe not found: {path}", hint="pass the path of a .yaml recipe, e.g. recipes/demo.yaml")
+    data, lines = _load_tree(path, ())
+    overridden = apply_overrides(data, overrides or [])
+    recipe = validate_recipe_data(data, str(path), lines, set(overridden))
+    return LoadedRecipe(recipe, path.resolve(), tuple(overridden))
+
+
+def _load_tree(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
+    """The mapping in `path` with its `extends:` chain merged under it, and the file:line of every dotted key.
+    `chain`: the files that extend this one, outermost first (a base among them is a cycle)."""
+    data, lines = _read_mapping(path)
+    if EXTENDS not in data:
+        return data, lines
+    name, where = data.pop(EXTENDS), lines.pop(EXTENDS, str(path))
+    base = _base_path(name, path, where, chain)
+    base_data, base_lines = _load_tree(base, (*chain, path))
+    merged = _deep_merge(base_data, data)
+    # A key the child replaced with a scalar or list takes the base's keys below it away with it.
+    kept = {key: place for key, place in base_lines.items() if _has_key(merged, key)}
+    return merged, {**kept, **lines}
+
+
+def _read_mapping(path: Path) -> tuple[dict, dict[str, str]]:
     try:
         text = decode_utf8(path, path.read_bytes())
     except OSError as exc:
@@ -692,11 +836,48 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedR
         data = {}
     if not isinstance(data, dict):
         raise UserError(f"{path}:1: a recipe is a mapping of sections ({', '.join(Recipe.model_fields)})")
-    overridden = set(apply_overrides(data, overrides or []))
-    return LoadedRecipe(validate_recipe_data(data, str(path), _line_map(text), overridden), path.resolve())
+    return data, _line_map(text, str(path))
 
 
-def validate_recipe_data(data: dict, source: str = "<recipe>", lines: dict[str, int] | None = None,
+def _base_path(name: Any, child: Path, where: str, chain: tuple[Path, ...]) -> Path:
+    """The file `extends: name` in `child` names (relative to the child's folder), checked before it is read."""
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"{where}: extends: {_short(name)}: give the path of a base recipe, relative to this file",
+                        hint="e.g. extends: base.yaml")
+    base = child.parent / Path(name).expanduser()
+    if not base.is_file():
+        problem = "not a regular file" if base.exists() else "no such file"
+        raise UserError(f"{where}: extends: {name}: {problem} ({base.resolve()})",
+                        hint=f"the path is relative to the folder of {child}: fix it, or remove the extends line")
+    files = (*chain, child)
+    if any(base.resolve() == earlier.resolve() for earlier in files):
+        cycle = " -> ".join(str(f) for f in files[[f.resolve() for f in files].index(base.resolve()):]) + f" -> {base}"
+        raise UserError(f"{where}: extends: {name} makes a cycle: {cycle}",
+                        hint="a base recipe must not extend (directly or through others) a recipe that extends it")
+    return base
+
+
+def _deep_merge(base: dict, child: dict) -> dict:
+    """`child` over `base`: mappings merged key by key; lists, scalars and nulls replace what the base had."""
+    merged = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _has_key(tree: dict, dotted: str) -> bool:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def validate_recipe_data(data: dict, source: str = "<recipe>", lines: dict[str, str] | None = None,
                          overridden: set[str] | None = None) -> Recipe:
     try:
         return Recipe.model_validate(data)

@@ -10,7 +10,7 @@ import json
 
 from pydantic import BaseModel
 
-from gpupoor.recipe import Recipe, is_resume_safe, section_model
+from gpupoor.recipe import SHAREGPT_ROLES, Recipe, is_resume_safe, section_model
 
 
 
@@ -58,7 +58,10 @@ def format_changes(changes: list[tuple[str, object, object]]) -> str:
 # while they hold it, so a checkpoint written by an older gpupoor still matches its run's recipe.
 ADDED_KEYS = {"peft.last_layers": None, "distill": None, "distributed.strategy": "auto",
               "distributed.shard_frozen": True, "distributed.reshard_after_forward": True,
-              "distributed.cpu_offload": False}
+              "distributed.cpu_offload": False, "data.datasets": None, "data.tokenized_path": None,
+              "data.conversations_field": "conversations", "peft.init_adapter": None}
+# A dict-valued key added later: its flattened keys, with their defaults.
+ADDED_KEYS.update({f"data.sharegpt_roles.{key}": value for key, value in SHAREGPT_ROLES.items()})
 
 
 def trajectory_hash(recipe: Recipe) -> str:

@@ -139,7 +139,8 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
     elif finished and (checkpoint.step >= _planned_steps(recipe, safe, checkpoint) or _stopped_early(run_dir, safe)):
         say(f"the run already finished at step {checkpoint.step}: the adapter is in {run_dir / 'final'}\n"
             "  (to train further: gpupoor resume RUN_DIR --set training.max_steps=N"
-            + (", or a larger training.early_stopping_patience)" if _stopped_early(run_dir, safe) else ")"))
+            + ("; it stopped early: a larger training.early_stopping_patience trains on)" if _stopped_early(run_dir, safe)
+               else ")"))
         return RunResult(run_dir, "already_done", checkpoint.manifest.get("loss"), checkpoint.step)
     plan = _plan_quietly(LoadedRecipe(recipe, None))
     return _execute(recipe, run_dir, checkpoint, False, say, started, force=force, lock=lock, plan=plan, stop=stop)
@@ -150,7 +151,7 @@ def _stopped_early(run_dir: Path, safe_changes: list) -> bool:
     stopping changed since."""
     from gpupoor.checkpoint import read_manifest
 
-    decisive = ("training.early_stopping", "training.max_steps", "training.epochs")
+    decisive = ("training.early_stopping",)  # more steps change nothing: the same evals would stop it again
     return read_manifest(run_dir / "final").get("stop") == "early_stop" and \
         not any(key.startswith(decisive) for key, _, _ in safe_changes)
 
@@ -226,9 +227,12 @@ def check_launch(environ=os.environ) -> None:
 
 def smoke_recipe(recipe: Recipe) -> Recipe:
     """The same recipe shrunk for `--smoke`: a few rows, a few steps, CPU, fp32, no checkpoints."""
+    few = {"max_rows": min(recipe.data.max_rows or SMOKE_ROWS, SMOKE_ROWS)}
+    sources = [source.model_copy(update={"max_rows": min(source.max_rows or SMOKE_ROWS, SMOKE_ROWS),
+                                         "eval_rows": min(source.eval_rows, 4), "rows": None, "epochs": None})
+               for source in recipe.data.datasets] if recipe.data.datasets else None
     data = recipe.data.model_copy(update={
-        "max_rows": min(recipe.data.max_rows or SMOKE_ROWS, SMOKE_ROWS),
-        "max_length": min(recipe.data.max_length, SMOKE_MAX_LENGTH),
+        **few, "datasets": sources, "max_length": min(recipe.data.max_length, SMOKE_MAX_LENGTH),
         "eval_rows": min(recipe.data.eval_rows, 4)})
     training = recipe.training.model_copy(update={
         "max_steps": SMOKE_STEPS, "epochs": None, "device": "cpu",
@@ -342,8 +346,9 @@ class Session:
         self.tokenizer.save_pretrained(directory)
 
 
-def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
-    """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed."""
+def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: bool = False) -> Session:
+    """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed.
+    `resuming`: a checkpoint's weights will replace the starting ones."""
     import torch
 
     from gpupoor import faults
@@ -379,9 +384,16 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say) -> Session:
                       sampler=sampler.value)
     for warning in data.warnings:
         say(f"warning: {warning}")
+    chat_source = next((s for s in recipe.data.sources() if s.format in ("chat", "sharegpt")), None)
+    if chat_source is not None:
+        from gpupoor.data.build import make_encoder
+
+        # The tokenizer saved beside the adapter carries the template the run trained with (a named one resolved
+        # to its text), so generate, merges and plain transformers render prompts the same way.
+        tokenizer.chat_template = make_encoder(recipe.data, tokenizer, chat_source).chat_template
     model = build_model(location, recipe.model, recipe.peft, recipe.quantization, precision.value,
                         attention.value, str(accelerator.device), recipe.memory.gradient_checkpointing,
-                        recipe.seed, smoke, recipe.memory.max_gpu_memory)
+                        recipe.seed, smoke, recipe.memory.max_gpu_memory, resuming)
     summary = summarize(model)
     teacher = None
     if recipe.distill is not None:
@@ -561,6 +573,12 @@ def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
         f"{stats.target_tokens / max(stats.tokens, 1):.0%} of tokens are targets"
         + ("; tokenized cache hit" if data.cache_hit else "")
         + (f"; eval {len(data.eval)} examples" if data.eval is not None else ""))
+    mixture = data.mixture
+    if mixture is not None and len(mixture.sources) > 1:
+        for source, part in zip(mixture.sources, data.source_stats):
+            say(f"    source {source.name}: {part.rows} rows, {source.size} examples, {part.tokens:,} tokens "
+                f"({part.target_tokens:,} targets); {source.count} examples per epoch"
+                + (f"; eval {source.eval_end - source.eval_start}" if source.eval_end > source.eval_start else ""))
     sampler = choices["sampler"]
     unit = (f"{recipe.training.micro_batch_size} packed rows of up to {data.plan.row_length} tokens"
             if sampler.value == "packed" else f"{recipe.training.micro_batch_size} examples")
@@ -672,7 +690,7 @@ class RunHooks:
         self.metrics = MetricsWriter(session.run_dir / "metrics.jsonl") if main else NullWriter()
         self.progress = Progress(session.steps, session.state.step, session.recipe.logging.progress if main else "none",
                                  session.recipe.logging.every_steps)
-        self.trackers = self.profiler = None
+        self.trackers = self.profiler = self._rngs = None
         if main and session.recipe.logging.report_to:
             from gpupoor.trackers import Trackers
 
@@ -785,20 +803,24 @@ class RunHooks:
         if self._anywhere(not finite):
             raise RunFailed(f"refusing to save {name}: the trainable weights are not finite")
         gathered = session.gather_weights()
+        self._rngs = self._gather_rngs()
         faults.at_stage("gathered", step)
+        staged = error = None
         try:
             staged = self._stage_optimizer(name)
-        except Exception as exc:  # DCP raises the same error on every process
-            raise RunFailed(f"could not write checkpoint {name}: {exc}\n  the previous checkpoint is intact; "
-                            f"continue with: gpupoor resume {session.run_dir}") from None
-        seconds = size = error = None
+        except Exception as exc:  # DCP raises on every process; the first one's own writes may fail alone
+            error = exc
+        if self._anywhere(error is not None):
+            raise RunFailed(f"could not write checkpoint {name}: {error or 'another process failed to'}\n  the "
+                            f"previous checkpoint is intact; continue with: gpupoor resume {session.run_dir}")
+        seconds = size = None
         if session.main:
             try:
                 seconds = write_checkpoint(session.checkpoints_dir / name,
                                            functools.partial(self._save_files, gathered=gathered, staged=staged),
                                            step, {**self.manifest_base, "loss": self.last_loss},
                                            int(self.policy.expected_bytes * 1.1) - (dir_size(staged) if staged else 0))
-            except CheckpointError as exc:
+            except Exception as exc:  # the others must learn of it below, or they would wait for it forever
                 error = exc
             finally:
                 if staged is not None:
@@ -807,11 +829,27 @@ class RunHooks:
                 size = dir_size(session.checkpoints_dir / name)
                 rotate(session.checkpoints_dir, session.recipe.checkpoint.keep_last, step, keep=self.best_checkpoint())
         if self._anywhere(error is not None):
+            if error is not None and not isinstance(error, CheckpointError):
+                raise error  # not a full disk: the first process reports it as it is (--debug: the traceback)
             reason = str(error) if error is not None else f"the first process could not write checkpoint {name}"
             raise RunFailed(f"{reason}\n  free some space, then continue with: gpupoor resume {session.run_dir}")
         self.policy.saved(step, seconds, size)
         self.write({"step": step, "checkpoint": name, "save_s": round(self.policy.save_s, 3)})
         return name
+
+    def _gather_rngs(self) -> list | None:
+        """Several processes: every process's RNG state, by rank (each draws its own dropout masks, so each
+        resumes its own stream). Collective."""
+        accelerator = self.session.accelerator
+        if accelerator.num_processes == 1:
+            return None
+        import torch.distributed as dist
+
+        from gpupoor.train.state import capture_rng
+
+        states: list = [None] * accelerator.num_processes
+        dist.all_gather_object(states, capture_rng())
+        return states
 
     def _anywhere(self, flag: bool) -> bool:
         """True on every process when `flag` is true on any (one all-reduce: a sync point); one process: flag."""
@@ -855,6 +893,7 @@ class RunHooks:
             torch.save(session.accelerator.scaler.state_dict(), tmp / "scaler.pt")
         faults.at_stage("optimizer", step)
         session.state.rng = capture_rng()
+        session.state.rng_by_rank = self._rngs or []
         (tmp / STATE).write_text(json.dumps(session.state.to_dict()))
         faults.at_stage("state", step)
 
@@ -935,7 +974,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
     from gpupoor.recipe_diff import trajectory_hash
     from gpupoor.train.state import restore_rng
 
-    session = build_session(recipe, run_dir, smoke, say)
+    session = build_session(recipe, run_dir, smoke, say, resuming=checkpoint is not None)
     if not session.main:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
     if checkpoint is not None and not force:
@@ -966,7 +1005,10 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
                      session.choices["precision"].value, "device": session.device, "versions": library_versions()}
     hooks = RunHooks(session, policy, stop, manifest_base, resumed=checkpoint is not None)
     if checkpoint is not None:
-        restore_rng(session.state.rng)  # last, so nothing above consumes the restored stream
+        # Last, so nothing above consumes the restored stream; each process its own when the checkpoint has them.
+        by_rank, accelerator = session.state.rng_by_rank, session.accelerator
+        restore_rng(by_rank[accelerator.process_index] if len(by_rank) == accelerator.num_processes
+                    else session.state.rng)
     try:
         reason, name = _train(session, hooks, loss_fn, eval_fn)
     finally:
@@ -994,8 +1036,9 @@ def _train(session: Session, hooks: RunHooks, loss_fn, eval_fn) -> tuple[str, st
         hooks.progress.close()
     step = session.state.step
     name = f"step-{step:06d}"
-    if hooks.policy.last_step != step or not (session.checkpoints_dir / name).is_dir():
-        name = hooks.save_checkpoint()  # also at the end, so `resume --set training.max_steps=N` can extend
+    # Also at the end, so `resume --set training.max_steps=N` can extend; decided by all (the save is collective).
+    if hooks._anywhere(hooks.policy.last_step != step or not (session.checkpoints_dir / name).is_dir()):
+        name = hooks.save_checkpoint()
     state = session.state
     if reason == "early_stop":
         hooks.write({"step": step, "event": "early_stop", "best_step": state.best_step,
@@ -1035,6 +1078,14 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
         _all_finished(session, hooks)
         return RunResult(run_dir, reason, hooks.last_loss, state.step)
     best = hooks.best_checkpoint() if recipe.checkpoint.final == "best" else None
+    if best is not None:
+        from gpupoor.checkpoint import verify
+
+        problem = verify(session.checkpoints_dir / best)  # it is copied, so it is checked first
+        if hooks._anywhere(problem is not None):
+            say(f"warning: the best checkpoint {best} cannot become final/ ({problem or 'not found by every process'}"
+                "): final/ holds the last step's weights")
+            best = None
     _write_final(session, hooks, reason, best)
     loss_text = f"{hooks.last_loss:.4f}" if hooks.last_loss is not None else "-"
     what = "model" if session.full else "adapter"

@@ -375,7 +375,7 @@ def _dataset(recipe: Recipe) -> str:
         held_out = f"eval on {data.eval_path}"
     else:
         held_out = f"eval on {data.eval_rows} rows held out" if data.eval_rows else "no eval"
-    return f"{data.path} ({data.format}, max_length {data.max_length}, sampler {data.sampler}; {held_out})"
+    return f"{data.describe()} ({data.format}, max_length {data.max_length}, sampler {data.sampler}; {held_out})"
 
 
 def _highlights(recipe: Recipe) -> str:

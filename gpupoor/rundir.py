@@ -174,6 +174,17 @@ def stored_recipe(run_dir: Path, overrides: list[str] | None = None) -> Recipe:
     return load_recipe(run_dir / RECIPE, overrides).recipe
 
 
+def _absolute_paths(section, keys: tuple[str, ...], base_dir: Path) -> dict:
+    """The section's local data paths made absolute (hub names stay as they are)."""
+    updates = {}
+    for key in keys:
+        value = getattr(section, key)
+        local = resolve_local_path(value, base_dir, DATA_SUFFIXES) if value else None
+        if local is not None:
+            updates[key] = str(local)
+    return updates
+
+
 def portable_recipe(loaded: LoadedRecipe) -> Recipe:
     """The recipe as stored in the run dir: local paths made absolute (they no longer resolve against the
     recipe's folder) and no output_dir (the run dir is wherever it is now: copy or move it freely)."""
@@ -182,12 +193,13 @@ def portable_recipe(loaded: LoadedRecipe) -> Recipe:
     local_model = resolve_local_path(model.name_or_path, loaded.base_dir)
     if local_model is not None:
         model = model.model_copy(update={"name_or_path": str(local_model)})
-    data_updates = {}
-    for key in ("path", "eval_path"):
-        value = getattr(recipe.data, key)
-        local = resolve_local_path(value, loaded.base_dir, DATA_SUFFIXES) if value else None
-        if local is not None:
-            data_updates[key] = str(local)
+    data_updates = _absolute_paths(recipe.data, ("path", "eval_path"), loaded.base_dir)
+    if recipe.data.tokenized_path:  # always a local directory
+        data_updates["tokenized_path"] = str((loaded.base_dir / Path(recipe.data.tokenized_path).expanduser()).resolve())
+    if recipe.data.datasets:
+        data_updates["datasets"] = [source.model_copy(update=_absolute_paths(source, ("path", "eval_path"),
+                                                                             loaded.base_dir))
+                                    for source in recipe.data.datasets]
     if recipe.data.cache_dir:  # always a local directory, maybe not created yet
         data_updates["cache_dir"] = str((loaded.base_dir / Path(recipe.data.cache_dir).expanduser()).resolve())
     distill = recipe.distill
@@ -195,5 +207,9 @@ def portable_recipe(loaded: LoadedRecipe) -> Recipe:
         local_teacher = resolve_local_path(distill.teacher, loaded.base_dir)
         if local_teacher is not None:
             distill = distill.model_copy(update={"teacher": str(local_teacher)})
+    peft = recipe.peft
+    if peft.init_adapter:  # always a local directory: the stored recipe records which adapter the run started from
+        peft = peft.model_copy(update={
+            "init_adapter": str((loaded.base_dir / Path(peft.init_adapter).expanduser()).resolve())})
     return recipe.model_copy(update={"model": model, "data": recipe.data.model_copy(update=data_updates),
-                                     "output_dir": None, "distill": distill})
+                                     "output_dir": None, "distill": distill, "peft": peft})

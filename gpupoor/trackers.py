@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 from gpupoor.files import write_text_atomic
@@ -42,6 +43,11 @@ def tracker_values(record: dict) -> dict[str, float]:
               if key in KEYS and isinstance(value, (int, float)) and not isinstance(value, bool)}
     if "loss" in record:
         values["train/skipped"] = float(bool(record.get("skipped")))
+    for key, prefix in (("eval_loss_by_source", "eval/loss/"), ("eval_accuracy_by_source", "eval/accuracy/"),
+                        ("examples_by_source", "data/examples/")):
+        # A source's name is the user's: keep what every tracker accepts in a key (MLflow is the strictest).
+        values.update({prefix + re.sub(r"[^\w\-. /]", "_", name): float(value)
+                       for name, value in record.get(key, {}).items()})
     return values
 
 

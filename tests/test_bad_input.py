@@ -127,7 +127,7 @@ def chat_file(tmp_path, *conversations, name="chat.jsonl"):
 def test_bad_chat_row_fails_validate(make_recipe, tmp_path, case):
     messages, expected = BAD_CHATS[case]
     data = chat_file(tmp_path, [USER, ASSISTANT], messages)
-    code, output = validate(make_recipe(data={"path": str(data), "format": "chat"}))
+    code, output = validate(make_recipe(data={"path": str(data), "format": "chat", "chat_template": "chatml"}))
     assert code == 2 and f"chat.jsonl:2: {expected}" in output, output
 
 
@@ -135,21 +135,23 @@ def test_bad_chat_row_fails_validate(make_recipe, tmp_path, case):
 def test_bad_chat_row_fails_training_encoder(tokenizer, case):
     messages, expected = BAD_CHATS[case]
     with pytest.raises(UserError, match="chat.jsonl:7: " + expected.replace("[", r"\[").replace("]", r"\]")):
-        Encoder(tokenizer, "chat", 128).encode({"messages": messages}, "chat.jsonl:7")
+        Encoder(tokenizer, "chat", 128, chat_template="chatml").encode({"messages": messages}, "chat.jsonl:7")
 
 
 def test_chat_row_without_assistant_is_fine_with_train_on_prompt(make_recipe, tmp_path, tokenizer):
     data = chat_file(tmp_path, [SYSTEM, USER])
-    code, output = validate(make_recipe(data={"path": str(data), "format": "chat", "train_on_prompt": True}))
+    code, output = validate(make_recipe(data={"path": str(data), "format": "chat", "train_on_prompt": True,
+                                              "chat_template": "chatml"}))
     assert code == 0, output
-    encoded = Encoder(tokenizer, "chat", 128, train_on_prompt=True).encode({"messages": [SYSTEM, USER]}, "x:1")
+    encoded = Encoder(tokenizer, "chat", 128, train_on_prompt=True, chat_template="chatml").encode(
+        {"messages": [SYSTEM, USER]}, "x:1")
     assert len(encoded.input_ids) > 2
 
 
 def test_tool_role_is_allowed(make_recipe, tmp_path):
     tool = {"role": "tool", "content": "42"}
     data = chat_file(tmp_path, [USER, ASSISTANT, tool, ASSISTANT])
-    code, output = validate(make_recipe(data={"path": str(data), "format": "chat"}))
+    code, output = validate(make_recipe(data={"path": str(data), "format": "chat", "chat_template": "chatml"}))
     assert code == 0, output
 
 

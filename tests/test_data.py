@@ -49,10 +49,10 @@ def test_chat_format_trains_only_assistant_turns(tokenizer):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort lists"},
                 {"role": "assistant", "content": "done quickly"}, {"role": "user", "content": "reverse"},
                 {"role": "assistant", "content": "the answer"}]
-    enc = encoder(tokenizer, "chat")
+    enc = encoder(tokenizer, "chat", chat_template="chatml")
     encoded = enc.encode({"messages": messages}, "x:1")
     text = tokenizer.decode(trained(encoded.input_ids, encoded.labels))
-    # ChatML default template: each assistant turn's content and its end marker are trained, nothing else.
+    # ChatML: each assistant turn's content and its end marker are trained, nothing else.
     assert text == "done quickly<|im_end|>\nthe answer<|im_end|>\n</s>"
     full = tokenizer.decode(encoded.input_ids)
     assert full.startswith("<s><|im_start|>system\nbe brief<|im_end|>")

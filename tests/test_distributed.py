@@ -275,3 +275,34 @@ def test_every_method_trains_and_resumes_under_fsdp(make_recipe, tiny_tied_model
     reference = [loss for _, loss, _ in losses(tmp_path / "one")]
     assert [loss for _, loss, _ in losses(tmp_path / "fsdp")] == pytest.approx(reference, rel=1e-5)
     assert close(weights(tmp_path / "one"), weights(tmp_path / "fsdp"))
+
+
+@pytest.mark.slow
+def test_each_process_resumes_its_own_dropout_stream(recipe, tmp_path):
+    """With dropout every process draws its own masks: a resume restores each process's RNG, not the first's."""
+    dropout = ["--set", "peft.dropout=0.2", "--set", "distributed.strategy=ddp"]
+    straight = torchrun("train", recipe, "--output-dir", tmp_path / "straight", *dropout)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    stopped = torchrun("train", recipe, "--output-dir", tmp_path / "run", *dropout, fault="rank1/sigterm@3")
+    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-000003" / "train_state.json").read_text())
+    assert len(state["rng_by_rank"]) == 2 and state["rng_by_rank"][0] != state["rng_by_rank"][1]
+    assert torchrun("resume", tmp_path / "run").returncode == 0
+    assert losses(tmp_path / "run") == losses(tmp_path / "straight")
+    a, b = adapter(tmp_path / "straight"), adapter(tmp_path / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_an_fsdp_stop_before_the_first_step_resumes_exactly(recipe, straight, tmp_path):
+    """A checkpoint at step 0 holds no optimizer state yet; creating one for it (DCP's loader would, with a step
+    of its own) would make the resumed run differ."""
+    run = tmp_path / "run"
+    stopped = torchrun("train", recipe, "--output-dir", run, *FSDP, fault="sigterm@startup")
+    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+    assert (run / "checkpoints" / "step-000000" / "manifest.json").is_file()
+    resumed = torchrun("resume", run)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert losses(run) == losses(straight("fsdp"))
+    a, b = adapter(straight("fsdp")), adapter(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -17,13 +17,13 @@ from gpupoor.cli import app
 runner = CliRunner()
 
 # What a type cell of docs/recipe.md may contain: type names, quoted literals, numbers, null, brackets.
-TYPE_TOKEN = re.compile(r'\s*(?:\\\||\[|\]|,|bool|int|float|str|list|tuple|null|true|false|-?\d+|"[^"|]*")\s*')
+TYPE_TOKEN = re.compile(r'\s*(?:\\\||\[|\]|,|bool|int|float|str|list|tuple|dict|mapping|null|true|false|-?\d+|"[^"|]*")\s*')
 
 
 def _type_cells(reference: str) -> dict[str, str]:
     cells = {}
     for line in reference.splitlines():
-        match = re.match(r"\| `([\w.]+)` \| (.*?) \| ", line)
+        match = re.match(r"\| `([\w.\[\]]+)` \| (.*?) \| ", line)
         if match:
             cells[match.group(1)] = match.group(2)
     return cells
@@ -43,7 +43,8 @@ def test_recipe_reference_renders_types_as_yaml_values():
     assert cells["memory.gradient_checkpointing"] == 'bool \\| "offload"'
     assert cells["model.revision"] == "str \\| null"
     assert cells["training.adam_betas"] == "tuple[float, float]"
-    assert cells["data.format"] == '"text" \\| "alpaca" \\| "chat" \\| "completion"'
+    assert cells["data.format"] == '"text" \\| "alpaca" \\| "chat" \\| "sharegpt" \\| "completion" \\| "tokenized"'
+    assert cells["data.datasets"] == "list[mapping] \\| null" and "data.datasets[].weight" in cells
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gpupoor.data.build import collate_packed
-from gpupoor.data.dataset import TokenStats, _from_pieces
+from gpupoor.data.dataset import TokenizedDataset, TokenStats
 from gpupoor.data.formats import IGNORE_INDEX
 from gpupoor.data.sampler import BatchPlan
 
@@ -31,7 +31,9 @@ def _dataset(tokenizer, texts):
         target = torch.ones(len(ids), dtype=torch.uint8)
         target[:3] = 0  # a short prompt
         pieces.append((ids, target))
-    return _from_pieces(pieces, TokenStats())
+    offsets = torch.tensor([0] + [len(ids) for ids, _ in pieces]).cumsum(0)
+    return TokenizedDataset(torch.cat([ids for ids, _ in pieces]), torch.cat([t for _, t in pieces]), offsets,
+                            TokenStats())
 
 
 TEXTS = ["the model learns to stop", "sort lists", "every token counts toward the loss when the answer is done",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from typer.testing import CliRunner
 
 from gpupoor import plan as planning
@@ -260,6 +261,11 @@ def test_not_fitting_lists_changes_and_fit_writes_a_recipe_that_fits(tmp_path, m
     assert written.exit_code == 0, written.output
     fitted = tmp_path / "qwen.fit.yaml"
     assert source.read_text() == original  # the user's recipe is never rewritten
+    # Only what changed, over the user's recipe (the --set key is one of the changes here).
+    tree = yaml.safe_load(fitted.read_text())
+    assert tree.pop("extends") == "qwen.yaml"
+    assert {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()} \
+        == plan["fit_changes"]
     again = runner.invoke(app, ["plan", str(fitted), "--device", "cuda", "--memory", "4GiB", "--json"])
     assert again.exit_code == 0, again.output
     assert json.loads(again.output)["fits"] is True
@@ -584,8 +590,29 @@ def test_full_fine_tuning_plan_and_fit_never_suggest_a_quantized_base(tmp_path, 
     assert plan["fit_changes"]["training.optimizer"] == "adamw_8bit"
     written = runner.invoke(app, args + ["--memory", "24GiB", "--fit"])
     assert written.exit_code == 0, written.output
+    fitted = yaml.safe_load((tmp_path / "qwen.fit.yaml").read_text())
+    assert fitted["peft"] == {"method": "full"}  # the plan was made with this --set: the fitted file keeps it
     again = runner.invoke(app, ["plan", str(tmp_path / "qwen.fit.yaml"), "--device", "cuda", "--memory", "24GiB"])
     assert again.exit_code == 0 and "method full: 1,543,714,304 trainable parameters (all)" in again.output
+
+
+def test_fit_file_says_what_was_predicted_and_follows_the_users_recipe(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = tmp_path / "qwen.yaml"
+    source.write_text((RECIPES / "qwen2.5-1.5b-lora.yaml").read_text())
+    loaded = load_recipe(source, ["memory.gradient_checkpointing=false", "training.learning_rate=3e-4"])
+    plan = planning.make_plan(loaded, "cuda", 4 * 2**30)
+    assert plan.fits is False and plan.fit_changes and plan.fit_peak <= 4 * 2**30
+    text = planning.write_fit(loaded, plan.fit_changes, plan).read_text()
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    assert f"peaks at {planning.format_bytes(plan.peak)}" in header and "4.00 GiB" in header
+    assert f"with the changes below, {planning.format_bytes(plan.fit_peak)}" in header
+    assert "From --set (the plan was made with them): training.learning_rate" in header
+    assert yaml.safe_load(text)["training"]["learning_rate"] == 3e-4
+    # The user's file stays the source of truth: a later edit there reaches the fitted recipe.
+    assert "seed:" not in source.read_text()
+    source.write_text(source.read_text() + "seed: 7\n")
+    assert load_recipe(tmp_path / "qwen.fit.yaml").recipe.seed == 7
 
 
 def test_fit_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch):

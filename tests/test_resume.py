@@ -275,7 +275,8 @@ def test_sigterm_saves_exits_75_and_resume_finishes(make_recipe, tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size):
+    # Wait for a step record (the session's start event comes before any step).
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and '"loss"' in (run / "metrics.jsonl").read_text()):
         time.sleep(0.1)
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=60)

@@ -191,7 +191,8 @@ def test_chat_and_text_formats_train(make_recipe, tmp_path):
         {"messages": [{"role": "user", "content": "sort lists"}, {"role": "assistant", "content": "done quickly"}]}] * 8)
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": "the model learns to stop"}] * 8)
     for name, path, fmt in (("chat", chat, "chat"), ("text", text, "text")):
-        result = train(make_recipe(f"{name}.yaml", data={"path": str(path), "format": fmt}),
+        template = {"chat_template": "chatml"} if fmt == "chat" else {}
+        result = train(make_recipe(f"{name}.yaml", data={"path": str(path), "format": fmt, **template}),
                        "--output-dir", tmp_path / name)
         assert result.exit_code == 0, result.output
 

@@ -7,23 +7,27 @@ from pathlib import Path
 
 import torch
 
-from gpupoor.data.dataset import CacheEntryInvalid, TokenizedDataset, cache_key, tokenize_rows
+from gpupoor.data.dataset import TokenizedDataset, TokenStats, cache_key, concat_datasets, data_identity
 from gpupoor.data.formats import IGNORE_INDEX, Encoder
-from gpupoor.data.loading import DataSource, read_rows, resolve_source
+from gpupoor.data.loading import DataSource, resolve_source
+from gpupoor.data.mixture import Mixture, Source, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
+from gpupoor.data.tokenize import load_tokenized_dir, manifest_mixture, manifest_source_stats, tokenize_source
 from gpupoor.errors import UserError
 from gpupoor.files import default_cache_dir
-from gpupoor.recipe import DataSection
+from gpupoor.recipe import DataSection, SourceSection
 
 
 @dataclass
 class DataBundle:
-    train: TokenizedDataset
+    train: TokenizedDataset  # every source's examples end to end
     eval: TokenizedDataset | None
     plan: BatchPlan
     cache_hit: bool
-    fingerprint: str  # identity of the tokenized training data (data bytes, tokenizer, format settings)
+    fingerprint: str  # identity of the tokenized training data (data bytes, tokenizer, format settings, mixture)
     warnings: list[str] = field(default_factory=list)  # e.g. a cache entry that failed its check
+    mixture: Mixture | None = None  # the sources, their amounts per epoch, their eval ranges
+    source_stats: list[TokenStats] = field(default_factory=list)  # per source, in mixture order
 
     def collate(self, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
         """A training micro-batch: packed into one row when the sampler packs, else padded."""
@@ -31,68 +35,130 @@ class DataBundle:
             return collate_packed(self.train, indices, self.plan.row_length, pad_id)
         return collate(self.train, indices, pad_id)
 
+    def eval_groups(self) -> list[tuple[str, int, int]]:
+        """(source name, start, end) of each source's eval examples; one group when there is no mixture."""
+        if self.eval is None:
+            return []
+        if self.mixture is None or len(self.mixture.sources) == 1:
+            return [("all", 0, len(self.eval))]
+        return [(s.name, s.eval_start, s.eval_end) for s in self.mixture.sources if s.eval_end > s.eval_start]
 
-def make_encoder(data: DataSection, tokenizer) -> Encoder:
-    return Encoder(tokenizer, data.format, data.max_length, data.train_on_prompt, data.text_field,
-                   data.messages_field, data.chat_template)
+
+def make_encoder(data: DataSection, tokenizer, source: SourceSection | None = None) -> Encoder:
+    """The encoder of one source (its format and field names), or of the data section's own settings."""
+    source = source or (data.sources() or [None])[0]
+    fields = source if source is not None else data
+    return Encoder(tokenizer, fields.format, data.max_length, data.train_on_prompt, fields.text_field,
+                   fields.messages_field, data.chat_template, conversations_field=fields.conversations_field,
+                   sharegpt_roles=data.sharegpt_roles)
 
 
 def _tokenized(source: DataSource, limit: int | None, encoder: Encoder, tokenizer,
                cache_dir: Path | None, warnings: list[str]) -> tuple[TokenizedDataset, bool, str]:
-    key = cache_key(f"{source.fingerprint()}:{limit}", tokenizer, encoder)
-    if cache_dir is None:
-        return tokenize_rows(read_rows(source, limit), encoder), False, key
-    path = cache_dir / "tokenized" / f"{key}.safetensors"
-    if path.is_file():
-        try:
-            return TokenizedDataset.load(path), True, key
-        except CacheEntryInvalid as exc:  # a miss: tokenize again and replace the entry
-            warnings.append(f"tokenized cache entry {path} is invalid ({exc}): tokenizing the data again")
-    dataset = tokenize_rows(read_rows(source, limit), encoder)
-    try:
-        dataset.save(path)
-    except OSError as exc:  # a cache that cannot be written costs time next run, never this run
-        warnings.append(f"could not write the tokenized cache {path} ({exc.strerror or exc}); set data.cache_dir "
-                        "or $GPUPOOR_CACHE to a writable folder")
-    return dataset, False, key
+    """One source tokenized: a verified, memory-mapped cache entry, or streamed through the encoder in parallel
+    and written to the cache (kept in memory when there is no cache). Returns (data, cache hit, its identity)."""
+    identity = data_identity(f"{source.fingerprint()}:{limit}", tokenizer, encoder)
+    path = cache_dir / "tokenized" / f"{cache_key(identity)}.safetensors" if cache_dir is not None else None
+    dataset, hit = tokenize_source(source, limit, encoder, tokenizer, path, warnings)
+    return dataset, hit, identity
+
+
+@dataclass
+class _SourceData:
+    train: TokenizedDataset
+    eval: TokenizedDataset | None
+    hit: bool
+    fingerprint: str
+
+
+def _source_data(data: DataSection, source: SourceSection, key: str, tokenizer, seed: int, base_dir: Path,
+                 cache_dir: Path | None, warnings: list[str]) -> _SourceData:
+    """One source tokenized (through the cache), with its eval examples: a file of its own, a split of a
+    single `path`, or rows held out by a seeded shuffle."""
+    encoder = make_encoder(data, tokenizer, source)
+    location = resolve_source(source.path, base_dir, source.split, key)
+    train, hit, fingerprint = _tokenized(location, source.max_rows, encoder, tokenizer, cache_dir, warnings)
+    evaluation = None
+    eval_split = data.eval_split if data.datasets is None else None
+    if eval_split and location.kind == "file":
+        raise UserError(f"data.eval_split = {eval_split!r}: {source.path} is a single file with no splits",
+                        hint="use data.eval_path for a separate file, or data.eval_rows to hold out rows")
+    if source.eval_path or eval_split:
+        eval_key = key.rsplit(".", 1)[0] + ".eval_path"
+        eval_location = (resolve_source(source.eval_path, base_dir, "train", eval_key) if source.eval_path
+                         else DataSource(location.kind, location.location, eval_split))
+        evaluation, _, _ = _tokenized(eval_location, None, encoder, tokenizer, cache_dir, warnings)
+    elif source.eval_rows:
+        if source.eval_rows >= len(train):
+            raise UserError(f"{key.rsplit('.', 1)[0]}.eval_rows = {source.eval_rows} leaves no training rows "
+                            f"(the data has {len(train)} usable examples)")
+        # Held-out rows are chosen by a seeded shuffle that does not depend on the epoch.
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+        evaluation = train.subset(sorted(order[: source.eval_rows]))
+        stats = train.stats
+        train = train.subset(sorted(order[source.eval_rows:]))
+        train.stats = stats
+        fingerprint = f"{fingerprint}-holdout{source.eval_rows}"  # the held-out rows change what is trained on
+    if len(train) == 0:
+        raise UserError(f"{key}: no usable training examples in {source.path} "
+                        f"({train.stats.dropped_no_target} had no target tokens within max_length)")
+    return _SourceData(train, evaluation, hit, fingerprint)
 
 
 def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
                use_cache: bool = True, sampler: str | None = None) -> DataBundle:
     """`sampler`: the concrete sampler when data.sampler is `auto` (the run resolves it from the model)."""
-    encoder = make_encoder(data, tokenizer)
+    if data.tokenized_path:
+        return _from_tokenized_dir(data, tokenizer, micro_batch_size, seed, base_dir, sampler)
     cache_dir = (Path(data.cache_dir) if data.cache_dir else default_cache_dir()) if use_cache else None
     if cache_dir is not None and not cache_dir.is_absolute():
         cache_dir = base_dir / cache_dir
-    source = resolve_source(data.path, base_dir, data.split, "data.path")
     warnings: list[str] = []
-    train, hit, fingerprint = _tokenized(source, data.max_rows, encoder, tokenizer, cache_dir, warnings)
-    evaluation = None
-    if data.eval_split and source.kind == "file":
-        raise UserError(f"data.eval_split = {data.eval_split!r}: {data.path} is a single file with no splits",
-                        hint="use data.eval_path for a separate file, or data.eval_rows to hold out rows")
-    if data.eval_path or data.eval_split:
-        eval_source = (resolve_source(data.eval_path, base_dir, "train", "data.eval_path") if data.eval_path
-                       else DataSource(source.kind, source.location, data.eval_split))
-        evaluation, _, _ = _tokenized(eval_source, None, encoder, tokenizer, cache_dir, warnings)
-    elif data.eval_rows:
-        if data.eval_rows >= len(train):
-            raise UserError(f"data.eval_rows = {data.eval_rows} leaves no training rows "
-                            f"(the data has {len(train)} usable examples)")
-        # Held-out rows are chosen by a seeded shuffle that does not depend on the epoch.
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
-        evaluation = train.subset(sorted(order[: data.eval_rows]))
-        stats = train.stats
-        train = train.subset(sorted(order[data.eval_rows:]))
-        train.stats = stats
-    if len(train) == 0:
-        raise UserError(f"data.path: no usable training examples in {data.path} "
-                        f"({train.stats.dropped_no_target} had no target tokens within max_length)")
+    sources = data.sources()
+    parts = [_source_data(data, source, "data.path" if data.datasets is None else f"data.datasets[{number}].path",
+                          tokenizer, seed, base_dir, cache_dir, warnings) for number, source in enumerate(sources)]
+    mixture = _mixture(sources, parts, seed)
+    train = concat_datasets([part.train for part in parts])
+    evals = [part.eval for part in parts if part.eval is not None]
+    evaluation = concat_datasets(evals) if evals else None
     kind = sampler or (data.sampler if data.sampler != "auto" else "random")
-    plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length)
-    if data.eval_rows:  # the held-out rows change what is trained on
-        fingerprint = f"{fingerprint}-holdout{data.eval_rows}"
-    return DataBundle(train, evaluation, plan, hit, fingerprint, warnings)
+    plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length, mixture)
+    fingerprint = parts[0].fingerprint if data.datasets is None else _mixture_fingerprint(mixture, parts)
+    return DataBundle(train, evaluation, plan, all(part.hit for part in parts), fingerprint, warnings, mixture,
+                      [part.train.stats for part in parts])
+
+
+def _from_tokenized_dir(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
+                        sampler: str | None) -> DataBundle:
+    """Data `gpupoor tokenize` wrote (verified against its manifest and this tokenizer), with its mixture. Its
+    held-out eval rows were chosen when it was written; this run's seed orders the epochs."""
+    path = Path(data.tokenized_path).expanduser()
+    train, evaluation, manifest = load_tokenized_dir(path if path.is_absolute() else base_dir / path, tokenizer)
+    mixture = manifest_mixture(manifest, seed)
+    kind = sampler or (data.sampler if data.sampler != "auto" else "random")
+    plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, manifest["max_length"], mixture)
+    return DataBundle(train, evaluation, plan, True, manifest["data_fingerprint"], [], mixture,
+                      manifest_source_stats(manifest))
+
+
+def _mixture(sources: list[SourceSection], parts: list[_SourceData], seed: int) -> Mixture:
+    sizes = [len(part.train) for part in parts]
+    counts = source_counts(sizes, [s.weight for s in sources], [s.rows for s in sources], [s.epochs for s in sources])
+    placed, start, eval_start = [], 0, 0
+    for source, part, count in zip(sources, parts, counts):
+        eval_size = len(part.eval) if part.eval is not None else 0
+        placed.append(Source(source.name, start, start + len(part.train), count, eval_start, eval_start + eval_size))
+        start, eval_start = start + len(part.train), eval_start + eval_size
+    return Mixture(placed, seed)
+
+
+def _mixture_fingerprint(mixture: Mixture, parts: list[_SourceData]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for source, part in zip(mixture.sources, parts):
+        digest.update(f"{source.name}:{source.count}:{part.fingerprint};".encode())
+    return digest.hexdigest()[:32]
 
 
 def collate(dataset: TokenizedDataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:

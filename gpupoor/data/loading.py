@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import UserError
 from gpupoor.files import hash_file_into
 from gpupoor.recipe import DATA_SUFFIXES, decode_utf8, resolve_local_path
+
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a batch, not the file, is in memory
 
 
 @dataclass
@@ -62,30 +66,36 @@ def resolve_source(value: str, base_dir: Path, split: str, key: str) -> DataSour
 
 def read_rows(source: DataSource, limit: int | None = None) -> list[Row]:
     """All rows (or the first `limit`) as dicts. Malformed input is a UserError naming file:line."""
+    return list(iter_rows(source, limit))
+
+
+def iter_rows(source: DataSource, limit: int | None = None) -> Iterator[Row]:
+    """The rows one at a time, so a caller that tokenizes as it reads holds a chunk, never the whole file.
+    .jsonl, .csv, .parquet and saved or hub datasets stream; a .json list is parsed whole (JSON has no
+    record boundaries to stop at), so data bigger than memory belongs in .jsonl."""
     if source.kind == "file":
         path = Path(source.location)
         suffix = path.suffix.lower()
+        reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}.get(suffix, _read_parquet)
         try:
-            if suffix == ".jsonl":
-                return _read_jsonl(path, limit)
-            if suffix == ".json":
-                return _read_json(path, limit)
-            if suffix == ".csv":
-                return _read_csv(path, limit)
-            return _read_parquet(path, limit)
+            yield from reader(path, limit)
         except UnicodeDecodeError:
             # The text readers decode in blocks, so the error's offset is not the file's: find it in the bytes.
             decode_utf8(path, path.read_bytes())
             raise
         except OSError as exc:
             raise UserError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        return
     dataset = _load_disk(source) if source.kind == "disk" else _load_hub(source)
     count = len(dataset) if limit is None else min(limit, len(dataset))
-    return [Row(dict(dataset[i]), f"{source.location}[{i}]") for i in range(count)]
+    # Iterating reads the Arrow table in batches (memory-mapped for saved and hub datasets); dataset[i] would
+    # be the same rows at a much higher cost per row.
+    for index, record in enumerate(itertools.islice(dataset, count)):
+        yield Row(dict(record), f"{source.location}[{index}]")
 
 
-def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
-    rows = []
+def _read_jsonl(path: Path, limit: int | None) -> Iterator[Row]:
+    count = 0
     with open(path, encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, 1):
             if not line.strip():
@@ -97,13 +107,13 @@ def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
                                 hint="each line of a .jsonl file is one JSON object") from None
             if not isinstance(value, dict):
                 raise UserError(f"{path}:{line_no}: expected a JSON object, got {type(value).__name__}")
-            rows.append(Row(value, f"{path}:{line_no}"))
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows
+            yield Row(value, f"{path}:{line_no}")
+            count += 1
+            if limit is not None and count >= limit:
+                return
 
 
-def _read_json(path: Path, limit: int | None) -> list[Row]:
+def _read_json(path: Path, limit: int | None) -> Iterator[Row]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -112,35 +122,35 @@ def _read_json(path: Path, limit: int | None) -> list[Row]:
         value = next(iter(value.values()))  # {"train": [...]} or {"data": [...]}
     if not isinstance(value, list):
         raise UserError(f"{path}: expected a JSON list of objects")
-    rows = []
     for index, item in enumerate(value[:limit] if limit else value):
         if not isinstance(item, dict):
             raise UserError(f"{path}: item {index}: expected a JSON object, got {type(item).__name__}")
-        rows.append(Row(item, f"{path}[{index}]"))
-    return rows
+        yield Row(item, f"{path}[{index}]")
 
 
-def _read_csv(path: Path, limit: int | None) -> list[Row]:
-    rows = []
+def _read_csv(path: Path, limit: int | None) -> Iterator[Row]:
     with open(path, encoding="utf-8", newline="") as handle:
         reader = csv.DictReader(handle)
-        for record in reader:
-            rows.append(Row(dict(record), f"{path}:{reader.line_num}"))
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows
+        for count, record in enumerate(reader, 1):
+            yield Row(dict(record), f"{path}:{reader.line_num}")
+            if limit is not None and count >= limit:
+                return
 
 
-def _read_parquet(path: Path, limit: int | None) -> list[Row]:
+def _read_parquet(path: Path, limit: int | None) -> Iterator[Row]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        batches = pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS)
+        index = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                if limit is not None and index >= limit:
+                    return
+                yield Row(record, f"{path}[{index}]")
+                index += 1
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise UserError(f"{path}: cannot read parquet: {exc}") from None
-    if limit is not None:
-        table = table.slice(0, limit)
-    return [Row(record, f"{path}[{i}]") for i, record in enumerate(table.to_pylist())]
 
 
 def _load_disk(source: DataSource):

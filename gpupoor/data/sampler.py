@@ -25,18 +25,21 @@ class BatchPlan:
     """Splits example indices into micro-batches, anew for every epoch."""
 
     def __init__(self, lengths: list[int], micro_batch_size: int, seed: int, kind: str = "random",
-                 max_length: int | None = None):
+                 max_length: int | None = None, mixture=None):
         if kind not in ("random", "length_grouped", "packed"):
             raise ValueError(f"unknown sampler {kind!r}")
         self.lengths = lengths
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.kind = kind
+        # gpupoor.data.mixture.Mixture: which examples an epoch holds (None or plain: each example once).
+        self.mixture = None if mixture is None or mixture.is_plain() else mixture
         # packed: examples are bin-packed into rows of at most max_length tokens, micro_batch_size rows per
         # micro-batch. Rows, not one long row: attention costs length^2, and a 4096-token row of 30 short
         # examples (block-diagonal masks on CPU/SDPA are dense) costs 8x the work of 8 rows of 512.
         self.row_length = max_length or max(lengths, default=1)
-        self._count = len(self.epoch(0)) if kind == "packed" else -(-len(lengths) // micro_batch_size)
+        examples = sum(source.count for source in self.mixture.sources) if self.mixture else len(lengths)
+        self._count = len(self.epoch(0)) if kind == "packed" else -(-examples // micro_batch_size)
 
     def __len__(self) -> int:
         """Micro-batches per epoch (the last one may be smaller). For packing, the count of epoch 0: other
@@ -45,7 +48,10 @@ class BatchPlan:
 
     def epoch(self, epoch: int) -> list[list[int]]:
         generator = _generator(self.seed, epoch)
-        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        if self.mixture is not None:
+            order = self.mixture.draw(epoch, generator)
+        else:
+            order = torch.randperm(len(self.lengths), generator=generator).tolist()
         size = self.micro_batch_size
         if self.kind == "random":
             return [order[i:i + size] for i in range(0, len(order), size)]

@@ -79,34 +79,43 @@ def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> d
     # eval batch of its own would leave the others waiting in that collective.
     model = accelerator.unwrap_model(model)
     model.train(settings.eval_in_train_mode)
-    loss_sum = torch.zeros((), device=accelerator.device)
-    correct = torch.zeros((), device=accelerator.device)
-    targets = 0
-    size = settings.eval_micro_batch_size
-    # Each process evaluates every num_processes-th batch; the sums are reduced once at the end.
-    processes = accelerator.num_processes
-    starts = list(range(accelerator.process_index * size, len(data.eval), size * processes))
-    if settings.lockstep:
-        # Under FSDP a forward gathers weights from every process: one with fewer batches of its own runs its
-        # first batch again (or the first of all) and does not count it, so no process waits alone.
-        rounds = -(-len(data.eval) // (size * processes))
-        starts += [None] * (rounds - len(starts))
+    groups = data.eval_groups()
+    sums = torch.zeros((len(groups), 3), dtype=torch.float64, device=accelerator.device)  # loss, right, targets
     with torch.no_grad():
-        for start in starts:
-            first = start if start is not None else (starts[0] if starts[0] is not None else 0)
-            batch = collate(data.eval, list(range(first, min(first + size, len(data.eval)))), settings.pad_id)
+        for group, start, end in _eval_batches(groups, accelerator, settings):
+            batch = collate(data.eval, list(range(start, end)), settings.pad_id)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.autocast():
                 loss, right = settings.eval_fn(model, batch)
-            if start is not None:
-                loss_sum += loss.float()
-                correct += right
-                targets += count_targets(batch)
+            if group is not None:
+                sums[group] += torch.stack([loss.double(), right.double(),
+                                            torch.tensor(float(count_targets(batch)), device=sums.device)])
     model.train()  # the same module object the caller trains, wrapped or not
-    totals = accelerator.reduce(torch.stack([loss_sum, correct, torch.tensor(float(targets), device=loss_sum.device)]),
-                                "sum")  # all-reduce + CPU-GPU sync point, once per eval
-    loss, right, count = totals.tolist()
-    return {"eval_loss": loss / max(count, 1.0), "eval_accuracy": round(right / max(count, 1.0), 6)}
+    totals = accelerator.reduce(sums, "sum").tolist()  # all-reduce + CPU-GPU sync point, once per eval
+    loss, right, count = (sum(row[i] for row in totals) for i in range(3))
+    record = {"eval_loss": loss / max(count, 1.0), "eval_accuracy": round(right / max(count, 1.0), 6)}
+    if len(groups) > 1:  # a mixture: each source's own eval too
+        record["eval_loss_by_source"] = {name: row[0] / max(row[2], 1.0) for (name, _, _), row in zip(groups, totals)}
+        record["eval_accuracy_by_source"] = {name: round(row[1] / max(row[2], 1.0), 6)
+                                             for (name, _, _), row in zip(groups, totals)}
+    return record
+
+
+def _eval_batches(groups: list[tuple[str, int, int]], accelerator, settings: LoopSettings) -> list[tuple]:
+    """This process's eval batches as (group, start, end): every num_processes-th batch of each source's eval
+    examples, so a batch never mixes sources and the sums are reduced once at the end. Under `lockstep` (FSDP:
+    every forward is collective) a process with fewer batches runs one of its batches again, uncounted (group
+    None), until every process runs as many forwards."""
+    size, processes, rank = settings.eval_micro_batch_size, accelerator.num_processes, accelerator.process_index
+    mine, rounds = [], 0
+    for number, (_, start, end) in enumerate(groups):
+        firsts = range(start, end, size)
+        rounds += -(-len(firsts) // processes)
+        mine += [(number, first, min(first + size, end)) for first in firsts[rank::processes]]
+    if settings.lockstep and groups:
+        _, start, end = mine[0] if mine else (None, groups[0][1], min(groups[0][1] + size, groups[0][2]))
+        mine += [(None, start, end)] * (rounds - len(mine))
+    return mine
 
 
 def _take_window(stream, state: TrainState, accelerator, data: DataBundle, settings: LoopSettings) -> list[dict]:
@@ -120,6 +129,10 @@ def _take_window(stream, state: TrainState, accelerator, data: DataBundle, setti
             if rank == accelerator.process_index:
                 window.append(data.collate(indices, settings.pad_id))
             state.samples_seen += len(indices)
+            if data.mixture is not None:  # what each source has given so far (the same on every process)
+                for index in indices:
+                    name = data.mixture.source_of(index)
+                    state.examples_by_source[name] = state.examples_by_source.get(name, 0) + 1
     return window
 
 
@@ -219,6 +232,8 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
             "peak_mem_mb": round(peak_memory_mb(device), 1),
             "step_s": round(last_step_s, 4), "elapsed_s": round(state.elapsed_s, 3),
         }
+        if state.examples_by_source:
+            record["examples_by_source"] = dict(state.examples_by_source)
         if skipped:
             record["skipped"] = True
         skips_in_a_row = skips_in_a_row + 1 if diverging else 0

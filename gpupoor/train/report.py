@@ -55,8 +55,11 @@ def truncate_metrics(path: Path, step: int, eval_redone: bool) -> None:
     `eval_redone`, so is an eval of that step itself: a process may have died between the checkpoint and that
     eval, and the resumed run evaluates the step again (the same weights, so the same value)."""
     if path.is_file():
+        # With the eval redone, what judged it (a best checkpoint, an early stop) is judged again too.
+        redone = ("best", "early_stop")
         kept = [record for record in read_metrics(path) if record.get("step", 0) < step
-                or (record.get("step", 0) == step and not (eval_redone and "eval_loss" in record))]
+                or (record.get("step", 0) == step
+                    and not (eval_redone and ("eval_loss" in record or record.get("event") in redone)))]
         write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 

@@ -20,6 +20,7 @@ class TrainState:
     target_tokens_seen: int = 0  # tokens the loss was computed on
     skipped_steps: int = 0  # steps dropped for a non-finite loss or gradient norm
     elapsed_s: float = 0.0  # training time so far, across resumes
+    examples_by_source: dict = field(default_factory=dict)  # a mixture: examples drawn from each source so far
     # Evaluation that decides (early stopping, the best checkpoint): the best eval loss and its step, the evals
     # since it improved, and the last step whose eval was recorded and judged when this state was saved (a
     # checkpoint saved before its step's eval has an older one: a resumed run evaluates that step again).
@@ -27,7 +28,8 @@ class TrainState:
     best_step: int | None = None
     evals_without_improvement: int = 0
     evaluated_step: int = 0
-    rng: dict = field(default_factory=dict)  # filled by capture_rng() at save time
+    rng: dict = field(default_factory=dict)  # filled by capture_rng() at save time (the first process's)
+    rng_by_rank: list = field(default_factory=list)  # several processes: each one's own, by rank
 
     def to_dict(self) -> dict:
         return asdict(self)

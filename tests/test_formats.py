@@ -1,0 +1,391 @@
+"""Data formats beyond the basics: named chat templates against each family's documented format, exact loss
+masking, ShareGPT rows, tokenized rows, the no-template error, mixture preflight and `validate --show`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import write_jsonl
+from gpupoor.cli import app
+from gpupoor.data.formats import IGNORE_INDEX, Encoder
+from gpupoor.data.templates import NAMES, TEMPLATES, resolve_chat_template
+from gpupoor.errors import UserError
+
+SYSTEM, USER_1, REPLY_1, USER_2, REPLY_2 = "be brief", "sort lists", "done quickly", "reverse", "the answer"
+CONVERSATION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_1},
+                {"role": "assistant", "content": REPLY_1}, {"role": "user", "content": USER_2},
+                {"role": "assistant", "content": REPLY_2}]
+
+# Each family's format written out by hand from its documentation (the test tokenizer's BOS is <s>, its EOS </s>),
+# as (text, trained) pieces; then what ends an assistant turn and whether gpupoor appends EOS (it does unless
+# the last trained piece already holds the tokenizer's EOS).
+FAMILY_FORMATS = {
+    # Meta's Llama 3 prompt format: a header per turn, each turn ends with <|eot_id|>; BOS first.
+    "llama3": ([("<s><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|>"
+                 "<|start_header_id|>user<|end_header_id|>\n\nsort lists<|eot_id|>"
+                 "<|start_header_id|>assistant<|end_header_id|>\n\n", False),
+                ("done quickly<|eot_id|>", True),
+                ("<|start_header_id|>user<|end_header_id|>\n\nreverse<|eot_id|>"
+                 "<|start_header_id|>assistant<|end_header_id|>\n\n", False),
+                ("the answer<|eot_id|>", True)], "<|eot_id|>", True),
+    # ChatML: <|im_start|>ROLE\n ... <|im_end|>\n per turn, no BOS in the template (the tokenizer's own is kept).
+    "chatml": ([("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsort lists<|im_end|>\n"
+                 "<|im_start|>assistant\n", False),
+                ("done quickly<|im_end|>\n", True),
+                ("<|im_start|>user\nreverse<|im_end|>\n<|im_start|>assistant\n", False),
+                ("the answer<|im_end|>\n", True)], "<|im_end|>\\n", True),
+    # Gemma: <start_of_turn>user|model ... <end_of_turn>\n; no system role: the system prompt opens the first user
+    # turn, followed by a blank line; BOS first.
+    "gemma": ([("<s><start_of_turn>user\nbe brief\n\nsort lists<end_of_turn>\n<start_of_turn>model\n", False),
+               ("done quickly<end_of_turn>\n", True),
+               ("<start_of_turn>user\nreverse<end_of_turn>\n<start_of_turn>model\n", False),
+               ("the answer<end_of_turn>\n", True)], "<end_of_turn>\\n", True),
+    # Mistral tokenizer v3: <s>[INST] user[/INST] reply</s>, the system prompt before the LAST user message
+    # (mistral-common's rule), each reply ends with EOS: nothing appended.
+    "mistral": ([("<s>[INST] sort lists[/INST]", False), (" done quickly</s>", True),
+                 ("[INST] be brief\n\nreverse[/INST]", False), (" the answer</s>", True)], "</s>", False),
+    # Phi-3: <|role|>\n ... <|end|>\n per turn; EOS closes the whole conversation (so it is trained once, at the
+    # end, and not appended again).
+    "phi3": ([("<|system|>\nbe brief<|end|>\n<|user|>\nsort lists<|end|>\n<|assistant|>\n", False),
+              ("done quickly<|end|>\n", True),
+              ("<|user|>\nreverse<|end|>\n<|assistant|>\n", False),
+              ("the answer<|end|>\n</s>", True)], "<|end|>\\n", False),
+}
+
+
+def trained_ids(encoded) -> list[int]:
+    return [token for token, label in zip(encoded.input_ids, encoded.labels) if label != IGNORE_INDEX]
+
+
+def test_every_named_template_is_tested_and_documented():
+    assert set(FAMILY_FORMATS) == set(NAMES) == {"llama3", "chatml", "gemma", "mistral", "phi3"}
+    for name, template in TEMPLATES.items():
+        assert template.source and template.family
+        assert FAMILY_FORMATS[name][1] in template.turn_end
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_FORMATS))
+def test_named_template_renders_the_family_format(tokenizer, name):
+    pieces, _, _ = FAMILY_FORMATS[name]
+    encoder = Encoder(tokenizer, "chat", 1024, chat_template=name)
+    segments = encoder.segments({"messages": CONVERSATION}, "x:1")
+    assert "".join(text for text, _ in segments) == "".join(text for text, _ in pieces)
+    assert [text for text, trained in segments if trained] == [text for text, trained in pieces if trained]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_FORMATS))
+def test_named_template_trains_exactly_the_replies(tokenizer, name):
+    pieces, _, eos_appended = FAMILY_FORMATS[name]
+    encoded = Encoder(tokenizer, "chat", 1024, chat_template=name).encode({"messages": CONVERSATION}, "x:1")
+    replies = [text for text, trained in pieces if trained]
+    expected = [token for reply in replies for token in tokenizer(reply, add_special_tokens=False).input_ids]
+    expected += [tokenizer.eos_token_id] if eos_appended else []
+    assert trained_ids(encoded) == expected  # token for token: the replies (end-of-turn marker included) only
+    assert tokenizer.decode(trained_ids(encoded)) == "".join(replies) + ("</s>" if eos_appended else "")
+    whole = "".join(text for text, _ in pieces)
+    bos = "" if whole.startswith("<s>") else "<s>"  # the template writes BOS, or the tokenizer's is kept
+    assert tokenizer.decode(encoded.input_ids) == bos + whole + ("</s>" if eos_appended else "")
+    assert encoded.input_ids.count(tokenizer.bos_token_id) == 1
+    # One trained run per reply (the appended EOS joins the last): nothing between replies leaks in.
+    runs = sum(1 for i, label in enumerate(encoded.labels)
+               if label != IGNORE_INDEX and (i == 0 or encoded.labels[i - 1] == IGNORE_INDEX))
+    assert runs == len(replies)
+
+
+def test_template_name_jinja_and_typo():
+    assert resolve_chat_template(None) is None
+    assert resolve_chat_template("chatml").startswith("{% for message in messages %}")
+    jinja = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert resolve_chat_template(jinja) == jinja
+    with pytest.raises(UserError) as info:
+        resolve_chat_template("llama-3")
+    message = str(info.value)
+    assert "data.chat_template: 'llama-3' is not a template name" in message
+    assert "did you mean 'llama3'" in message and "chatml, gemma, mistral, phi3" in message
+
+
+# No silent ChatML ---------------------------------------------------------------------------------------------
+
+
+def test_chat_without_any_template_is_an_error_at_training(tokenizer):
+    assert tokenizer.chat_template is None
+    for fmt in ("chat", "sharegpt"):
+        with pytest.raises(UserError, match="data.chat_template is not set and the tokenizer has no chat template"):
+            Encoder(tokenizer, fmt, 128)
+    Encoder(tokenizer, "alpaca", 128)  # formats without conversations need no template
+
+
+def validate(*args) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["validate", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def chat_rows(tmp_path, name="chat.jsonl", count=2):
+    return write_jsonl(tmp_path / name, [{"messages": CONVERSATION[1:3]}] * count)
+
+
+def test_chat_without_any_template_fails_validate(make_recipe, tmp_path):
+    code, output = validate(make_recipe(data={"path": str(chat_rows(tmp_path)), "format": "chat"}))
+    assert code == 2, output
+    assert "data.chat_template is not set" in output and "tokenizer has no chat template" in output
+    assert "llama3, chatml, gemma, mistral, phi3" in output and "Jinja template" in output
+
+
+def test_tokenizer_with_its_own_template_needs_none(make_recipe, tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    model = shutil.copytree(tiny_model, tmp_path / "templated")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = resolve_chat_template("chatml")
+    tokenizer.save_pretrained(model)
+    recipe = make_recipe(model={"name_or_path": str(model)}, data={"path": str(chat_rows(tmp_path)), "format": "chat"})
+    code, output = validate(recipe)
+    assert code == 0, output
+
+
+def fake_hub_cache(root, config: dict, jinja: str | None, jinja_known_missing: bool = False):
+    """The hub cache layout huggingface_hub reads: refs/main -> snapshots/SHA/FILE, .no_exist/SHA/FILE."""
+    repo = root / "models--owner--chatty"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (snapshot / "chat_template.jinja").write_text(jinja)
+    if jinja_known_missing:
+        (repo / ".no_exist" / "abc123").mkdir(parents=True)
+        (repo / ".no_exist" / "abc123" / "chat_template.jinja").write_text("")
+
+
+@pytest.mark.parametrize("config, jinja, missing, expected", [
+    ({"chat_template": "{{ messages }}"}, None, True, True),
+    ({}, "{{ messages }}", False, True),
+    ({}, None, True, False),  # the cache knows the tokenizer has no template anywhere
+    ({}, None, False, None),  # chat_template.jinja never looked up: cannot tell
+])
+def test_hub_tokenizer_template_from_the_cache(tmp_path, monkeypatch, config, jinja, missing, expected):
+    import huggingface_hub.constants
+
+    from gpupoor.preflight import tokenizer_has_chat_template
+
+    fake_hub_cache(tmp_path / "hub", config, jinja, missing)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert tokenizer_has_chat_template("owner/chatty", tmp_path) is expected
+    assert tokenizer_has_chat_template("nobody-here/no-such-model", tmp_path) is None
+
+
+# ShareGPT -----------------------------------------------------------------------------------------------------
+
+SHAREGPT = [{"from": "system", "value": SYSTEM}, {"from": "human", "value": USER_1}, {"from": "gpt", "value": REPLY_1},
+            {"from": "human", "value": USER_2}, {"from": "gpt", "value": REPLY_2}]
+
+
+def test_sharegpt_encodes_exactly_like_the_chat_row(tokenizer):
+    chat = Encoder(tokenizer, "chat", 256, chat_template="chatml").encode({"messages": CONVERSATION}, "x:1")
+    sharegpt = Encoder(tokenizer, "sharegpt", 256, chat_template="chatml").encode({"conversations": SHAREGPT}, "x:1")
+    assert (sharegpt.input_ids, sharegpt.labels) == (chat.input_ids, chat.labels)
+
+
+def test_sharegpt_custom_field_and_roles(tokenizer):
+    turns = [{"from": "asker", "value": USER_1}, {"from": "bot", "value": REPLY_1}]
+    encoder = Encoder(tokenizer, "sharegpt", 256, chat_template="chatml", conversations_field="turns",
+                      sharegpt_roles={"asker": "user", "bot": "assistant"})
+    encoded = encoder.encode({"turns": turns}, "x:1")
+    assert tokenizer.decode(trained_ids(encoded)) == "done quickly<|im_end|>\n</s>"
+
+
+def test_sharegpt_prompt_for_generate(tokenizer):
+    chat = Encoder(tokenizer, "chat", 256, chat_template="chatml")
+    sharegpt = Encoder(tokenizer, "sharegpt", 256, chat_template="chatml")
+    # The trailing reply (the expected answer) is left out; the prompt ends with the generation prompt.
+    prompt = sharegpt.prompt_segments({"conversations": SHAREGPT[:3]}, "x:1")
+    assert prompt == chat.prompt_segments({"messages": CONVERSATION[:2]}, "x:1")
+    assert prompt[0][0].endswith("sort lists<|im_end|>\n<|im_start|>assistant\n")
+    assert sharegpt.encode_prompt({"conversations": SHAREGPT[:2]}, "x:1") == chat.encode_prompt(
+        {"messages": CONVERSATION[:2]}, "x:1")
+
+
+BAD_SHAREGPT = {
+    "unknown_from": ({"conversations": [SHAREGPT[1], {"from": "bot", "value": "hi"}]},
+                     "sg.jsonl:4: conversations[1] has from 'bot', which data.sharegpt_roles does not map; known: "
+                     "system, human, user, gpt, assistant, tool, function_call, observation",
+                     "add it to data.sharegpt_roles"),
+    "missing": ({"messages": []}, "sg.jsonl:4: field 'conversations' must be a non-empty list of {from, value} "
+                "turns (it is missing)", None),
+    "ill_typed": ({"conversations": [{"from": "human", "value": 3}]},
+                  "sg.jsonl:4: conversations[0] needs string fields 'from' and 'value'", None),
+    "gpt_first": ({"conversations": [SHAREGPT[2], SHAREGPT[1]]},
+                  "sg.jsonl:4: conversations[0] is an assistant turn before any user turn", None),
+    "no_reply": ({"conversations": SHAREGPT[:2]}, "sg.jsonl:4: conversations has no assistant turn", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SHAREGPT))
+def test_bad_sharegpt_row_is_named(tokenizer, case):
+    row, expected, hint = BAD_SHAREGPT[case]
+    with pytest.raises(UserError) as info:
+        Encoder(tokenizer, "sharegpt", 256, chat_template="chatml").encode(row, "sg.jsonl:4")
+    assert expected in str(info.value)
+    assert hint is None or hint in str(info.value)
+
+
+def test_bad_sharegpt_row_fails_validate(make_recipe, tmp_path):
+    data = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": SHAREGPT}, BAD_SHAREGPT["unknown_from"][0]])
+    code, output = validate(make_recipe(data={"path": str(data), "format": "sharegpt", "chat_template": "chatml"}))
+    assert code == 2 and "sg.jsonl:2: conversations[1] has from 'bot'" in output, output
+    code, output = validate(make_recipe(data={"path": str(data), "format": "sharegpt", "chat_template": "chatml",
+                                              "sharegpt_roles": {"human": "user", "bot": "assistant",
+                                                                 "gpt": "assistant", "system": "system"}}))
+    assert code == 0, output
+
+
+# Tokenized rows -----------------------------------------------------------------------------------------------
+
+
+def test_tokenized_rows_are_used_as_they_are(tokenizer):
+    encoder = Encoder(tokenizer, "tokenized", 8)
+    with_labels = encoder.encode({"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, "t:1")
+    assert with_labels.input_ids == [5, 6, 7, 8] and with_labels.labels == [-100, -100, 7, 8]  # no BOS, no EOS
+    assert not with_labels.truncated
+    with_mask = encoder.encode({"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}, "t:1")
+    assert (with_mask.input_ids, with_mask.labels) == (with_labels.input_ids, with_labels.labels)
+    both = encoder.encode({"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8], "loss_mask": [0, 0, 1, 1]}, "t")
+    assert both.labels == with_labels.labels
+    long = encoder.encode({"input_ids": list(range(3, 13)), "loss_mask": [1] * 10}, "t:2")
+    assert long.truncated and long.input_ids == list(range(3, 11)) and long.labels == list(range(3, 11))
+
+
+def test_tokenized_truncation_is_counted(tokenizer):
+    from gpupoor.data.dataset import tokenize_rows
+    from gpupoor.data.loading import Row
+
+    rows = [Row({"input_ids": list(range(3, 13)), "loss_mask": [1] * 10}, "t:1"),
+            Row({"input_ids": [3, 4], "loss_mask": [0, 1]}, "t:2")]
+    dataset = tokenize_rows(rows, Encoder(tokenizer, "tokenized", 8))
+    assert dataset.stats.truncated == 1 and dataset.stats.kept == 2
+
+
+BAD_TOKENIZED = {
+    "no_labels": ({"input_ids": [5, 6]}, "t.jsonl:3: format tokenized needs 'labels'"),
+    "lengths": ({"input_ids": [5, 6], "labels": [5]}, "t.jsonl:3: 'labels' has 1 entries but 'input_ids' has 2"),
+    "mask_lengths": ({"input_ids": [5, 6], "loss_mask": [1, 1, 0]}, "'loss_mask' has 3 entries"),
+    "not_int": ({"input_ids": [5, "6"], "labels": [5, 6]}, "t.jsonl:3: input_ids[1] is '6' (str), not an integer"),
+    "float": ({"input_ids": [5, 6.0], "labels": [5, 6]}, "input_ids[1] is 6.0 (float), not an integer"),
+    "mask_value": ({"input_ids": [5, 6], "loss_mask": [0, 2]}, "loss_mask[1] is 2; a loss mask holds 0 or 1"),
+    "shifted": ({"input_ids": [5, 6, 7], "labels": [6, 7, -100]}, "labels[0] = 6 but input_ids[0] = 5"),
+    "disagree": ({"input_ids": [5, 6], "labels": [5, 6], "loss_mask": [0, 1]}, "disagree at token 0"),
+    "empty": ({"input_ids": [], "labels": []}, "needs a non-empty list 'input_ids'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TOKENIZED))
+def test_bad_tokenized_row_is_named(tokenizer, case):
+    row, expected = BAD_TOKENIZED[case]
+    with pytest.raises(UserError) as info:
+        Encoder(tokenizer, "tokenized", 16).encode(row, "t.jsonl:3")
+    assert expected in str(info.value)
+
+
+def test_tokenized_ids_outside_the_tokenizer_are_refused(tokenizer):
+    size = len(tokenizer)
+    encoder = Encoder(tokenizer, "tokenized", 16)
+    encoder.encode({"input_ids": [0, size - 1], "loss_mask": [1, 1]}, "t:1")
+    for bad in (size, -1):
+        with pytest.raises(UserError) as info:
+            encoder.encode({"input_ids": [5, bad], "loss_mask": [1, 1]}, "t.jsonl:9")
+        message = str(info.value)
+        assert f"t.jsonl:9: input_ids[1] = {bad} is not a token of this tokenizer" in message
+        assert f"len(tokenizer) = {size}" in message and "embedding may have more rows" in message
+
+
+def test_tokenized_rows_validate(make_recipe, tmp_path):
+    good = write_jsonl(tmp_path / "tok.jsonl", [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}] * 3)
+    code, output = validate(make_recipe(data={"path": str(good), "format": "tokenized"}))
+    assert code == 0, output
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [5]}])
+    code, output = validate(make_recipe(data={"path": str(bad), "format": "tokenized"}))
+    assert code == 2 and "bad.jsonl:2: format tokenized needs 'labels'" in output, output
+
+
+# Mixtures and tokenized_path in validate ----------------------------------------------------------------------
+
+
+def mixture(alpaca_file, second: dict) -> dict:
+    return {"path": None, "format": "alpaca", "chat_template": "chatml",
+            "datasets": [{"path": str(alpaca_file)}, second]}
+
+
+def test_mixture_checks_each_source_in_its_own_format(make_recipe, tmp_path, alpaca_file):
+    sharegpt = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": SHAREGPT}] * 2)
+    code, output = validate(make_recipe(data=mixture(alpaca_file, {"path": str(sharegpt), "format": "sharegpt"})))
+    assert code == 0, output
+    bad = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": SHAREGPT}, BAD_SHAREGPT["unknown_from"][0]])
+    code, output = validate(make_recipe(data=mixture(alpaca_file, {"path": str(bad), "format": "sharegpt"})))
+    assert code == 2 and "sg.jsonl:2: conversations[1] has from 'bot'" in output, output
+    # An alpaca row in a source whose own format is sharegpt: checked as sharegpt, not as data.format.
+    code, output = validate(make_recipe(data=mixture(alpaca_file, {"path": str(alpaca_file), "format": "sharegpt"})))
+    assert code == 2 and "train.jsonl:1: field 'conversations' must be a non-empty list" in output, output
+
+
+def test_mixture_errors_name_the_source_key(make_recipe, tmp_path, alpaca_file):
+    code, output = validate(make_recipe(data=mixture(alpaca_file, {"path": str(tmp_path / "nope.jsonl")})))
+    assert code == 2 and "data.datasets[1].path: data file not found" in output, output
+    second = {"path": str(alpaca_file), "eval_path": str(tmp_path / "gone.jsonl")}
+    code, output = validate(make_recipe(data=mixture(alpaca_file, second)))
+    assert code == 2 and "data.datasets[1].eval_path: data file not found" in output, output
+
+
+def test_mixture_of_chat_sources_needs_a_template(make_recipe, tmp_path, alpaca_file):
+    sharegpt = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": SHAREGPT}] * 2)
+    data = {**mixture(alpaca_file, {"path": str(sharegpt), "format": "sharegpt"}), "chat_template": None}
+    code, output = validate(make_recipe(data=data))
+    assert code == 2 and "data.chat_template is not set" in output and "format sharegpt" in output, output
+
+
+def test_tokenized_path_must_be_a_directory(make_recipe, tmp_path):
+    data = {"path": None, "tokenized_path": str(tmp_path / "tokens")}
+    code, output = validate(make_recipe(data=data))
+    assert code == 2 and "data.tokenized_path:" in output and "does not exist" in output, output
+    (tmp_path / "tokens").write_text("not a directory")
+    code, output = validate(make_recipe(data=data))
+    assert code == 2 and "is not a directory" in output, output
+    (tmp_path / "tokens").unlink()
+    (tmp_path / "tokens").mkdir()
+    code, output = validate(make_recipe(data=data))
+    assert code == 0, output
+
+
+# validate --show ----------------------------------------------------------------------------------------------
+
+
+def test_show_prints_rows_as_training_tokenizes_them(make_recipe, tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    recipe = make_recipe(data={"path": str(data), "format": "chat", "chat_template": "chatml", "max_length": 1024})
+    code, output = validate(recipe, "--show", "1")
+    assert code == 0, output
+    encoded = Encoder(tokenizer, "chat", 1024, chat_template="chatml").encode({"messages": CONVERSATION}, "x")
+    trained = sum(1 for label in encoded.labels[1:] if label != IGNORE_INDEX)
+    header = next(line for line in output.splitlines() if line.startswith("--- data.path "))
+    assert header.endswith(f"chat.jsonl:1: {len(encoded.input_ids)} tokens, {trained} trained"), header
+    assert ("<s><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsort lists<|im_end|>\n"
+            "<|im_start|>assistant\n«done quickly<|im_end|>\n»<|im_start|>user\nreverse<|im_end|>\n"
+            "<|im_start|>assistant\n«the answer<|im_end|>\n</s>»") in output
+
+
+def test_show_marks_truncation_and_each_source(make_recipe, tmp_path, alpaca_file):
+    sharegpt = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": SHAREGPT}] * 3)
+    data = {**mixture(alpaca_file, {"path": str(sharegpt), "format": "sharegpt", "name": "talk"}),
+            "max_length": 16}
+    code, output = validate(make_recipe(data=data), "--show", "2")
+    assert code == 0, output
+    headers = [line for line in output.splitlines() if line.startswith("--- ")]
+    assert len(headers) == 4, output
+    assert headers[0].startswith("--- data.datasets[0] (train) ") and "train.jsonl:1: 16 tokens" in headers[0]
+    assert headers[2].startswith("--- data.datasets[1] (talk) ") and "sg.jsonl:1: 16 tokens" in headers[2]
+    assert "truncated to data.max_length = 16" in headers[2]
+    assert "no trained tokens, so training drops this row" in headers[2]  # the reply is past token 16
