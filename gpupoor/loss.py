@@ -152,7 +152,8 @@ def fused_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused
 # ----------------------------------------------------------------------------------------------------- eval
 def plain_eval_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy, number of targets the model ranks first) from the model's full logits."""
-    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1, :].float()
+    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1, :]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least, as the fused path
     targets = batch["labels"][:, 1:]
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                            reduction="sum")

@@ -131,6 +131,22 @@ def invoke(*args, monkeypatch=None, fault: str | None = None):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+def masked_batch(tokenizer) -> dict:
+    """A padded batch with a prompt, padding and a hole among the targets: what a loss must skip."""
+    import torch
+
+    from gpupoor.data.formats import IGNORE_INDEX
+
+    ids = torch.randint(5, len(tokenizer), (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # padding
+    labels = ids.clone()
+    labels[:, :4] = IGNORE_INDEX  # a prompt
+    labels[mask == 0] = IGNORE_INDEX
+    labels[2, 6] = IGNORE_INDEX  # a hole in the middle
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import gpupoor.decisions as decisions
-from gpupoor.data.formats import IGNORE_INDEX
+from conftest import masked_batch
 from gpupoor.distill import (check_vocabularies, distill_loss_sum, linear_distill_sum, plain_distill_loss_sum)
 from gpupoor.errors import UserError
 from gpupoor.loss import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
@@ -169,17 +169,6 @@ def _teacher(model_dir):
     return model
 
 
-def _batch(tokenizer):
-    ids = torch.randint(5, len(tokenizer), (3, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, 8:] = 0  # padding
-    labels = ids.clone()
-    labels[:, :4] = IGNORE_INDEX  # a prompt
-    labels[mask == 0] = IGNORE_INDEX
-    labels[2, 6] = IGNORE_INDEX  # a hole in the middle
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def _loss_and_grads(student, teacher, batch, temperature, kd_weight, fused):
     student.zero_grad(set_to_none=True)
     if fused:
@@ -200,7 +189,7 @@ def _loss_and_grads(student, teacher, batch, temperature, kd_weight, fused):
 def test_fused_distillation_equals_the_plain_loss_on_models(case, temperature, kd_weight, tiny_model, teacher_dir,
                                                            tokenizer):
     extra = {"modules_to_save": ["lm_head"]} if case == "trained_head" else {}
-    student, teacher, batch = _student(tiny_model, **extra), _teacher(teacher_dir), _batch(tokenizer)
+    student, teacher, batch = _student(tiny_model, **extra), _teacher(teacher_dir), masked_batch(tokenizer)
     plain_loss, plain_grads = _loss_and_grads(student, teacher, batch, temperature, kd_weight, fused=False)
     fused_loss, fused_grads = _loss_and_grads(student, teacher, batch, temperature, kd_weight, fused=True)
     assert close(fused_loss, plain_loss, 1e-12)
@@ -214,7 +203,7 @@ def test_fused_distillation_equals_the_plain_loss_on_models(case, temperature, k
 
 
 def test_weight_zero_on_models_is_the_cross_entropy(tiny_model, teacher_dir, tokenizer):
-    student, teacher, batch = _student(tiny_model), _teacher(teacher_dir), _batch(tokenizer)
+    student, teacher, batch = _student(tiny_model), _teacher(teacher_dir), masked_batch(tokenizer)
     head, _ = find_fused_head(student)
     ours, ours_grads = _loss_and_grads(student, teacher, batch, 1.0, 0.0, fused=True)
     student.zero_grad(set_to_none=True)
@@ -230,7 +219,7 @@ def test_weight_zero_on_models_is_the_cross_entropy(tiny_model, teacher_dir, tok
 
 def test_padded_teacher_head_is_restricted_to_the_common_ids(tiny_model, teacher_dir, tokenizer):
     """The padded teacher equals the same teacher with its head cut to the tokenizer's ids."""
-    student, teacher, batch = _student(tiny_model), _teacher(teacher_dir), _batch(tokenizer)
+    student, teacher, batch = _student(tiny_model), _teacher(teacher_dir), masked_batch(tokenizer)
     assert teacher.lm_head.weight.shape[0] > student.get_output_embeddings().weight.shape[0]
     padded, padded_grads = _loss_and_grads(student, teacher, batch, 2.0, 0.5, fused=True)
     with torch.no_grad():
@@ -248,7 +237,7 @@ def test_padded_teacher_head_is_restricted_to_the_common_ids(tiny_model, teacher
 
 
 def test_chunked_on_models_equals_one_chunk(monkeypatch, tiny_model, same_size_teacher_dir, tokenizer):
-    student, teacher, batch = _student(tiny_model), _teacher(same_size_teacher_dir), _batch(tokenizer)
+    student, teacher, batch = _student(tiny_model), _teacher(same_size_teacher_dir), masked_batch(tokenizer)
     whole, whole_grads = _loss_and_grads(student, teacher, batch, 2.0, 0.5, fused=True)
     monkeypatch.setattr(decisions, "CHUNK_ELEMENTS", 3 * len(tokenizer))  # 3 target tokens per chunk
     monkeypatch.setattr(decisions, "MIN_CHUNK_TOKENS", 1)

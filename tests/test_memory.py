@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import gpupoor.decisions as decisions
-from conftest import read_metrics
+from conftest import masked_batch, read_metrics
 from gpupoor.cli import app
 from gpupoor.loss import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
 
@@ -46,19 +46,6 @@ def _peft(model_dir, **lora):
     return model.train()
 
 
-def _batch(tokenizer):
-    from gpupoor.data.formats import IGNORE_INDEX
-
-    ids = torch.randint(5, len(tokenizer), (3, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, 8:] = 0  # padding
-    labels = ids.clone()
-    labels[:, :4] = IGNORE_INDEX  # a prompt
-    labels[mask == 0] = IGNORE_INDEX
-    labels[2, 6] = IGNORE_INDEX  # a hole in the middle
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def _loss_and_grads(model, batch, fused: bool):
     model.zero_grad(set_to_none=True)
     if fused:
@@ -80,7 +67,7 @@ def test_fused_loss_equals_plain_loss_on_a_model(case, tiny_model, tiny_tied_mod
     # two differ by a few float32 epsilons (measured: 3e-8 of the loss, 2e-7 of a gradient's norm), while a
     # token counted wrongly or a missed gradient path is off by percents.
     model = _peft(model_dir, **extra).double()
-    batch = _batch(tokenizer)
+    batch = masked_batch(tokenizer)
     plain_loss, plain_grads = _loss_and_grads(model, batch, fused=False)
     fused_loss, fused_grads = _loss_and_grads(model, batch, fused=True)
     assert abs(float(fused_loss - plain_loss)) <= 1e-5 * abs(float(plain_loss))
@@ -133,7 +120,7 @@ def test_activation_checkpointing_gives_bitwise_equal_lora_gradients(tiny_model,
             if "lora_B" in name:
                 torch.nn.init.normal_(param, generator=torch.Generator().manual_seed(2))
         head, _ = find_fused_head(model)
-        fused_loss_sum(model, _batch(tokenizer), head).backward()
+        fused_loss_sum(model, masked_batch(tokenizer), head).backward()
         return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
     plain, checkpointed = grads(False), grads(mode)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from conftest import alpaca_rows, write_jsonl
 from gpupoor.cli import app
+from test_merge import assert_merges_as_trained_only_into_the_dequantized_base
 
 runner = CliRunner()
 PROBE = torch.tensor([[1, 5, 9, 17, 33, 60, 2, 7, 11, 90], [3, 8, 13, 21, 34, 55, 89, 144, 233, 377]])
@@ -215,13 +216,4 @@ def test_qlora_merge_reproduces_the_trained_model(method, tiny_model, tmp_path):
     from safetensors.torch import load_file
 
     assert any(kind in key for key in load_file(run / "final" / "adapter_model.safetensors"))
-    dequantized = merge(run, "--output", tmp_path / "deq", "--verify")
-    assert dequantized.exit_code == 0, dequantized.output
-    original = merge(run, "--output", tmp_path / "orig", "--qlora-base", "original", "--verify")
-    assert original.exit_code == 0, original.output
-
-    def gap(output: str) -> float:
-        return float(output.split("as trained = ")[1].split()[0])
-
-    assert gap(dequantized.output) < 1e-4
-    assert gap(original.output) > 100 * max(gap(dequantized.output), 1e-7)
+    assert_merges_as_trained_only_into_the_dequantized_base(run, tmp_path)
