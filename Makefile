@@ -29,12 +29,27 @@ docs: install
 clean:
 	rm -rf build runs .pytest_cache
 
-# Side-by-side benchmark against the peer kit in ../shared/bench (not part of a user's clone: it says so).
+# Side-by-side benchmark against the peer kit in ../shared/bench (not part of a user's clone: it says so): the
+# issue's reference fixture (160 rows, h256 x 4) at vocab 32000, then at 152064; gpupoor packed, with and
+# without gradient checkpointing, and TRL packed; 3 alternating rounds each, every run between two matmul probes
+# (bench/machine.py). About 12-15 minutes on a quiet 2-core machine (~4 at 32000, 8-10 at 152064).
 KIT ?= ../shared/bench
+TRL_SPEC ?= trl==1.16.0
 bench: install
 	@test -f $(KIT)/peer_trl.py || { echo "make bench: the peer benchmark kit is not at $(KIT); it compares gpupoor against TRL using that kit. Set KIT=path/to/bench."; exit 1; }
-	$(PY) -m pip install -q trl
-	$(PY) bench/compare_trl.py --kit $(KIT)
+	$(PY) -m pip install -q "$(TRL_SPEC)"
+	$(PY) bench/compare_trl.py --kit $(KIT) --rounds 3 --vocab 32000
+	$(PY) bench/compare_trl.py --kit $(KIT) --rounds 3 --vocab 152064
+
+# Start-up latency (import floors, --smoke, validate, plan, the reference fixture's non-training time): ~5 min.
+.PHONY: bench-startup
+bench-startup: install
+	$(PY) bench/startup.py --kit $(KIT)
+
+# tokens/s and peak RSS against sequence length, width, depth and LoRA rank, with PNGs in docs/img: ~20 min.
+.PHONY: bench-curves
+bench-curves: install
+	$(PY) bench/cost_curves.py --kit $(KIT)
 
 # 1 process vs DDP x2 vs FSDP x2 (each process's peak RSS, wall and step time) on a larger model built by the
 # same kit's fixture.py; prints a markdown table. Run it on a quiet machine.

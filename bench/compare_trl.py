@@ -1,10 +1,22 @@
 """gpupoor vs the peer (TRL SFTTrainer + peft) on the peer kit's offline fixture, side by side.
 
-Runs the two sides alternately (the machines are noisy), each under the kit's measure.py (wall seconds,
-peak RSS of the process), and writes the medians and ratios into docs/benchmarks.md with the command.
-Needs the peer kit (../shared/bench by default) and `trl` in the venv (`make bench` installs it).
+The issue's reference fixture: the kit's fixture.py with 160 alpaca rows (about 16.9k tokens), a random-weight
+Llama h256 x 4 layers at vocab 32000 (or 152064), micro batch 8, max_length 512, LoRA r16 on all linear
+layers, fp32, the same prompt/completion text on every side, one epoch.
 
-    python bench/compare_trl.py [--rounds 3] [--vocab 32000] [--kit ../shared/bench]
+Each side is a fresh process under the kit's measure.py (whole-process wall seconds, peak RSS). The sides run
+in alternating rounds (the order rotates every round) and every run is bracketed by the machine's matmul probe
+(bench/machine.py): a run the machine was busy for is rejected and repeated. The table gives medians with their
+min-max over the rounds, lists the rejected and noisy runs, and the gpupoor/TRL ratios are of the medians.
+
+Sides (--sides, comma-separated): gpupoor-SAMPLER[-gc] with SAMPLER packed, length_grouped or random, and
+trl-packed[-gc], trl-padded[-gc]; "-gc" turns gradient checkpointing on for that side, and only for it.
+
+    python bench/compare_trl.py [--rounds 3] [--vocab 32000] [--rows 160] [--sides ...] [--kit ../shared/bench]
+
+`make bench` runs it at vocab 32000 and at 152064, 3 rounds each: about 12-15 minutes on a quiet 2-core machine
+(~4 at 32000, 8-10 at 152064; TRL's epoch is most of it). Needs the peer kit (../shared/bench by default)
+and `trl` in the venv (`make bench` installs it).
 """
 
 from __future__ import annotations
@@ -18,152 +30,273 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"batch": 8, "seq": 512, "rank": 16}  # the comparison the issues ask for; gc on both sides
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import ROOT, Steady, shown_command, spread, usable_cores, write_section  # noqa: E402, F401
+
+SETTINGS = {"batch": 8, "seq": 512, "rank": 16}  # the comparison the issue asks for
+REFERENCE_ROWS = 160  # the issue's reference fixture
+KIT_ROWS = 400  # fixture.py's own default: what bench/distributed.py trained on, kept for it
+DEFAULT_SIDES = "gpupoor-packed,gpupoor-packed-gc,trl-packed"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # both sides: no network call inflates a wall time
 
 
-def run_json(command: list[str]) -> dict:
-    out = subprocess.run(command, capture_output=True, text=True)
+def run_json(command: list[str], env: dict | None = None) -> dict:
+    """Run a command that prints a JSON line; return the last one."""
+    out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"failed: {' '.join(command)}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     return json.loads(lines[-1])
 
 
-def build_fixture(kit: Path, vocab: int) -> Path:
-    fixture = ROOT / "build" / "bench" / f"fixture-v{vocab}"
-    if not (fixture / "model" / "config.json").is_file():
+def measured_run(kit: Path, command: list[str]) -> dict:
+    """The kit's measure.py around `command`; it exits 0 whatever the command did, so check the command's code."""
+    measured = run_json([sys.executable, str(kit / "measure.py"), *command], env=OFFLINE)
+    if measured["code"] != 0:
+        raise SystemExit(f"failed (exit {measured['code']}): {' '.join(command)}\n{measured['tail']}")
+    return measured
+
+
+def fixture_dir(vocab: int, rows: int, hidden: int = 256, layers: int = 4) -> Path:
+    size = "" if (hidden, layers) == (256, 4) else f"h{hidden}-l{layers}-"
+    return ROOT / "build" / "bench" / f"fixture-{size}r{rows}-v{vocab}"
+
+
+def build_fixture(kit: Path, vocab: int, rows: int = KIT_ROWS, hidden: int = 256, layers: int = 4) -> Path:
+    """The kit's fixture (cached under build/bench/), plus the prompt/completion file gpupoor trains on."""
+    fixture = fixture_dir(vocab, rows, hidden, layers)
+    if not (fixture / "fixture.json").is_file():  # written last: a build that was cut off is built again
         print(f"building the kit's fixture in {fixture} ...", flush=True)
-        run_json([sys.executable, str(kit / "fixture.py"), str(fixture), "--vocab", str(vocab)])
+        stats = run_json([sys.executable, str(kit / "fixture.py"), str(fixture), "--vocab", str(vocab),
+                          "--rows", str(rows), "--hidden", str(hidden), "--layers", str(layers)])
+        (fixture / "fixture.json").write_text(json.dumps(stats) + "\n")  # rows and tokens, for the captions
     # The peer trains on prompt = instruction + "\n" + input + "\n", completion = output: give gpupoor the
     # very same text (its `completion` format), so both sides see the same tokens.
-    rows = [json.loads(line) for line in (fixture / "data.jsonl").read_text().splitlines()]
+    rows_read = [json.loads(line) for line in (fixture / "data.jsonl").read_text().splitlines()]
     (fixture / "prompt-completion.jsonl").write_text("".join(
         json.dumps({"prompt": r["instruction"] + "\n" + r["input"] + "\n", "completion": r["output"]}) + "\n"
-        for r in rows))
+        for r in rows_read))
     return fixture
 
 
-def gpupoor_recipe(fixture: Path, sampler: str) -> Path:
-    recipe = fixture / f"gpupoor-{sampler}.yaml"
+def fixture_stats(fixture: Path) -> dict:
+    path = fixture / "fixture.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def gpupoor_recipe(fixture: Path, sampler: str, checkpointing: bool = True) -> Path:
+    """The fixture's recipe for one epoch; the other benchmarks vary it with --set."""
+    recipe = fixture / f"gpupoor-{sampler}{'' if checkpointing else '-nogc'}.yaml"
     recipe.write_text(
         f"model: {{name_or_path: model}}\n"
-        f"data: {{path: prompt-completion.jsonl, format: completion, max_length: {SETTINGS['seq']}, sampler: {sampler}}}\n"
+        f"data: {{path: prompt-completion.jsonl, format: completion, max_length: {SETTINGS['seq']}, "
+        f"sampler: {sampler}}}\n"
         f"peft: {{rank: {SETTINGS['rank']}, alpha: {2 * SETTINGS['rank']}}}\n"
         "precision: fp32\n"
         f"training: {{micro_batch_size: {SETTINGS['batch']}, epochs: 1, learning_rate: 2.0e-4}}\n"
-        "memory: {gradient_checkpointing: true}\n"
+        f"memory: {{gradient_checkpointing: {str(checkpointing).lower()}}}\n"
         "checkpoint: {every_minutes: 1000}\n"
         "logging: {progress: none}\n")
     return recipe
 
 
-def run_gpupoor(kit: Path, fixture: Path, sampler: str, extra: list[str]) -> dict:
-    run_dir = fixture / f"run-{sampler}"
+def read_metrics(run_dir: Path) -> tuple[dict | None, list[dict]]:
+    """(the "start" record or None, the step records) of a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    start = next((r for r in records if r.get("event") == "start"), None)
+    return start, [r for r in records if "loss" in r and "tokens" in r]
+
+
+def startup_breakdown(start: dict | None) -> dict | None:
+    """Seconds per start-up phase, when the run's start record carries them (`startup_s`, or `startup`)."""
+    start = start or {}
+    found = start.get("startup_s", start.get("startup"))
+    return found if isinstance(found, dict) else None
+
+
+def run_gpupoor(kit: Path, fixture: Path, sampler: str, checkpointing: bool, extra: list[str],
+                run_dir: Path | None = None) -> dict:
+    run_dir = run_dir or fixture / f"run-gpupoor-{sampler}{'-gc' if checkpointing else ''}"
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = [arg for item in extra for arg in ("--set", item)]
-    measured = run_json([sys.executable, str(kit / "measure.py"), str(ROOT / ".venv" / "bin" / "gpupoor"), "train",
-                         str(gpupoor_recipe(fixture, sampler)), "--output-dir", str(run_dir), *overrides])
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    measured = measured_run(kit, [str(ROOT / ".venv" / "bin" / "gpupoor"), "train",
+                                  str(gpupoor_recipe(fixture, sampler, checkpointing)), "--output-dir", str(run_dir),
+                                  *overrides])
+    start, steps = read_metrics(run_dir)
     tokens = sum(step["tokens"] for step in steps)
     train_s = steps[-1]["elapsed_s"]
+    # The epoch's mean step loss: what TRL reports as training_loss, so the two columns compare.
     return {"train_s": train_s, "tokens_per_s": tokens / train_s, "wall_s": measured["seconds"],
-            "peak_rss_mb": measured["peak_rss_mb"], "tokens": tokens, "loss": steps[-1]["loss"]}
+            "peak_rss_mb": measured["peak_rss_mb"], "tokens": tokens,
+            "loss": statistics.fmean(step["loss"] for step in steps),
+            "startup": startup_breakdown(start), "run_dir": str(run_dir)}
 
 
-def run_trl(kit: Path, fixture: Path, packing: bool) -> dict:
-    command = [sys.executable, str(kit / "measure.py"), sys.executable, str(kit / "peer_trl.py"), str(fixture),
+def run_trl(kit: Path, fixture: Path, packing: bool, checkpointing: bool) -> dict:
+    command = [sys.executable, str(kit / "peer_trl.py"), str(fixture),
                "--epochs", "1", "--batch", str(SETTINGS["batch"]), "--seq", str(SETTINGS["seq"]),
-               "--rank", str(SETTINGS["rank"]), "--gc"] + (["--packing"] if packing else [])
-    measured = run_json(command)
+               "--rank", str(SETTINGS["rank"])] + (["--gc"] if checkpointing else []) + \
+              (["--packing"] if packing else [])
+    measured = measured_run(kit, command)
     peer = json.loads([line for line in measured["tail"].splitlines() if line.startswith("{")][-1])
     return {"train_s": peer["seconds"], "tokens_per_s": peer["tokens_per_s"], "wall_s": measured["seconds"],
             "peak_rss_mb": measured["peak_rss_mb"], "tokens": peer["tokens"], "loss": peer["loss"]}
 
 
-def render(vocab: int, rounds: int, results: dict[str, list[dict]], command: str) -> str:
-    med = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
-    peer_names = [n for n in med if n.startswith("TRL")]
-    lines = [f"### Fixture vocab {vocab}: gpupoor vs TRL SFTTrainer + peft (CPU, fp32)", "",
-             f"`{command}` on {os.cpu_count()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}; one epoch "
-             f"over the kit's 400 rows, micro batch {SETTINGS['batch']}, max_length {SETTINGS['seq']}, LoRA "
-             f"r{SETTINGS['rank']} on all linear layers, gradient checkpointing on both sides. Medians of {rounds} "
-             "alternating rounds. Real tokens/s = non-padding tokens / each side's own training time (TRL's "
-             "`train_runtime`, gpupoor's `elapsed_s`); wall = the whole process; peak RSS of the process.", "",
-             "| run | real tokens/s | train s | wall s | peak RSS MB | final loss |", "|---|---|---|---|---|---|"]
-    for name, m in med.items():
-        lines.append(f"| {name} | {m['tokens_per_s']:.0f} | {m['train_s']:.1f} | {m['wall_s']:.1f} | "
-                     f"{m['peak_rss_mb']:.0f} | {m['loss']:.3f} |")
-    lines.append("")
-    if peer_names:
-        fastest_peer = max(peer_names, key=lambda n: med[n]["tokens_per_s"])
-        lowest_peer = min(peer_names, key=lambda n: med[n]["peak_rss_mb"])
-    for name in (n for n in med if peer_names and not n.startswith("TRL")):
-        m = med[name]
-        lines.append(f"- {name}: {m['tokens_per_s'] / med[fastest_peer]['tokens_per_s']:.2f}x the real tokens/s of "
-                     f"the faster peer ({fastest_peer}), {med[fastest_peer]['wall_s'] / m['wall_s']:.2f}x faster on "
-                     f"whole-process wall time, {m['peak_rss_mb'] / med[lowest_peer]['peak_rss_mb']:.2f}x the peak "
-                     f"RSS of the leaner peer ({lowest_peer}).")
-    lines.append("")
-    lines.append("Every round: " + "; ".join(
-        f"{name} " + ", ".join(f"{r['tokens_per_s']:.0f} tok/s {r['peak_rss_mb']:.0f} MB" for r in runs)
-        for name, runs in results.items()))
+@dataclass(frozen=True)
+class Side:
+    """One column of the comparison, as named on the command line: tool-layout[-gc]."""
+
+    tool: str  # gpupoor | trl
+    layout: str  # gpupoor: its data.sampler; trl: packed | padded
+    checkpointing: bool
+
+    @classmethod
+    def parse(cls, name: str) -> Side:
+        tool, _, rest = name.partition("-")
+        checkpointing = rest.endswith("-gc")
+        layout = rest.removesuffix("-gc")
+        allowed = {"gpupoor": ("packed", "length_grouped", "random"), "trl": ("packed", "padded")}
+        if layout not in allowed.get(tool, ()):
+            raise SystemExit(f"unknown side {name!r}: use gpupoor-{{packed,length_grouped,random}}[-gc] or "
+                             "trl-{packed,padded}[-gc]")
+        return cls(tool, layout, checkpointing)
+
+    def label(self, extra: list[str], trl_version: str) -> str:
+        what = {"random": "random order"}.get(self.layout, self.layout.replace("_", "-"))
+        name = f"gpupoor {what}" if self.tool == "gpupoor" else f"TRL {trl_version} SFTTrainer + peft {what}"
+        if self.tool == "gpupoor" and extra:
+            name += f" ({', '.join(extra)})"
+        return name + (" + gradient checkpointing" if self.checkpointing else "")
+
+    def run(self, kit: Path, fixture: Path, extra: list[str]) -> dict:
+        if self.tool == "gpupoor":
+            return run_gpupoor(kit, fixture, self.layout, self.checkpointing, extra)
+        return run_trl(kit, fixture, packing=self.layout == "packed", checkpointing=self.checkpointing)
+
+
+def run_rounds(sides: dict[str, Side], rounds: int, kit: Path, fixture: Path, extra: list[str],
+               steady: Steady) -> dict[str, list[dict]]:
+    """Every side once a round, the order rotated each round (no side always runs first on a cold machine)."""
+    results: dict[str, list[dict]] = {label: [] for label in sides}
+    labels = list(sides)
+    for round_index in range(rounds):
+        shift = round_index % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            result = steady.run(f"{label}, round {round_index + 1}",
+                                lambda side=sides[label]: side.run(kit, fixture, extra))
+            results[label].append(result)
+            print(f"round {round_index + 1} {label}: train {result['train_s']:.1f} s, wall {result['wall_s']:.1f} s,"
+                  f" {result['peak_rss_mb']:.0f} MB, {result['tokens_per_s']:.0f} tok/s, GFLOP/s "
+                  f"{result['gflops_before']:.0f}/{result['gflops_after']:.0f}"
+                  f"{' (noisy)' if result['noisy'] else ''}", flush=True)
+    return results
+
+
+def med(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def result_table(results: dict[str, list[dict]]) -> list[str]:
+    lines = ["| run | training s | whole process s | peak RSS MB | real tokens/s | loss (epoch mean) | "
+             "GFLOP/s before | GFLOP/s after |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, runs in results.items():
+        def col(key: str, fmt: str) -> str:
+            return spread([r[key] for r in runs], fmt)
+
+        lines.append(f"| {label} | {col('train_s', '{:.1f}')} | {col('wall_s', '{:.1f}')} | "
+                     f"{col('peak_rss_mb', '{:.0f}')} | {col('tokens_per_s', '{:.0f}')} | {col('loss', '{:.3f}')} | "
+                     f"{col('gflops_before', '{:.0f}')} | {col('gflops_after', '{:.0f}')} |")
+    return lines
+
+
+def ratio_table(results: dict[str, list[dict]], sides: dict[str, Side]) -> list[str]:
+    """Every gpupoor side against every TRL side, from the medians."""
+    ours = [label for label in results if sides[label].tool == "gpupoor"]
+    peers = [label for label in results if sides[label].tool == "trl"]
+    if not ours or not peers:
+        return []
+    lines = ["| gpupoor side | against | training time: TRL / gpupoor | whole process: TRL / gpupoor | "
+             "peak RSS: gpupoor / TRL | same checkpointing |", "|---|---|---:|---:|---:|---|"]
+    for mine in ours:
+        for peer in peers:
+            a, b = results[mine], results[peer]
+            same = "yes" if sides[mine].checkpointing == sides[peer].checkpointing else "no"
+            lines.append(f"| {mine} | {peer} | {med(b, 'train_s') / med(a, 'train_s'):.2f}x | "
+                         f"{med(b, 'wall_s') / med(a, 'wall_s'):.2f}x | "
+                         f"{med(a, 'peak_rss_mb') / med(b, 'peak_rss_mb'):.2f}x | {same} |")
+    return lines
+
+
+def render(vocab: int, rounds: int, results: dict[str, list[dict]], sides: dict[str, Side], stats: dict,
+           steady: Steady, command: str, trl_version: str) -> str:
+    rows = stats.get("rows", "?")
+    tokens = f", {stats['tokens']:,} tokens as fixture.py counts them (without the EOS each side appends)" \
+        if "tokens" in stats else ""
+    lines = [f"### Reference fixture at vocab {vocab}: gpupoor vs TRL {trl_version} SFTTrainer + peft (CPU, fp32)",
+             "",
+             f"`{command}` on {usable_cores()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}. The kit's "
+             f"fixture: {rows} alpaca rows{tokens}, a random-weight Llama h256 x 4 layers, vocab {vocab}; one epoch, "
+             f"micro batch {SETTINGS['batch']}, max_length {SETTINGS['seq']}, LoRA r{SETTINGS['rank']} on all "
+             "linear layers, fp32, the same prompt/completion text on every side; gradient checkpointing only where "
+             f"the row says so. Median (min-max) of {rounds} alternating rounds. Training s = each side's own "
+             "training time (TRL's `train_runtime`, gpupoor's `elapsed_s`); whole process = the process's wall "
+             "time under the kit's measure.py, start-up included; peak RSS of the process; real tokens/s = "
+             "non-padding tokens / training s; loss = the mean step loss over the epoch (what TRL reports as "
+             "`training_loss`). " + steady.summary(), ""]
+    lines += result_table(results)
+    notes = steady.notes()
+    if notes:
+        lines += ["", "Runs the probe flagged:", *notes]
+    ratios = ratio_table(results, sides)
+    if ratios:
+        lines += ["", "Ratios of the medians:", "", *ratios]
+    counted = "; ".join(f"{label} {med(runs, 'tokens'):,.0f}" for label, runs in results.items())
+    lines += ["", f"Tokens each side counted for the epoch: {counted}."]
     return "\n".join(lines) + "\n"
 
 
-def write_section(doc: Path, key: str, body: str) -> None:
-    start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
-    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    block = f"{start}\n{body}{end}"
-    if start in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
+def check_prerequisites(kit: Path, sides: list[Side]) -> str:
+    """The kit must be there; trl only when a TRL side runs. Returns trl's version ('' without one)."""
+    if not (kit / "peer_trl.py").is_file():
+        raise SystemExit(f"the peer benchmark kit is not at {kit}: `make bench` compares gpupoor against it "
+                         "(a clone of gpupoor alone has no kit). Pass --kit PATH if it lives elsewhere.")
+    if not any(side.tool == "trl" for side in sides):
+        return ""
+    try:
+        import trl
+    except ImportError:
+        raise SystemExit("the peer needs trl: pip install trl (make bench does this)") from None
+    return trl.__version__
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rows", type=int, default=REFERENCE_ROWS, help="the fixture's alpaca rows")
     parser.add_argument("--kit", default=str(ROOT.parent / "shared" / "bench"))
-    parser.add_argument("--sides", default="gpupoor-packed,gpupoor-length_grouped,gpupoor-random,trl-padded,trl-packed",
-                        help="comma-separated: gpupoor-SAMPLER (packed, length_grouped, random), trl-padded, trl-packed")
-    parser.add_argument("--key", default=None, help="section of docs/benchmarks.md to write (default: by vocab)")
+    parser.add_argument("--sides", default=DEFAULT_SIDES,
+                        help="comma-separated: gpupoor-{packed,length_grouped,random}[-gc], trl-{packed,padded}[-gc]")
+    parser.add_argument("--key", default=None, help="section of the doc to write (default: trl-vVOCAB)")
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to write into")
     parser.add_argument("--extra", default="", help="extra `--set` overrides for gpupoor, comma-separated")
     args = parser.parse_args()
     kit = Path(args.kit)
-    if not (kit / "peer_trl.py").is_file():
-        raise SystemExit(f"the peer benchmark kit is not at {kit}: `make bench` compares gpupoor against it "
-                         "(a clone of gpupoor alone has no kit). Pass --kit PATH if it lives elsewhere.")
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        raise SystemExit("the peer needs trl: pip install trl (make bench does this)") from None
-    fixture = build_fixture(kit, args.vocab)
+    parsed = [Side.parse(name) for name in args.sides.split(",") if name]
+    trl_version = check_prerequisites(kit, parsed)
     extra = [item for item in args.extra.split(",") if item]
-    sides = {}
-    for side in args.sides.split(","):
-        tool, _, variant = side.partition("-")
-        if tool == "gpupoor":
-            label = f"gpupoor ({variant}{', ' + ', '.join(extra) if extra else ''})"
-            sides[label] = (lambda v=variant: run_gpupoor(kit, fixture, v, extra))
-        else:
-            sides[f"TRL {variant}"] = (lambda v=variant: run_trl(kit, fixture, packing=v == "packed"))
-    results: dict[str, list[dict]] = {name: [] for name in sides}
-    for round_index in range(args.rounds):
-        for name, run in sides.items():  # alternate the sides within every round
-            results[name].append(run())
-            r = results[name][-1]
-            print(f"round {round_index + 1} {name}: {r['tokens_per_s']:.0f} tok/s, train {r['train_s']:.1f} s, "
-                  f"wall {r['wall_s']:.1f} s, {r['peak_rss_mb']:.0f} MB", flush=True)
-    command = "make bench" if sys.argv[1:] in ([], ["--kit", args.kit]) else \
-        "python bench/compare_trl.py " + " ".join(a for a in sys.argv[1:] if not a.startswith("--kit") and a != args.kit)
-    body = render(args.vocab, args.rounds, results, command)
-    write_section(ROOT / "docs" / "benchmarks.md", args.key or f"trl-v{args.vocab}", body)
+    sides = {side.label(extra, trl_version): side for side in parsed}
+    fixture = build_fixture(kit, args.vocab, args.rows)
+    steady = Steady()
+    print(f"matmul reference before the first run: {steady.warm_up():.0f} GFLOP/s", flush=True)
+    results = run_rounds(sides, args.rounds, kit, fixture, extra, steady)
+    command = shown_command("bench/compare_trl.py", sys.argv[1:])
+    body = render(args.vocab, args.rounds, results, sides, fixture_stats(fixture), steady, command, trl_version)
+    write_section(Path(args.doc), args.key or f"trl-v{args.vocab}", body)
     print(body)
 
 

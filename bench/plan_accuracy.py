@@ -3,9 +3,14 @@ on this CPU, for recipes that each stress a different term of the plan.
 
 Builds its own random-weight models and data (gpupoor.tiny, Python's own documentation as text), so it needs
 neither the network nor the peer kit. Each recipe trains a few steps in a fresh process; the measured peak is
-the process's peak RSS as metrics.jsonl records it (the whole run: imports, loading, training).
+the process's peak RSS as metrics.jsonl records it (the whole run: imports, loading, training). Every run is
+bracketed by bench/machine.py's matmul probe (2048 x 2048 fp32, GFLOP/s): a peak is memory, not time, but a busy
+machine changes what the C heap keeps, so a run whose lower probe fell more than 10% below the session's best is
+repeated like everywhere else, and each row shows its probes.
 
-    python bench/plan_accuracy.py [--only NAME,...] [--no-write]
+    python bench/plan_accuracy.py [--only NAME,...] [--rounds 3] [--no-write] [--calibrate]
+
+About 10 minutes for the 8 recipes x 3 rounds on a 2-core machine (the first run also builds the models).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import ROOT, Steady, spread, write_section  # noqa: E402
+
 WORK = ROOT / "build" / "plan-bench"
 STEPS = 3
 MODELS = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
@@ -138,14 +145,21 @@ def predict(name: str) -> dict:
     return json.loads(out.stdout)
 
 
-def measure_rounds(names: list[str], rounds: int) -> dict[str, list[float]]:
-    """Each recipe `rounds` times, round-robin (the C heap's retention varies from run to run)."""
+def measure_rounds(names: list[str], rounds: int,
+                   steady: Steady) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each recipe `rounds` times, round-robin (the C heap's retention varies from run to run), each run between
+    two matmul probes. Returns (peak bytes, probe GFLOP/s before and after) per recipe."""
     peaks: dict[str, list[float]] = {name: [] for name in names}
+    probes: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds):
         for name in names:
-            peaks[name].append(measure(name))
-            print(f"  round {round_ + 1} {name}: {peaks[name][-1] / 2**20:.0f} MiB", flush=True)
-    return peaks
+            result = steady.run(f"{name}, round {round_ + 1}", lambda name=name: {"peak": measure(name)})
+            peaks[name].append(result["peak"])
+            probes[name] += [result["gflops_before"], result["gflops_after"]]
+            print(f"  round {round_ + 1} {name}: {peaks[name][-1] / 2**20:.0f} MiB, GFLOP/s "
+                  f"{result['gflops_before']:.0f}/{result['gflops_after']:.0f}"
+                  f"{' (noisy)' if result['noisy'] else ''}", flush=True)
+    return peaks, probes
 
 
 def calibrate(rounds: int) -> None:
@@ -154,7 +168,9 @@ def calibrate(rounds: int) -> None:
     from gpupoor import plan as planning
     from gpupoor.recipe import load_recipe
 
-    peaks = measure_rounds(list(CALIBRATION), rounds)
+    steady = Steady()
+    steady.warm_up()
+    peaks, _ = measure_rounds(list(CALIBRATION), rounds, steady)
     points: dict[str, list[tuple[float, float]]] = {"checkpointing": [], "none": []}
     for name in CALIBRATION:
         measured = statistics.median(peaks[name])
@@ -172,6 +188,7 @@ def calibrate(rounds: int) -> None:
     for mode, xy in points.items():  # least squares: retained = base + slope x allocations
         slope = statistics.linear_regression([x for x, _ in xy], [y for _, y in xy])
         print(f"{mode}: retained = {slope.intercept:.0f} MiB + {slope.slope:.2f} x one layer's forward allocations")
+    print(steady.summary(), *steady.notes(), sep="\n")
 
 
 def main() -> None:
@@ -187,13 +204,15 @@ def main() -> None:
     if args.calibrate:
         calibrate(args.rounds)
         return
-    peaks = measure_rounds(names, args.rounds)
+    steady = Steady()
+    steady.warm_up()
+    peaks, probes = measure_rounds(names, args.rounds, steady)
     rows = []
     for name in names:
         measured = statistics.median(peaks[name])
         predicted = predict(name)["peak_bytes"]
         error = (predicted - measured) / measured
-        rows.append((name, predicted, measured, error, peaks[name]))
+        rows.append((name, predicted, measured, error, peaks[name], probes[name]))
         print(f"{name:22s} predicted {predicted / 2**20:8.0f} MiB  measured {measured / 2**20:8.0f} MiB  "
               f"error {error:+.1%}", flush=True)
     if args.no_write:
@@ -203,26 +222,19 @@ def main() -> None:
     lines = [f"Command: `{command}` ({platform.processor() or platform.machine()}, "
              f"{__import__('os').cpu_count()} cores, torch CPU wheel; each recipe trains {STEPS} steps in a fresh "
              f"process, {args.rounds} rounds round-robin; measured = median peak RSS of that `gpupoor train` "
-             "process as metrics.jsonl records it).", "",
-             "| recipe | stresses | predicted MiB | measured MiB (median) | error | every round MiB |",
-             "|---|---|---:|---:|---:|---|"]
-    for name, predicted, measured, error, every in rows:
+             "process as metrics.jsonl records it). " + steady.summary(), "",
+             "| recipe | stresses | predicted MiB | measured MiB (median) | error | every round MiB | "
+             "GFLOP/s around its runs |",
+             "|---|---|---:|---:|---:|---|---|"]
+    for name, predicted, measured, error, every, around in rows:
         lines.append(f"| {name} | {RECIPES[name][1]} | {predicted / 2**20:.0f} | {measured / 2**20:.0f} | "
-                     f"{error:+.1%} | {', '.join(f'{p / 2**20:.0f}' for p in every)} |")
+                     f"{error:+.1%} | {', '.join(f'{p / 2**20:.0f}' for p in every)} | {spread(around, '{:.0f}')} |")
     worst = max(abs(r[3]) for r in rows)
     lines += ["", f"Largest error {worst:.1%} over {len(rows)} recipes."]
+    notes = steady.notes()
+    if notes:
+        lines += ["", "Runs the probe flagged:", *notes]
     write_section(ROOT / "docs" / "benchmarks.md", "plan-accuracy", "\n".join(lines))
-
-
-def write_section(doc: Path, key: str, body: str) -> None:
-    start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
-    text = doc.read_text() if doc.is_file() else ""
-    block = f"{start}\n{body}\n{end}"
-    if start in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
 
 
 if __name__ == "__main__":

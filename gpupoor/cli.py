@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -13,6 +14,7 @@ import typer
 
 from gpupoor import __version__
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_RESUMABLE, UserError
+from gpupoor.startup import started_by_command_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs on the hardware you have, from a YAML recipe.")
@@ -477,7 +479,16 @@ def schema() -> None:
 
 
 def main() -> None:
-    app(prog_name="gpupoor")
+    # Start-up imports create a few million objects that live until exit; the cyclic garbage collector would
+    # walk them again and again while they load (about 0.5 s here) and find nothing to free. Model-loading
+    # verbs switch it back on once the libraries are in (quiet.quiet_libraries), before any tensor is made.
+    gc.disable()
+    started_by_command_line()
+    try:
+        app(prog_name="gpupoor")
+    finally:
+        # Leave every object to the process's end: interpreter shutdown otherwise walks them all once more.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ memory plan cannot describe a stack that training does not build.
   fused loss's chunk size: `loss_chunk_tokens`.
 - optimizer families: `BITSANDBYTES_OPTIMIZERS`, `needs_bitsandbytes`.
 - how several processes share the work: `launch_layout` (from the launcher's environment), `choose_strategy`.
+- DPO's reference model: `choose_reference`.
 
 A new training method, optimizer or distributed strategy that changes what is built (a precision, a loss path,
 a library it needs, an attention backend, a sampler) adds its rule here, as a function of facts, and both its
@@ -174,6 +175,23 @@ def choose_fused_loss(enabled: bool, postprocessing: str | None, head_adapted: b
 def loss_chunk_tokens(vocab: int) -> int:
     """Target tokens whose logits the fused loss computes at once."""
     return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)
+
+
+# -------------------------------------------------------------------------------------- preference tuning
+def choose_reference(objective: str, requested: str, method: str) -> Choice:
+    """Where DPO's reference log-probabilities come from: `adapter_off` (the trained model with its adapter
+    switched off), `copy` (a frozen copy of the base) or `none` (sft and ORPO need none). `requested`:
+    preference.reference; `method`: peft.method."""
+    if objective != "dpo":
+        return Choice("none", "ORPO needs no reference model" if objective == "orpo" else "no preference objective")
+    if requested == "adapter_off" and method == "full":
+        raise UserError("preference.reference adapter_off needs an adapter to switch off; peft.method full has none",
+                        hint="set preference.reference: copy (or auto)")
+    if requested != "auto":
+        return Choice(requested, f"preference.reference: {requested}")
+    if method == "full":
+        return Choice("copy", "peft.method full: no adapter to switch off, so a frozen copy of the base")
+    return Choice("adapter_off", "the base is the model with its adapter switched off: no second copy")
 
 
 # ------------------------------------------------------------------------------------------------ optimizer

@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default=None, help="default: runs/demo-<time>")
     args = parser.parse_args(argv)
 
-    from gpupoor.quiet import quiet_libraries
+    from gpupoor.quiet import bitsandbytes_unless_loaded, quiet_libraries
     from gpupoor.run import train_from_recipe
 
-    quiet_libraries()  # before peft imports bitsandbytes, which warns about an optional kernel
+    quiet_libraries()
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = args.output_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     result = train_from_recipe(loaded, output_dir)
 
-    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), result.run_dir / "final")
+    with bitsandbytes_unless_loaded():
+        tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), result.run_dir / "final")
     after, answers = accuracy(tuned, tokenizer, eval_rows)
     print(f"\n{'input':<12} {'expected':<12} {'model says':<12}")
     for row, answer in list(zip(eval_rows, answers))[:6]:

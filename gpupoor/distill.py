@@ -15,44 +15,15 @@ For a target position with student logits z and teacher logits u (temperature T,
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from gpupoor.data.formats import IGNORE_INDEX
 from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.errors import UserError
-from gpupoor.loss import FusedHead, accumulate_head_grads, last_hidden_state, model_inputs, precomputed_backward
+from gpupoor.loss import (FusedHead, accumulate_head_grads, head_logits, last_hidden_state, model_inputs,
+                          precomputed_backward)
 from gpupoor.profiling import span
-
-
-@functools.lru_cache(maxsize=None)
-def _mm_has_out_dtype(device_type: str, dtype: torch.dtype, acc: torch.dtype) -> bool:
-    """Whether torch.mm can multiply `dtype` matrices straight into an `acc` result on this device (its
-    out_dtype: CUDA only, bf16/fp16 -> fp32; the CPU has no kernel for it). Asked once per device and dtype."""
-    try:
-        ones = torch.ones(2, 2, dtype=dtype, device=device_type)
-        product = torch.mm(ones, ones, out_dtype=acc)
-        return product.dtype == acc and bool((product == 2).all())
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """hidden @ weight.T in `acc` (fp32 at least). A bf16 head is never copied to fp32 whole: where the device
-    cannot write an fp32 product of bf16 matrices, the head is cast slice by slice, each slice no larger than
-    the logits themselves. (Rounded to bf16, a logit of 10 moves by up to 0.03 and its probability by 3%.)"""
-    if weight.dtype == acc:
-        return hidden.to(acc) @ weight.t()
-    if _mm_has_out_dtype(weight.device.type, weight.dtype, acc):
-        return torch.mm(hidden.to(weight.dtype), weight.t(), out_dtype=acc)
-    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=acc, device=hidden.device)
-    hidden = hidden.to(acc)
-    rows = max(1, out.numel() // max(1, weight.shape[1]))
-    for start in range(0, weight.shape[0], rows):
-        out[:, start:start + rows] = hidden @ weight[start:start + rows].to(acc).t()
-    return out
 
 
 class _LinearDistill(torch.autograd.Function):
@@ -74,9 +45,9 @@ class _LinearDistill(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
             t = targets[start:start + chunk]
-            logits = _logits(h, weight, acc)
+            logits = head_logits(h, weight, acc)
             if a > 0:
-                teacher = _logits(teacher_hidden[start:start + chunk], teacher_weight, acc)[:, :common]
+                teacher = head_logits(teacher_hidden[start:start + chunk], teacher_weight, acc)[:, :common]
                 if T != 1:
                     teacher.div_(T)
                 scaled = torch.div(logits[:, :common], T)

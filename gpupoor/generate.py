@@ -40,6 +40,8 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
     elif weights is not None or (path / "adapter_config.json").is_file():
         from peft import PeftModel
 
+        from gpupoor.quiet import bitsandbytes_unless_loaded
+
         source = resolve_adapter(path, checkpoint)
         recipe = stored_recipe(source.run_dir) if source.run_dir else None
         adapter_config = json.loads((source.adapter_dir / "adapter_config.json").read_text())
@@ -52,7 +54,8 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
                            revision=None if base else adapter_config.get("revision"),
                            device_map={"": target} if quantization else None)
         try:
-            model = PeftModel.from_pretrained(model, source.adapter_dir)
+            with bitsandbytes_unless_loaded():
+                model = PeftModel.from_pretrained(model, source.adapter_dir)
         except (RuntimeError, ValueError, KeyError) as exc:  # size mismatches, target modules not found
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"the adapter in {source.adapter_dir} does not fit the base {base_name}: it was trained "
@@ -123,7 +126,7 @@ def prompt_row(text: str, encoder) -> dict:
     if fmt == "sharegpt":
         user = next((name for name, role in encoder.sharegpt_roles.items() if role == "user"), "human")
         return {encoder.conversations_field: [{"from": user, "value": text}]}
-    if fmt == "completion":
+    if fmt in ("completion", "preference"):
         return {"prompt": text}
     return {encoder.text_field: text}
 

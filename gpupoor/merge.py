@@ -463,6 +463,7 @@ def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gpupoor.model import quantization_config
+    from gpupoor.quiet import bitsandbytes_unless_loaded
     from gpupoor.recipe import QuantizationSection
 
     recipe, _ = _run_summary(source.run_dir)
@@ -477,7 +478,8 @@ def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -
     trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32, quantization_config=quantization,
                                                    revision=None if base else adapter.revision,
                                                    device_map={"": "cpu"} if quantization else None)
-    trained = PeftModel.from_pretrained(trained, source.adapter_dir, config=adapter)
+    with bitsandbytes_unless_loaded():
+        trained = PeftModel.from_pretrained(trained, source.adapter_dir, config=adapter)
     merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(merged)
     probe = tokenizer(["The quick brown fox jumps over the lazy dog.", "Below is an instruction"],

@@ -211,6 +211,22 @@ def build_teacher(distill: DistillSection, model_cfg: ModelSection, precision: s
     return teacher.eval(), load_tokenizer(location, section)
 
 
+def build_reference(model_cfg: ModelSection, bits: int | None, precision: str, attention: str, device: str,
+                    seed: int, smoke: bool = False):
+    """DPO's frozen reference copy (preference.reference: copy): the base model loaded again like a teacher
+    (4/8-bit with preference.reference_bits; --smoke's copy is built from the same seed as the trained base), in
+    eval mode, no grads."""
+    location = model_location(model_cfg, Path.cwd())
+    reference = load_base_model(location, model_cfg, QuantizationSection(bits=bits), precision, attention, device,
+                                seed, smoke)
+    for param in reference.parameters():
+        param.requires_grad = False
+    # bitsandbytes 4-bit layers in eval mode repack their weights on the CPU (other logits, and an error for a
+    # layer narrower than a quantization block): a quantized copy there runs in train mode, as the adapter-off
+    # reference does.
+    return reference.train(bits == 4 and device.startswith("cpu"))
+
+
 def decoder_layer_count(model) -> int | None:
     config = getattr(model, "config", None)
     return getattr(config, "num_hidden_layers", None) if config is not None else None
@@ -232,6 +248,8 @@ def apply_method(model, peft_cfg: PeftSection, load_init_weights: bool = True):
     With peft.init_adapter the adapter built from the recipe is checked against that adapter's config and takes
     its weights (unless `load_init_weights` is off: --smoke's shrunken model has other shapes)."""
     from peft import IA3Config, LoraConfig, get_peft_model
+
+    from gpupoor.quiet import bitsandbytes_unless_loaded
 
     layers = last_layer_indices(model, peft_cfg)
     if peft_cfg.method == "full":
@@ -255,7 +273,8 @@ def apply_method(model, peft_cfg: PeftSection, load_init_weights: bool = True):
                             target_modules=targets, use_dora=peft_cfg.method == "dora",
                             **where, **saved)
     try:
-        peft_model = get_peft_model(model, config)
+        with bitsandbytes_unless_loaded():
+            peft_model = get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"peft.target_modules: {exc}", hint="use module names of this model, or all-linear") from None
     if peft_cfg.init_adapter:

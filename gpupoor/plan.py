@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpupoor.builtin_models import resolve_model_path
-from gpupoor.decisions import (choose_attention, choose_device, choose_fused_loss, choose_precision, choose_sampler,
-                               choose_strategy, ia3_modules, launch_layout, logit_postprocessing, loss_chunk_tokens,
-                               needs_bitsandbytes, trained_layer_indices)
+from gpupoor.decisions import (choose_attention, choose_device, choose_fused_loss, choose_precision, choose_reference,
+                               choose_sampler, choose_strategy, ia3_modules, launch_layout, logit_postprocessing,
+                               loss_chunk_tokens, needs_bitsandbytes, trained_layer_indices)
 from gpupoor.errors import UserError
 from gpupoor.recipe import FSDP_OPTIMIZERS, LoadedRecipe, Recipe
 from gpupoor.units import MiB, format_bytes, parse_size
@@ -467,6 +467,8 @@ class Settings:
     teacher: Shape | None = None  # distill.teacher's dimensions
     teacher_bits: int | None = None  # distill.bits
     distribution: Distribution = Distribution()  # one process of several: what it holds of the model
+    reference: str = "none"  # DPO's reference (gpupoor.decisions.choose_reference): none | adapter_off | copy
+    reference_bits: int | None = None  # preference.reference_bits
 
     @property
     def half(self) -> bool:
@@ -508,8 +510,13 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
         fused, why = choose_fused_loss(True, teacher.logit_postprocessing, False)
         loss_reason = loss_reason if fused else f"teacher: {why}"
     training = resolve_training(shape, recipe.peft)
+    # Preference pairs: two sequences of up to max_length per example (padded: twice the rows; packed: rows
+    # twice as long), and DPO's reference forward.
+    pairs = 2 if recipe.training.objective != "sft" else 1
+    reference = choose_reference(recipe.training.objective, recipe.preference.reference, recipe.peft.method).value
     return Settings(device=device, precision=precision, attention=attention, sampler=sampler,
-                    micro_batch=recipe.training.micro_batch_size, row_tokens=recipe.data.max_length,
+                    micro_batch=recipe.training.micro_batch_size * (pairs if sampler != "packed" else 1),
+                    row_tokens=recipe.data.max_length * (pairs if sampler == "packed" else 1),
                     rank=recipe.peft.rank, targets=targets, modules_to_save=tuple(recipe.peft.modules_to_save),
                     dropout=recipe.peft.dropout if recipe.peft.method in ("lora", "dora") else 0.0,
                     bits=recipe.quantization.bits,
@@ -521,7 +528,8 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                     resident_embedding_rows=shape.tokenizer_rows if device == "cpu" and shape.file_dtype == precision
                     else None, training=training, teacher=teacher,
                     teacher_bits=recipe.distill.bits if recipe.distill is not None else None,
-                    distribution=distribution)
+                    distribution=distribution, reference=reference,
+                    reference_bits=recipe.preference.reference_bits if reference == "copy" else None)
 
 
 def _training(shape: Shape, s: Settings) -> Training:
@@ -757,6 +765,14 @@ def teacher_weight_bytes(teacher: Shape, s: Settings) -> tuple[int, str]:
     return weights, f"teacher {detail}"
 
 
+def reference_weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
+    """DPO's frozen reference copy (preference.reference: copy): the base once more, in the run's dtype or quantized
+    with preference.reference_bits. (Its forward runs before the policy's, under no_grad: its working set is gone
+    before the peak, and it keeps only each sequence's log-probability.)"""
+    weights, detail = teacher_weight_bytes(shape, replace(s, teacher_bits=s.reference_bits))
+    return weights, "DPO reference copy " + detail.removeprefix("teacher ")
+
+
 def teacher_forward_bytes(teacher: Shape, s: Settings) -> int:
     """What the teacher's no-grad forward holds at once beside the student's activations (it runs after the
     student's forward): one layer's working set (TEACHER_FORWARD_VALUES), and with a quantized teacher the
@@ -947,6 +963,8 @@ def distribution_notes(s: Settings) -> list[str]:
                      f"in {s.precision}, gradients reduce-scattered in fp32 (MixedPrecisionPolicy)")
         if s.teacher is not None:
             notes.append("the distillation teacher whole on every process (not sharded)")
+        if s.reference == "copy":
+            notes.append("DPO's reference copy whole on every process (not sharded)")
     if s.device == "cuda":
         notes.append("NCCL's communication buffers (allocated outside torch's allocator) on top: not counted")
     return notes
@@ -971,6 +989,8 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
              Term("loss", loss, loss_detail)]
     if s.teacher is not None:
         terms.insert(1, Term("teacher_weights", *teacher_weight_bytes(s.teacher, s)))
+    if s.reference == "copy":
+        terms.insert(1, Term("reference_weights", *reference_weight_bytes(shape, s)))
     if s.device == "cpu":
         baseline = CPU_PROCESS_BASELINE + (CPU_BITSANDBYTES_BASELINE if uses_bitsandbytes else 0)
         kept = heap_retention(s, churn)
@@ -982,6 +1002,9 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
         terms.append(Term("overhead", CUDA_CONTEXT + slack, f"CUDA context ~{CUDA_CONTEXT / MiB:.0f} MiB; "
                           f"caching-allocator slack {slack / MiB:.0f} MiB"))
     assumptions = [f"every micro-batch row is {s.row_tokens} tokens (data.max_length): the longest batch"]
+    if s.reference != "none":
+        assumptions.append(f"DPO's reference ({s.reference}) runs its forward first, under no_grad: it keeps only "
+                           "each sequence's log-probability, so it adds nothing at the peak")
     if not s.fused_loss:
         assumptions.append(f"the plain loss: {s.loss_reason}")
     return distribute(shape, s, terms), assumptions + distribution_notes(s)
@@ -1042,7 +1065,8 @@ def apply_changes(recipe: Recipe, changes: dict) -> Recipe:
 def uses_bitsandbytes(recipe: Recipe) -> bool:
     """Whether the run imports bitsandbytes: its optimizer, a quantized base, or a quantized teacher."""
     teacher_bits = recipe.distill.bits if recipe.distill is not None else None
-    return needs_bitsandbytes(recipe.training.optimizer, recipe.quantization.bits or teacher_bits)
+    return needs_bitsandbytes(recipe.training.optimizer, recipe.quantization.bits or teacher_bits
+                              or recipe.preference.reference_bits)
 
 
 def _peak(shape: Shape, recipe: Recipe, device: str, gpu: GpuFacts, teacher: Shape | None = None,
@@ -1252,11 +1276,23 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, memory: int | Non
         distill = recipe.distill
         plan.method_detail += (f"; distilled from {distill.teacher} (temperature {distill.temperature:g}, KL weight "
                                f"{distill.weight:g}" + (f", {distill.bits}-bit" if distill.bits else "") + ")")
+    if recipe.training.objective != "sft":
+        plan.method_detail += "; " + describe_preference(recipe, settings)
     if plan.fits is False:
         plan.suggestions, plan.fit_changes = suggest(shape, recipe, device, memory // share, gpu, teacher, processes)
         if plan.fit_changes:
             plan.fit_peak = _peak(shape, apply_changes(recipe, plan.fit_changes), device, gpu, teacher, processes)
     return plan
+
+
+def describe_preference(recipe: Recipe, s: Settings) -> str:
+    """The plan's line for a preference objective: pairs, and DPO's reference."""
+    objective = recipe.training.objective
+    pairs = "pairs of sequences of up to data.max_length each"
+    if objective == "orpo":
+        return f"ORPO on {pairs} (no reference model)"
+    where = {"adapter_off": "the model with its adapter switched off", "copy": "a frozen copy of the base"}
+    return f"DPO on {pairs}; reference: {where[s.reference]}"
 
 
 def render(plan: Plan, recipe_name: str) -> str:

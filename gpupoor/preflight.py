@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 from gpupoor.builtin_models import resolve_model_path
-from gpupoor.data.formats import CHAT_FORMATS, IGNORE_INDEX, chat_messages, check_row, sharegpt_messages
+from gpupoor.data.formats import (CHAT_FORMATS, IGNORE_INDEX, chat_messages, check_row, preference_parts,
+                                  sharegpt_messages)
 from gpupoor.data.loading import Row, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
@@ -117,6 +118,28 @@ def check_data(value: str, key: str, loaded: LoadedRecipe, split: str, source: S
         field = source.conversations_field if source.format == "sharegpt" else source.messages_field
         conversations = [(row.where, _conversation(row, source, data)) for row in rows[:TEMPLATE_ROWS]]
         check_chat_template(template, conversations, field)
+    if source.format == "preference":
+        return _check_pair_template(rows, template, loaded)
+    return []
+
+
+def _check_pair_template(rows: list[Row], template: str | None, loaded: LoadedRecipe) -> list[str]:
+    """Pairs given as message lists are rendered with the chat template: data.chat_template renders them (prompt +
+    chosen), or the tokenizer must have a template of its own."""
+    conversations = []
+    for row in rows[:TEMPLATE_ROWS]:
+        prompt, chosen, _ = preference_parts(row.fields, row.where)
+        if not isinstance(prompt, str):
+            conversations.append((row.where, prompt + chosen))
+    if not conversations:
+        return []
+    if template is not None:
+        check_chat_template(template, conversations, "prompt + chosen")
+        return []
+    model = loaded.recipe.model
+    has_template = tokenizer_has_chat_template(model.name_or_path, loaded.base_dir, model.revision)
+    if has_template is False:
+        raise missing_template_error(f"{model.name_or_path}'s tokenizer", "preference (with message lists)")
     return []
 
 
@@ -348,20 +371,28 @@ def show_row(encoder, row: Row, label: str, colour: bool = False) -> list[str]:
     import typer
 
     encoded = encoder.encode(row.fields, row.where)
-    # What training counts (dataset.tokenize_rows): position 0 is never predicted, so it is never a target.
-    trained = [False] + [label_id != IGNORE_INDEX for label_id in encoded.labels[1:]]
-    header = f"--- {label} {row.where}: {len(encoded.input_ids)} tokens, {sum(trained)} trained"
+    bounds = (0, *encoded.sequence_starts, len(encoded.input_ids))  # a preference pair: chosen, then rejected
+    names = ("chosen", "rejected") if encoded.sequence_starts else ("",)
+    lines, empty = [], False
+    for name, start, end in zip(names, bounds, bounds[1:]):
+        ids, labels = encoded.input_ids[start:end], encoded.labels[start:end]
+        # What training counts (dataset.tokenize_rows): position 0 is never predicted, so it is never a target.
+        trained = [False] + [label_id != IGNORE_INDEX for label_id in labels[1:]]
+        empty = empty or not any(trained)
+        text = f"{name}: " if name else ""
+        for is_trained, piece in _decoded_runs(encoder.tokenizer, ids, trained):
+            if is_trained:
+                piece = TRAINED_OPEN + piece + TRAINED_CLOSE
+                piece = typer.style(piece, fg="green", bold=True) if colour else piece
+            text += piece
+        lines.append((len(ids), sum(trained), text))
+    counts = " + ".join(f"{tokens} tokens, {trained} trained" for tokens, trained, _ in lines)
+    header = f"--- {label} {row.where}: {counts}"
     if encoded.truncated:
-        header += f", truncated to data.max_length = {encoder.max_length}"
-    if not any(trained):
-        header += "; no trained tokens, so training drops this row"
-    text = ""
-    for is_trained, piece in _decoded_runs(encoder.tokenizer, encoded.input_ids, trained):
-        if is_trained:
-            piece = TRAINED_OPEN + piece + TRAINED_CLOSE
-            piece = typer.style(piece, fg="green", bold=True) if colour else piece
-        text += piece
-    return [header, text]
+        header += f", truncated to data.max_length = {encoder.max_length}" + (" each" if len(lines) > 1 else "")
+    if empty:
+        header += "; no trained tokens" + (" in one answer" if len(lines) > 1 else "") + ", so training drops this row"
+    return [header] + [text for _, _, text in lines]
 
 
 def _decoded_runs(tokenizer, ids: list[int], trained: list[bool]) -> list[tuple[bool, str]]:

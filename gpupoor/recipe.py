@@ -52,8 +52,8 @@ class ModelSection(_Section):
     )
 
 
-DATA_FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion", "tokenized")
-DataFormat = Literal["text", "alpaca", "chat", "sharegpt", "completion", "tokenized"]
+DATA_FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion", "tokenized", "preference")
+DataFormat = Literal["text", "alpaca", "chat", "sharegpt", "completion", "tokenized", "preference"]
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "tool": "tool", "function_call": "assistant", "observation": "tool"}
 
@@ -116,7 +116,10 @@ class DataSection(_Section):
         "`conversations` list of {from, value} (roles by `sharegpt_roles`: human, gpt, system...), rendered like "
         "`chat`. `completion`: `prompt` and `completion` strings joined as they are (TRL's prompt-completion "
         "format); loss on `completion`. `tokenized`: rows that hold `input_ids` and `labels` (-100 where not "
-        "trained) or a 0/1 `loss_mask`, used as they are.",
+        "trained) or a 0/1 `loss_mask`, used as they are. `preference`: pairs for `training.objective: dpo` or "
+        "`orpo`: `prompt`, `chosen` and `rejected`, three strings (the prompt, then each answer, joined as they "
+        "are) or message lists rendered with the chat template (without `prompt`, the messages chosen and "
+        "rejected share are the prompt); log-probabilities on the answers only (docs/preference.md).",
     )
     split: str = Field("train", description="Split to read from a hub dataset or a saved DatasetDict.")
     text_field: str = Field("text", description="Field holding the text for `format: text`.")
@@ -131,7 +134,8 @@ class DataSection(_Section):
         "`phi3`) or a Jinja template. Default: the tokenizer's own; a tokenizer without one needs this set."
     )
     max_length: int = Field(
-        2048, ge=8, description="Tokens per example; longer examples are truncated and counted."
+        2048, ge=8, description="Tokens per example (a preference pair: per sequence, the prompt with one answer); "
+        "longer examples are truncated and counted."
     )
     sampler: Literal["auto", "random", "length_grouped", "packed"] = Field(
         "auto",
@@ -277,6 +281,39 @@ class DistillSection(_Section):
                                        "beside the student.")
 
 
+class PreferenceSection(_Section):
+    """Preference tuning (`training.objective: dpo` or `orpo`) on `data.format: preference` pairs: the loss and its
+    knobs, and where DPO's reference log-probabilities come from. Unused by `sft`."""
+
+    beta: float = Field(
+        0.1, gt=0, description="DPO's beta: the scale of the implicit reward beta * (log pi - log pi_ref); larger "
+        "keeps the policy closer to the reference. For `loss_type: ipo` it is IPO's tau (the target margin is "
+        "1 / (2 beta))."
+    )
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid", description="DPO's loss of the reward margin m: `sigmoid` -log sigmoid(beta m) (the paper's), "
+        "`ipo` (m per answer token - 1 / (2 beta))^2, `hinge` relu(1 - beta m) (SLiC)."
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="`sigmoid` only: the share of pairs assumed to be mislabelled (conservative "
+        "DPO): -(1 - e) log sigmoid(beta m) - e log sigmoid(-beta m)."
+    )
+    orpo_lambda: float = Field(
+        0.1, gt=0, description="ORPO's lambda (TRL's ORPOConfig.beta): the weight of the odds-ratio term beside the "
+        "chosen answer's cross-entropy."
+    )
+    reference: Literal["auto", "adapter_off", "copy"] = Field(
+        "auto", description="DPO's frozen reference model. `adapter_off`: the model being trained with its adapter "
+        "switched off (peft's disable_adapter), in the same micro-batch: no second copy in memory. `copy`: a "
+        "frozen copy of the base model loaded beside it (quantizable with `reference_bits`). `auto`: "
+        "`adapter_off` when an adapter trains, `copy` for `peft.method: full`."
+    )
+    reference_bits: Literal[4, 8] | None = Field(
+        None, description="Load the reference copy quantized (bitsandbytes) to fit beside the trained model; "
+        "`reference: copy` (or `full` with `auto`) only. Its log-probabilities shift a little."
+    )
+
+
 class QuantizationSection(_Section):
     """Load the frozen base model quantized with bitsandbytes (4-bit + LoRA = QLoRA)."""
 
@@ -291,6 +328,13 @@ class QuantizationSection(_Section):
 class TrainingSection(_Section):
     """Batching, schedule and stopping."""
 
+    objective: Literal["sft", "dpo", "orpo"] = Field(
+        "sft", description="What the model learns. `sft`: the cross-entropy of the target tokens (supervised "
+        "fine-tuning, distillation). `dpo`: Direct Preference Optimization on `data.format: preference` pairs, "
+        "against a frozen reference (`preference.reference`). `orpo`: ORPO on the same pairs: the chosen answer's "
+        "cross-entropy plus an odds-ratio term, with no reference model. With `dpo`/`orpo` an example is a pair: "
+        "`micro_batch_size` counts pairs and the loss is normalized by pairs (docs/preference.md)."
+    )
     micro_batch_size: int = Field(1, ge=1, description="Examples per forward/backward pass.")
     gradient_accumulation_steps: int = Field(
         1, ge=1, description="Micro-batches per optimizer step. The loss is normalized by the number of target "
@@ -516,12 +560,61 @@ class Recipe(_Section):
                              "to be copied into final/)")
         return self
 
+    @model_validator(mode="after")
+    def _preference_combinations(self) -> "Recipe":
+        """Pairs and the preference objectives go together; what they cannot be combined with."""
+        data, training, preference = self.data, self.training, self.preference
+        objective = training.objective
+        formats = {source.format for source in data.sources()}
+        if objective == "sft" and "preference" in formats:
+            raise ValueError("data.format preference holds pairs for a preference objective, and training.objective "
+                             "is sft: set training.objective: dpo (or orpo), or use a format of single answers")
+        if objective == "sft":
+            return self
+        if data.tokenized_path:
+            raise ValueError(f"training.objective {objective} cannot read data.tokenized_path yet: give the pairs "
+                             "as data.path (or data.datasets) with format: preference (they are cached tokenized)")
+        if formats != {"preference"}:
+            where = "data.datasets[].format" if data.datasets else "data.format"
+            raise ValueError(f"training.objective {objective} trains on preference pairs: set {where}: preference "
+                             f"(prompt, chosen, rejected), not {', '.join(sorted(formats - {'preference'}))}")
+        if self.distill is not None:
+            raise ValueError(f"training.objective {objective} and distill are two different losses: remove the "
+                             "distill section, or train with objective sft")
+        if data.train_on_prompt:
+            raise ValueError(f"data.train_on_prompt does not apply to a preference objective ({objective}): it compares "
+                             "the answers' log-probabilities, and the prompt is never trained. Remove it")
+        self._check_reference(objective, preference)
+        return self
+
+    def _check_reference(self, objective: str, preference: "PreferenceSection") -> None:
+        full = self.peft.method == "full"
+        if objective == "orpo" or preference.reference == "copy":
+            pass
+        elif preference.reference == "adapter_off" and full:
+            raise ValueError("preference.reference adapter_off needs an adapter to switch off, and peft.method full "
+                             "trains the model's own weights: use reference copy (or auto)")
+        elif preference.reference == "auto" and not full and self.peft.init_adapter:
+            raise ValueError("preference.reference auto would switch the adapter off, leaving the base model "
+                             "without peft.init_adapter as DPO's reference, not the model you start from: merge that "
+                             "adapter into the base first (gpupoor merge-lora) and train a new one on the merged "
+                             "model, or set preference.reference: adapter_off (or copy) to accept the base as "
+                             "the reference")
+        using_copy = objective == "dpo" and (preference.reference == "copy" or (preference.reference == "auto"
+                                                                                 and full))
+        if preference.reference_bits is not None and not using_copy:
+            raise ValueError("preference.reference_bits quantizes a reference copy, and this recipe has none "
+                             + ("(ORPO needs no reference)" if objective == "orpo" else
+                                "(the reference is the model with its adapter switched off)")
+                             + ": remove it, or set preference.reference: copy")
+
     model: ModelSection
     data: DataSection
     peft: PeftSection = Field(default_factory=PeftSection)
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
     distill: DistillSection | None = Field(None, description="Knowledge distillation from a teacher (see the "
                                            "`distill` section); unset to train on the data alone.")
+    preference: PreferenceSection = Field(default_factory=PreferenceSection)
 
     @field_validator("quantization")
     @classmethod

@@ -59,7 +59,10 @@ def format_changes(changes: list[tuple[str, object, object]]) -> str:
 ADDED_KEYS = {"peft.last_layers": None, "distill": None, "distributed.strategy": "auto",
               "distributed.shard_frozen": True, "distributed.reshard_after_forward": True,
               "distributed.cpu_offload": False, "data.datasets": None, "data.tokenized_path": None,
-              "data.conversations_field": "conversations", "peft.init_adapter": None}
+              "data.conversations_field": "conversations", "peft.init_adapter": None,
+              "training.objective": "sft", "preference.beta": 0.1, "preference.loss_type": "sigmoid",
+              "preference.label_smoothing": 0.0, "preference.orpo_lambda": 0.1, "preference.reference": "auto",
+              "preference.reference_bits": None}
 # A dict-valued key added later: its flattened keys, with their defaults.
 ADDED_KEYS.update({f"data.sharegpt_roles.{key}": value for key, value in SHAREGPT_ROLES.items()})
 

@@ -303,6 +303,8 @@ class Session:
     state: object = None  # gpupoor.train.state.TrainState
     memory_plan: object = None
     teacher: object = None  # the frozen distillation teacher (recipe.distill)
+    reference: object = None  # DPO's frozen reference copy (preference.reference: copy)
+    startup: object = None  # gpupoor.startup.StartupClock: where the seconds before the first step went
 
     @property
     def main(self) -> bool:
@@ -346,9 +348,13 @@ class Session:
         self.tokenizer.save_pretrained(directory)
 
 
-def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: bool = False) -> Session:
+def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: bool = False, clock=None) -> Session:
     """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed.
-    `resuming`: a checkpoint's weights will replace the starting ones."""
+    `resuming`: a checkpoint's weights will replace the starting ones. `clock`: a gpupoor.startup.StartupClock
+    already running (a new one otherwise)."""
+    from gpupoor.startup import StartupClock
+
+    clock = clock or StartupClock()
     import torch
 
     from gpupoor import faults
@@ -361,6 +367,7 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
     from gpupoor.quiet import quiet_libraries
 
     quiet_libraries()
+    clock.mark("libraries")
     device = resolve_device(recipe.training.device)
     precision = resolve_precision(recipe.precision, device.value)
     attention = resolve_attention(recipe.model.attention, device.value)
@@ -379,9 +386,11 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
 
     location = model_location(recipe.model, Path.cwd())  # a local directory (built-ins built) or a hub id
     tokenizer = load_tokenizer(location, recipe.model)
+    clock.mark("accelerator and tokenizer")
     sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code)
     data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, Path.cwd(),
                       sampler=sampler.value)
+    clock.mark("data")
     for warning in data.warnings:
         say(f"warning: {warning}")
     chat_source = next((s for s in recipe.data.sources() if s.format in ("chat", "sharegpt")), None)
@@ -395,14 +404,9 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
                         attention.value, str(accelerator.device), recipe.memory.gradient_checkpointing,
                         recipe.seed, smoke, recipe.memory.max_gpu_memory, resuming)
     summary = summarize(model)
-    teacher = None
-    if recipe.distill is not None:
-        from gpupoor.distill import check_vocabularies
-        from gpupoor.model import build_teacher
-
-        teacher, teacher_tokenizer = build_teacher(recipe.distill, recipe.model, precision.value, attention.value,
-                                                   str(accelerator.device), recipe.seed, smoke)
-        check_vocabularies(tokenizer, teacher_tokenizer)
+    teacher = _build_teacher(recipe, tokenizer, precision.value, attention.value, str(accelerator.device), smoke)
+    reference = _build_reference(recipe, precision.value, attention.value, str(accelerator.device), smoke)
+    clock.mark("model")
     faults.at_stage("startup")  # tests: a signal while the model loads
     if strategy.value == "fsdp":  # before the optimizer: sharding replaces the parameters it must hold
         from gpupoor.distributed import shard_model
@@ -416,11 +420,39 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
         prepared_model, optimizer = model, accelerator.prepare(raw_optimizer)
     else:
         prepared_model, optimizer = accelerator.prepare(model, raw_optimizer)  # DDP-wrapped with several processes
+    clock.mark("optimizer")
     choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler,
                "strategy": strategy}
     return Session(recipe, run_dir, smoke, accelerator, choices, tokenizer, data, prepared_model,
                    accelerator.unwrap_model(prepared_model), raw_optimizer, optimizer, steps,
-                   warmup_steps(recipe.training, steps), summary, nodes=nodes, teacher=teacher)
+                   warmup_steps(recipe.training, steps), summary, nodes=nodes, teacher=teacher, reference=reference,
+                   startup=clock)
+
+
+def _build_teacher(recipe: Recipe, tokenizer, precision: str, attention: str, device: str, smoke: bool):
+    """The frozen distillation teacher (recipe.distill), checked to share the student's vocabulary; or None."""
+    if recipe.distill is None:
+        return None
+    from gpupoor.distill import check_vocabularies
+    from gpupoor.model import build_teacher
+
+    teacher, teacher_tokenizer = build_teacher(recipe.distill, recipe.model, precision, attention, device,
+                                               recipe.seed, smoke)
+    check_vocabularies(tokenizer, teacher_tokenizer)
+    return teacher
+
+
+def _build_reference(recipe: Recipe, precision: str, attention: str, device: str, smoke: bool):
+    """DPO's frozen reference copy of the base model when the reference is a copy (gpupoor.decisions
+    .choose_reference), else None."""
+    from gpupoor.decisions import choose_reference
+
+    preference = recipe.preference
+    if choose_reference(recipe.training.objective, preference.reference, recipe.peft.method).value != "copy":
+        return None
+    from gpupoor.model import build_reference
+
+    return build_reference(recipe.model, preference.reference_bits, precision, attention, device, recipe.seed, smoke)
 
 
 def check_checkpoint_matches(session: Session, checkpoint) -> None:
@@ -568,11 +600,12 @@ def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
              ("" if peft.method == "full" and peft.modules_to_save else "every decoder layer")] + peft.modules_to_save
     say(f"  method {peft.method} on {' and '.join(filter(None, scope))}; parameters {summary.total_params:,}; trainable "
         f"{summary.trainable_params:,} ({summary.trainable_percent:.2f}%); weights {summary.weight_bytes / 2**20:.1f} MiB")
-    say(f"  data {stats.kept} examples ({stats.rows} rows; {stats.truncated} truncated to "
+    noun = "preference pairs" if data.pairs else "examples"
+    say(f"  data {stats.kept} {noun} ({stats.rows} rows; {stats.truncated} truncated to "
         f"{recipe.data.max_length} tokens; {stats.dropped_no_target} without targets dropped); "
         f"{stats.target_tokens / max(stats.tokens, 1):.0%} of tokens are targets"
         + ("; tokenized cache hit" if data.cache_hit else "")
-        + (f"; eval {len(data.eval)} examples" if data.eval is not None else ""))
+        + (f"; eval {len(data.eval)} {noun}" if data.eval is not None else ""))
     mixture = data.mixture
     if mixture is not None and len(mixture.sources) > 1:
         for source, part in zip(mixture.sources, data.source_stats):
@@ -581,7 +614,7 @@ def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
                 + (f"; eval {source.eval_end - source.eval_start}" if source.eval_end > source.eval_start else ""))
     sampler = choices["sampler"]
     unit = (f"{recipe.training.micro_batch_size} packed rows of up to {data.plan.row_length} tokens"
-            if sampler.value == "packed" else f"{recipe.training.micro_batch_size} examples")
+            if sampler.value == "packed" else f"{recipe.training.micro_batch_size} {noun}")
     say(f"  {session.steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x {unit}; "
         f"{len(data.plan)} micro-batches per epoch; sampler {sampler.value} ({sampler.reason})")
     if session.memory_plan is not None:
@@ -597,6 +630,8 @@ def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
         say(f"  resuming from {checkpoint.path.name}: step {state.step}, epoch {state.epoch}, "
             f"micro-batch {state.batch_in_epoch} of the epoch")
     say(f"  run directory {session.run_dir}")
+    if session.startup is not None:
+        say(f"  {session.startup.line()}")
 
 
 def open_run_dir(session: Session, lock: RunLock | None, started: float) -> RunLock | None:
@@ -697,7 +732,7 @@ class RunHooks:
             self.trackers = Trackers(session.run_dir, session.recipe.logging, session.recipe.model_dump(mode="json"),
                                      session.logged, lambda text: self.progress.message(text, always=True))
         self.write({"step": self.first_step, "event": "start", "session": "resume" if resumed else "train",
-                    "time": round(clock.time(), 3)})
+                    "time": round(clock.time(), 3), "startup_s": session.startup.seconds()})
 
     def write(self, record: dict) -> None:
         """One record to metrics.jsonl (the record of truth) and to the trackers."""
@@ -907,14 +942,20 @@ class RunHooks:
 def loop_settings(session: Session, loss_fn, eval_fn=None):
     from gpupoor.train.loop import LoopSettings
 
+    from gpupoor.data.build import count_pairs, count_targets
+    from gpupoor.preference import METRICS
+
     training = session.recipe.training
+    pairs = training.objective != "sft"  # the loss is a sum over pairs, normalized by pairs
     return LoopSettings(total_steps=session.steps, accumulation=training.gradient_accumulation_steps,
                         max_grad_norm=training.max_grad_norm, eval_every=training.eval_every_steps,
                         pad_id=session.tokenizer.pad_token_id, eval_micro_batch_size=training.micro_batch_size,
                         # bitsandbytes 4-bit layers repack their weights in eval mode on some CPUs
                         eval_in_train_mode=session.recipe.quantization.bits is not None and session.device == "cpu",
                         max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn,
-                        **({"eval_fn": eval_fn} if eval_fn is not None else {}), lockstep=session.sharded)
+                        **({"eval_fn": eval_fn} if eval_fn is not None else {}), lockstep=session.sharded,
+                        count_units=count_pairs if pairs else count_targets,
+                        metric_names=METRICS.get(training.objective, ()))
 
 
 def choose_loss(session: Session):
@@ -931,15 +972,47 @@ def choose_loss(session: Session):
     base_loss = cross_entropy
     if session.teacher is not None:
         base_loss, name = _distill_loss(session, fused)
+    if session.recipe.training.objective != "sft":
+        base_loss, evaluation, name = _preference_loss(session, fused, reason)
     nan_steps = faults.steps_for("nan")
     if not nan_steps:
         return base_loss, evaluation, name
 
     def loss_with_faults(model, batch):
         loss = base_loss(model, batch)
-        return loss * float("nan") if session.state.step + 1 in nan_steps else loss
+        if session.state.step + 1 not in nan_steps:
+            return loss
+        return (loss[0] * float("nan"), *loss[1:]) if isinstance(loss, tuple) else loss * float("nan")
 
     return loss_with_faults, evaluation, name
+
+
+def _preference_loss(session: Session, head, reason: str):
+    """DPO or ORPO on pairs (training and eval), with DPO's reference: the model with its adapter switched off, or
+    the frozen copy build_session loaded."""
+    from gpupoor.decisions import choose_reference
+    from gpupoor.loss import find_fused_head
+    from gpupoor.preference import PreferenceLoss, Reference, frozen_head
+
+    recipe, preference = session.recipe, session.recipe.preference
+    objective = recipe.training.objective
+    choice = choose_reference(objective, preference.reference, recipe.peft.method)
+    reference = None
+    if choice.value == "adapter_off":
+        reference = Reference(session.unwrapped, frozen_head(session.unwrapped, head), adapter_off=True)
+    elif choice.value == "copy":
+        reference_head, _ = find_fused_head(session.reference, enabled=recipe.memory.fused_cross_entropy)
+        reference = Reference(session.reference, reference_head, adapter_off=False)
+    loss = PreferenceLoss(objective, head, reference, preference.beta, preference.loss_type,
+                          preference.label_smoothing, preference.orpo_lambda)
+    if objective == "dpo":
+        smoothing = f", label smoothing {preference.label_smoothing:g}" if preference.label_smoothing else ""
+        what = (f"DPO {preference.loss_type} (beta {preference.beta:g}{smoothing}); reference {choice.value} "
+                f"({choice.reason})")
+    else:
+        what = f"ORPO (lambda {preference.orpo_lambda:g}; no reference model)"
+    path = "fused chunked log-probabilities" if head is not None else "log-probabilities from full logits"
+    return loss, loss.evaluate, f"{what}; {path} ({reason})"
 
 
 def _distill_loss(session: Session, student_head):
@@ -969,12 +1042,15 @@ def _distill_loss(session: Session, student_head):
 
 def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, started: float,
              force: bool = False, lock: RunLock | None = None, plan=None, stop=None) -> RunResult:
+    from gpupoor.startup import StartupClock
+
+    clock = StartupClock()  # before the imports below: torch is among them
     from gpupoor import faults
     from gpupoor.rundir import library_versions
     from gpupoor.recipe_diff import trajectory_hash
     from gpupoor.train.state import restore_rng
 
-    session = build_session(recipe, run_dir, smoke, say, resuming=checkpoint is not None)
+    session = build_session(recipe, run_dir, smoke, say, resuming=checkpoint is not None, clock=clock)
     if not session.main:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
     if checkpoint is not None and not force:
@@ -983,6 +1059,8 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
         say(f"warning: --force: processes {checkpoint.manifest.get('processes', 1)} -> "
             f"{session.accelerator.num_processes}: resuming on another layout (the optimizer state is resharded)")
     restore(session, checkpoint, force)
+    if checkpoint is not None:
+        session.startup.mark("restore")
     loss_fn, eval_fn, loss_path = choose_loss(session)
     if plan is not None and plan.device != session.device:  # planned for another device than torch found
         plan = _plan_quietly(LoadedRecipe(recipe, None), session.device)

@@ -30,6 +30,12 @@ KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", 
         "step_s": "train/step_s", "peak_mem_mb": "memory/peak_mb", "predicted_peak_mb": "memory/predicted_peak_mb",
         "optimizer_state_mb": "memory/optimizer_state_mb", "eval_loss": "eval/loss",
         "eval_accuracy": "eval/accuracy", "save_s": "checkpoint/save_s"}
+# Preference tuning's step and eval metrics (gpupoor.preference.METRICS, which imports torch): train/rewards/chosen,
+# eval/rewards/chosen...
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                      "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen")
+KEYS.update({name: f"train/{name}" for name in PREFERENCE_METRICS})
+KEYS.update({f"eval_{name}": f"eval/{name}" for name in PREFERENCE_METRICS})
 
 
 def missing_trackers(report_to: list[str]) -> list[str]:

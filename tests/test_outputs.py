@@ -43,7 +43,8 @@ def test_recipe_reference_renders_types_as_yaml_values():
     assert cells["memory.gradient_checkpointing"] == 'bool \\| "offload"'
     assert cells["model.revision"] == "str \\| null"
     assert cells["training.adam_betas"] == "tuple[float, float]"
-    assert cells["data.format"] == '"text" \\| "alpaca" \\| "chat" \\| "sharegpt" \\| "completion" \\| "tokenized"'
+    assert cells["data.format"] == ('"text" \\| "alpaca" \\| "chat" \\| "sharegpt" \\| "completion" \\| "tokenized" '
+                                   '\\| "preference"')
     assert cells["data.datasets"] == "list[mapping] \\| null" and "data.datasets[].weight" in cells
 
 

@@ -33,6 +33,10 @@ def test_train_loss_falls_and_writes_a_complete_run_dir(make_recipe, tmp_path):
     assert sum(r["loss"] for r in steps[-3:]) < sum(r["loss"] for r in steps[:3])  # it learns
     evals = [r for r in records if "eval_loss" in r]
     assert evals and evals[-1]["step"] == 12 and math.isfinite(evals[-1]["eval_loss"])
+    # Where the start-up went, part by part, in the session's start record and the summary's "ready in" line.
+    startup = next(r for r in records if r.get("event") == "start")["startup_s"]
+    assert list(startup)[-4:] == ["accelerator and tokenizer", "data", "model", "optimizer"]
+    assert all(seconds >= 0 for seconds in startup.values()) and "ready in " in result.output
     saved = yaml_load(run / "recipe.yaml")
     assert saved["training"]["max_steps"] == 12 and "# torch " in (run / "recipe.yaml").read_text()
     # Every 5 steps plus one at the end (so the run can be extended), the 3 newest kept.

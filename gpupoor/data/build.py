@@ -28,12 +28,21 @@ class DataBundle:
     warnings: list[str] = field(default_factory=list)  # e.g. a cache entry that failed its check
     mixture: Mixture | None = None  # the sources, their amounts per epoch, their eval ranges
     source_stats: list[TokenStats] = field(default_factory=list)  # per source, in mixture order
+    pairs: bool = False  # examples are preference pairs (data.format: preference): collated by collate_pairs
 
     def collate(self, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-        """A training micro-batch: packed into one row when the sampler packs, else padded."""
-        if self.plan.kind == "packed":
+        """A training micro-batch: packed into rows when the sampler packs, else padded."""
+        packed = self.plan.kind == "packed"
+        if self.pairs:
+            return collate_pairs(self.train, indices, pad_id, self.plan.row_length if packed else None)
+        if packed:
             return collate_packed(self.train, indices, self.plan.row_length, pad_id)
         return collate(self.train, indices, pad_id)
+
+    def collate_eval(self, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+        """An eval micro-batch, padded."""
+        assert self.eval is not None
+        return collate_pairs(self.eval, indices, pad_id) if self.pairs else collate(self.eval, indices, pad_id)
 
     def eval_groups(self) -> list[tuple[str, int, int]]:
         """(source name, start, end) of each source's eval examples; one group when there is no mixture."""
@@ -122,10 +131,12 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     evals = [part.eval for part in parts if part.eval is not None]
     evaluation = concat_datasets(evals) if evals else None
     kind = sampler or (data.sampler if data.sampler != "auto" else "random")
-    plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length, mixture)
+    pairs = {source.format for source in sources} == {"preference"}
+    # A pair is two sequences of up to max_length each: packed rows hold at least one whole pair.
+    plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length * (2 if pairs else 1), mixture)
     fingerprint = parts[0].fingerprint if data.datasets is None else _mixture_fingerprint(mixture, parts)
     return DataBundle(train, evaluation, plan, all(part.hit for part in parts), fingerprint, warnings, mixture,
-                      [part.train.stats for part in parts])
+                      [part.train.stats for part in parts], pairs)
 
 
 def _from_tokenized_dir(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
@@ -206,6 +217,50 @@ def collate_packed(dataset: TokenizedDataset, indices: list[int], row_length: in
         real.append(torch.arange(width) < used)
     return {"input_ids": torch.stack(ids), "labels": torch.stack(labels), "position_ids": torch.stack(positions),
             "token_mask": torch.stack(real)}
+
+
+def collate_pairs(dataset: TokenizedDataset, indices: list[int], pad_id: int,
+                  row_length: int | None = None) -> dict[str, torch.Tensor]:
+    """A micro-batch of preference pairs, each pair whole: padded rows [chosen_1..chosen_B, rejected_1..rejected_B]
+    (`row_length` None), or packed: whole pairs bin-packed into rows of at most `row_length` tokens, each sequence
+    its own block (position_ids restart, its first token no target) as collate_packed does.
+
+    Beside the model inputs, `sequence_index` (the shape of labels) says which sequence each target belongs to:
+    2p for the chosen answer of the micro-batch's pair p, 2p + 1 for its rejected one, -1 where there is no
+    target; the losses sum log-probabilities per sequence with it, the same way for both layouts."""
+    pairs = [dataset.sequences(index) for index in indices]
+    if row_length is None:
+        rows = [[(pair[0], 2 * p)] for p, pair in enumerate(pairs)] + \
+            [[(pair[1], 2 * p + 1)] for p, pair in enumerate(pairs)]
+    else:
+        lengths = dict(zip(range(len(pairs)), (sum(len(ids) for ids, _ in pair) for pair in pairs)))
+        bins = first_fit_decreasing(list(range(len(pairs))), lengths, row_length)
+        rows = [[(pairs[p][side], 2 * p + side) for p in row for side in (0, 1)] for row in bins]
+    width = max(sum(len(ids) for (ids, _), _ in row) for row in rows)
+    batch = {name: torch.full((len(rows), width), fill, dtype=torch.long)
+             for name, fill in (("input_ids", pad_id), ("labels", IGNORE_INDEX), ("sequence_index", -1),
+                                ("attention_mask", 0), ("position_ids", 0))}
+    for number, row in enumerate(rows):
+        at = 0
+        for (ids, labels), sequence in row:
+            end = at + len(ids)
+            batch["input_ids"][number, at:end] = ids
+            batch["labels"][number, at + 1:end] = labels[1:]  # (packed: never the previous sequence's next token)
+            batch["sequence_index"][number, at + 1:end] = torch.where(labels[1:] != IGNORE_INDEX, sequence, -1)
+            batch["attention_mask"][number, at:end] = 1
+            batch["position_ids"][number, at:end] = torch.arange(len(ids))
+            at = end
+        batch["position_ids"][number, at:] = torch.arange(width - at)  # packed filler: a block of its own
+    if row_length is None:
+        del batch["position_ids"]  # padded rows: the attention mask; packed rows: restarted positions, no mask
+    else:
+        batch["token_mask"] = batch.pop("attention_mask").bool()
+    return batch
+
+
+def count_pairs(batch: dict[str, torch.Tensor]) -> int:
+    """Preference pairs in a micro-batch (collate_pairs numbers their sequences 0 .. 2 x pairs - 1)."""
+    return int(batch["sequence_index"].max()) // 2 + 1
 
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:

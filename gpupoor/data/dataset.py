@@ -60,32 +60,41 @@ class TokenStats:
             setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
 
 
+# A token's target flag: trained, or (a code the first token of a sequence may carry, as it is never a target) the
+# start of another sequence of the same example: a preference pair is its chosen sequence, then its rejected one.
+TRAINED, SEQUENCE_START = 1, 2
+
+
 @dataclass
 class Chunk:
     """Examples tokenized together: tokens and target flags flat, one length per example."""
 
     ids: np.ndarray  # int32
-    target: np.ndarray  # uint8, 1 where the token is trained
+    target: np.ndarray  # uint8: TRAINED where the token is trained, SEQUENCE_START where a later sequence starts
     lengths: np.ndarray  # int64
     stats: TokenStats
 
 
 def encoded_chunk(encoded: list[Encoded]) -> Chunk:
-    """Encoded rows as a Chunk; a row with no trained token after the first is dropped (nothing to learn)."""
+    """Encoded rows as a Chunk; a row with a sequence that has no trained token after its first is dropped
+    (nothing to learn; a pair without one of its answers compares nothing)."""
     stats = TokenStats(rows=len(encoded))
     ids: list[int] = []
-    target: list[bool] = []
+    target: list[int] = []
     lengths: list[int] = []
     for example in encoded:
-        trained = [label != IGNORE_INDEX for label in example.labels]
-        targets = sum(trained[1:])  # the label at 0 is never predicted
-        if not targets:
+        trained = [int(label != IGNORE_INDEX) for label in example.labels]
+        bounds = (0, *example.sequence_starts, len(trained))
+        counts = [sum(trained[start + 1:end]) for start, end in zip(bounds, bounds[1:])]  # a first label is never predicted
+        if not all(counts):
             stats.dropped_no_target += 1  # e.g. a prompt longer than max_length
             continue
+        for start in example.sequence_starts:
+            trained[start] = SEQUENCE_START
         stats.truncated += int(example.truncated)
         stats.kept += 1
         stats.tokens += len(example.input_ids)
-        stats.target_tokens += targets
+        stats.target_tokens += sum(counts)
         ids += example.input_ids
         target += trained
         lengths.append(len(example.input_ids))
@@ -164,8 +173,15 @@ class TokenizedDataset:
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         shard, start, end = self._locate(index)
         ids = shard.ids[start:end].long()  # a copy: the mapped tokens are never written through
-        labels = torch.where(shard.target[start:end].bool(), ids, IGNORE_INDEX)
+        labels = torch.where(shard.target[start:end] == TRAINED, ids, IGNORE_INDEX)
         return ids, labels
+
+    def sequences(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(ids, labels) of each sequence of an example: one, or a preference pair's chosen and rejected."""
+        ids, labels = self[index]
+        shard, start, end = self._locate(index)
+        cuts = [0, *np.flatnonzero(shard.target_np[start:end] == SEQUENCE_START).tolist(), end - start]
+        return [(ids[a:b], labels[a:b]) for a, b in zip(cuts, cuts[1:])]
 
     # The flat tensors, as one file holds them. A mixture or a selection has to copy them into memory: fine
     # for tests and small data; training reads examples through [i].

@@ -28,6 +28,9 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]
     truncated: bool
+    # Where each sequence after the first starts: a `preference` pair is its chosen sequence (prompt + chosen
+    # answer), then its rejected one, stored as one example so that nothing can split it.
+    sequence_starts: tuple[int, ...] = ()
 
 
 def alpaca_prompt(instruction: str, input_text: str = "") -> str:
@@ -106,6 +109,58 @@ def _check_turns(messages: list[dict], where: str, field: str, needs_assistant: 
         raise UserError(f"{where}: {field} has no assistant turn, so there is nothing to train on",
                         hint="add the assistant's reply, or set data.train_on_prompt: true to train on the "
                         "whole conversation")
+
+
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+
+
+def preference_parts(row: dict, where: str) -> tuple[str | list[dict], str | list[dict], str | list[dict]]:
+    """(prompt, chosen, rejected) of a `preference` row, checked: three strings, or message lists (TRL's
+    conversational format). Without `prompt`, chosen and rejected are whole conversations and the messages they
+    share from the start are the prompt (TRL's implicit prompt)."""
+    missing = [name for name in ("chosen", "rejected") if row.get(name) is None]
+    if missing:
+        raise UserError(f"{where}: missing field '{missing[0]}' (format preference needs prompt, chosen and rejected; "
+                        f"the row has {', '.join(map(repr, row)) or 'no fields'})")
+    if isinstance(row["chosen"], str) or isinstance(row["rejected"], str):
+        return tuple(_field(row, name, where, "preference") for name in PREFERENCE_FIELDS)
+    if row.get("prompt") is None:
+        chosen = chat_messages(row, where, "chosen")
+        rejected = chat_messages(row, where, "rejected")
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        if shared == 0 or shared in (len(chosen), len(rejected)):
+            raise UserError(f"{where}: without a 'prompt' field, chosen and rejected must be conversations that "
+                            "share their first messages (the prompt) and differ after them (the answers)",
+                            hint="add a 'prompt' field (a string, or a list of messages), or fix the row")
+        parts = (chosen[:shared], chosen[shared:], rejected[shared:])
+    else:
+        if not isinstance(row["prompt"], list):
+            raise UserError(f"{where}: field 'prompt' must be a list of messages when chosen and rejected are "
+                            f"(it is {type(row['prompt']).__name__})", hint="give all three as strings or all "
+                            "three as {role, content} message lists")
+        parts = (chat_messages(row, where, "prompt", needs_assistant=False), _answer(row, where, "chosen"),
+                 _answer(row, where, "rejected"))
+    for name, answer in zip(("chosen", "rejected"), parts[1:]):
+        if not any(message["role"] == "assistant" for message in answer):
+            raise UserError(f"{where}: the {name} answer has no assistant message, so there is nothing to compare",
+                            hint="an answer is one or more messages with role assistant")
+    return parts
+
+
+def _answer(row: dict, where: str, name: str) -> list[dict]:
+    """A chosen or rejected answer given as messages (usually one, role assistant), each checked."""
+    messages = row[name]
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: field '{name}' must be a string or a non-empty list of {{role, content}} messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise UserError(f"{where}: {name}[{index}] needs string fields 'role' and 'content'")
+        if message["role"] not in CHAT_ROLES:
+            raise UserError(f"{where}: {name}[{index}] has role {message['role']!r}; allowed: {', '.join(CHAT_ROLES)}")
+    return messages
 
 
 def _int_list(row: dict, name: str, where: str, allow_bool: bool = False) -> list[int]:
@@ -198,6 +253,8 @@ def check_row(row: dict, where: str, fmt: str, text_field: str = "text", message
         tokenized_example(row, where)
     elif fmt == "sharegpt":
         sharegpt_messages(row, where, conversations_field, sharegpt_roles, needs_assistant)
+    elif fmt == "preference":
+        preference_parts(row, where)
     else:
         chat_messages(row, where, messages_field, needs_assistant)
 
@@ -237,7 +294,7 @@ class Encoder:
 
     def cache_settings(self) -> dict:
         """Every setting that changes what encode() returns for a row (for a tokenization cache key)."""
-        chat = self.fmt in CHAT_FORMATS
+        chat = self.fmt in CHAT_FORMATS or self.fmt == "preference"  # (pairs of message lists are rendered)
         return {"format": self.fmt, "max_length": self.max_length, "train_on_prompt": self.train_on_prompt,
                 "text_field": self.text_field, "messages_field": self.messages_field,
                 "conversations_field": self.conversations_field if self.fmt == "sharegpt" else None,
@@ -258,6 +315,8 @@ class Encoder:
         if self.fmt == "tokenized":
             raise UserError(f"{where}: a tokenized row holds token ids, not text to render",
                             hint="use a text format (text, alpaca, chat, sharegpt, completion) for prompts")
+        if self.fmt == "preference":
+            raise ValueError("a preference row is two sequences: Encoder.encode renders it")
         return self._chat_segments(self.messages(row, where, needs_assistant=not self.train_on_prompt), where)
 
     def messages(self, row: dict, where: str, needs_assistant: bool = True) -> list[dict]:
@@ -356,6 +415,12 @@ class Encoder:
         if self.fmt == "tokenized":
             raise UserError(f"{where}: a tokenized row holds token ids, not a prompt to render",
                             hint="give prompts in a text format (e.g. generate --format text)")
+        if self.fmt == "preference":  # the prompt alone (a prompts file), or a pair's
+            if isinstance(row.get("prompt"), str):
+                return [(row["prompt"], False)]
+            messages = chat_messages(row, where, "prompt", needs_assistant=False) if row.get("prompt") is not None \
+                else preference_parts(row, where)[0]
+            return [(self._render(messages, True, where), False)]
         messages = list(self.messages(row, where, needs_assistant=False))
         while len(messages) > 1 and messages[-1]["role"] == "assistant":
             messages.pop()
@@ -383,15 +448,63 @@ class Encoder:
     def encode(self, row: dict, where: str) -> Encoded:
         if self.fmt == "tokenized":
             return self._encode_tokenized(row, where)
-        segments = self.segments(row, where)
-        ids, labels, last_completion = self._tokenize(segments)
+        if self.fmt == "preference":
+            return self._encode_pair(row, where)
+        ids, labels = self._with_eos(*self._tokenize(self.segments(row, where)))
+        truncated = len(ids) > self.max_length
+        return Encoded(ids[: self.max_length], labels[: self.max_length], truncated)
+
+    def _with_eos(self, ids: list[int], labels: list[int], last_completion: list[int]) -> tuple[list[int], list[int]]:
         # A chat template may end each turn with EOS itself (Qwen's <|im_end|>), or the conversation (Phi-3);
         # otherwise append it.
         if self.eos not in last_completion and ids[-1:] != [self.eos]:
             ids.append(self.eos)
             labels.append(self.eos)  # trained, so the model learns to stop
-        truncated = len(ids) > self.max_length
-        return Encoded(ids[: self.max_length], labels[: self.max_length], truncated)
+        return ids, labels
+
+    def _encode_pair(self, row: dict, where: str) -> Encoded:
+        """A preference row as one example: the chosen sequence (prompt + chosen answer, EOS), then the rejected
+        one; labels on the answers only. Truncation keeps each sequence within max_length: the prompt keeps its
+        end, the answers their start (see _truncate_pair)."""
+        prompt, chosen, rejected = preference_parts(row, where)
+        sequences = [self._with_eos(*self._tokenize(self._pair_segments(prompt, answer, where)))
+                     for answer in (chosen, rejected)]
+        (chosen_ids, chosen_labels), (rejected_ids, rejected_labels), truncated = self._truncate_pair(sequences)
+        return Encoded(chosen_ids + rejected_ids, chosen_labels + rejected_labels, truncated, (len(chosen_ids),))
+
+    def _pair_segments(self, prompt, answer, where: str) -> list[tuple[str, bool]]:
+        if isinstance(prompt, str):
+            return [(prompt, False), (answer, True)]
+        if self.chat_template is None:
+            raise missing_template_error("the tokenizer", "preference (with message lists)")
+        segments = self._chat_segments(prompt + answer, where)
+        # Assistant turns inside the prompt are context, not the answer: only the answer's turns are trained.
+        context = sum(message["role"] == "assistant" for message in prompt)
+        marked = []
+        for text, trainable in segments:
+            if trainable and context:
+                context, trainable = context - 1, False
+            marked.append((text, trainable))
+        return marked
+
+    def _truncate_pair(self, sequences: list[tuple[list[int], list[int]]]) -> tuple[tuple, tuple, bool]:
+        """Each sequence cut to max_length: the prompt (the tokens before the first trained one) keeps its end
+        (and a leading BOS), at least half of max_length when it is that long, and no more than the longer answer
+        leaves; then each answer keeps its start. Both sequences keep the same prompt."""
+        limit = self.max_length
+        if all(len(ids) <= limit for ids, _ in sequences):
+            return (*sequences, False)
+        starts = [next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+                  for _, labels in sequences]
+        longest_answer = max(len(ids) - start for (ids, _), start in zip(sequences, starts))
+        cut = []
+        for (ids, labels), start in zip(sequences, starts):
+            keep = min(start, max(limit - longest_answer, limit // 2))
+            head = len(self.bos) if self.bos and ids[:len(self.bos)] == self.bos and keep < start else 0
+            kept = list(range(head)) + list(range(start - (keep - head), start))
+            kept += list(range(start, min(len(ids), start + limit - len(kept))))
+            cut.append(([ids[i] for i in kept], [labels[i] for i in kept]))
+        return (*cut, True)
 
     def _encode_tokenized(self, row: dict, where: str) -> Encoded:
         """The row's ids and labels as they are: no template, no BOS or EOS added. data.train_on_prompt still

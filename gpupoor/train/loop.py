@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpupoor.data.build import DataBundle, collate, count_targets, count_tokens
+from gpupoor.data.build import DataBundle, count_targets, count_tokens
 from gpupoor.distributed import full_value
 from gpupoor.loss import plain_eval_sums, plain_loss_sum
 from gpupoor.profiling import span
@@ -33,6 +33,14 @@ class LoopSettings:
     # loss may differ (distillation); eval is always the cross-entropy, comparable across runs.
     eval_fn: Callable = plain_eval_sums
     lockstep: bool = False  # FSDP: every forward is collective, so every process runs as many eval forwards
+    # What the loss is a sum over, and so what the window's loss is divided by: target tokens (a token-level loss),
+    # or preference pairs (gpupoor.data.build.count_pairs), so that every unit weighs the same however the batch
+    # was split over micro-batches and processes.
+    count_units: Callable = count_targets
+    # Names of the further sums loss_fn and eval_fn return beside the loss (then they return (loss, {name: sum})
+    # and (loss, right, {name: sum})): summed over the window and the processes, divided by the units, recorded
+    # in each step record (and with an eval_ prefix in each eval record). Empty for the token-level losses.
+    metric_names: tuple[str, ...] = ()
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -65,7 +73,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> dict:
-    """{"eval_loss": mean cross-entropy per target token, "eval_accuracy": share of targets ranked first}."""
+    """{"eval_loss": mean loss per unit (the cross-entropy per target token), "eval_accuracy": share of units
+    right (targets ranked first; preference pairs with a positive reward margin), and eval_ + each metric."""
     assert data.eval is not None
     # Evaluation must not move the training RNG (dropout in train-mode eval would), or a run that evaluated
     # at step k and one resumed from step k would diverge.
@@ -80,20 +89,25 @@ def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> d
     model = accelerator.unwrap_model(model)
     model.train(settings.eval_in_train_mode)
     groups = data.eval_groups()
-    sums = torch.zeros((len(groups), 3), dtype=torch.float64, device=accelerator.device)  # loss, right, targets
+    names = settings.metric_names
+    # loss, right, units, then each metric
+    sums = torch.zeros((len(groups), 3 + len(names)), dtype=torch.float64, device=accelerator.device)
     with torch.no_grad():
         for group, start, end in _eval_batches(groups, accelerator, settings):
-            batch = collate(data.eval, list(range(start, end)), settings.pad_id)
+            batch = data.collate_eval(list(range(start, end)), settings.pad_id)
+            units = float(settings.count_units(batch))
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.autocast():
-                loss, right = settings.eval_fn(model, batch)
+                loss, right, *metrics = settings.eval_fn(model, batch)
             if group is not None:
+                extra = [metrics[0][name].double() for name in names] if names else []
                 sums[group] += torch.stack([loss.double(), right.double(),
-                                            torch.tensor(float(count_targets(batch)), device=sums.device)])
+                                            torch.tensor(units, device=sums.device), *extra])
     model.train()  # the same module object the caller trains, wrapped or not
     totals = accelerator.reduce(sums, "sum").tolist()  # all-reduce + CPU-GPU sync point, once per eval
-    loss, right, count = (sum(row[i] for row in totals) for i in range(3))
+    loss, right, count, *metrics = (sum(row[i] for row in totals) for i in range(3 + len(names)))
     record = {"eval_loss": loss / max(count, 1.0), "eval_accuracy": round(right / max(count, 1.0), 6)}
+    record.update({f"eval_{name}": value / max(count, 1.0) for name, value in zip(names, metrics)})
     if len(groups) > 1:  # a mixture: each source's own eval too
         record["eval_loss_by_source"] = {name: row[0] / max(row[2], 1.0) for (name, _, _), row in zip(groups, totals)}
         record["eval_accuracy_by_source"] = {name: round(row[1] / max(row[2], 1.0), 6)
@@ -137,9 +151,9 @@ def _take_window(stream, state: TrainState, accelerator, data: DataBundle, setti
 
 
 def _forward_backward(model, window: list[dict], accelerator, settings: LoopSettings, scale: float) -> torch.Tensor:
-    """Forward and backward of each micro-batch of the window (the gradients add up); the summed loss. The loss
-    function marks its forward and loss parts for the profiler."""
-    loss_sum = torch.zeros((), device=accelerator.device)
+    """Forward and backward of each micro-batch of the window (the gradients add up); the summed loss, then the
+    sum of each of settings.metric_names. The loss function marks its forward and loss parts for the profiler."""
+    sums = torch.zeros(1 + len(settings.metric_names), device=accelerator.device)
     for micro_step, batch in enumerate(window):
         with span("data"):
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
@@ -148,11 +162,16 @@ def _forward_backward(model, window: list[dict], accelerator, settings: LoopSett
         sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
         with sync:
             with accelerator.autocast():
-                micro_loss = settings.loss_fn(model, batch)
+                micro_loss, *metrics = _as_tuple(settings.loss_fn(model, batch))
             with span("backward"):
                 accelerator.backward(micro_loss * scale)
-        loss_sum += micro_loss.detach()
-    return loss_sum
+        sums += torch.stack([micro_loss.detach(), *(metrics[0][name].detach() for name in settings.metric_names)])
+    return sums
+
+
+def _as_tuple(output) -> tuple:
+    """A loss function's output as (loss,) or (loss, {metric: sum})."""
+    return output if isinstance(output, tuple) else (output,)
 
 
 def _optimizer_step(optimizer, accelerator, loss: float, grad_norm: float) -> tuple[bool, bool]:
@@ -197,21 +216,24 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
 
         with span("data"):
             # One optimizer step = `accumulation` micro-batches. Collate the whole window first: the loss is
-            # normalized by the target tokens of the window (summed over all processes), not per micro-batch.
+            # normalized by the units (target tokens, or pairs) of the window summed over all processes, not per
+            # micro-batch.
             window = _take_window(stream, state, accelerator, data, settings)
-            # Target and token counts of the whole window on all processes, in one all-reduce before the forward:
-            # the loss scale needs the targets. A blocking sync point (exact in float64 up to 2**53 tokens).
+            # Target, token and unit counts of the whole window on all processes, in one all-reduce before the
+            # forward: the loss scale needs the units. A blocking sync point (exact in float64 up to 2**53 tokens).
             counts = torch.tensor([float(sum(count_targets(b) for b in window)),
-                                   float(sum(count_tokens(b) for b in window))], dtype=torch.float64, device=device)
-            global_targets, step_tokens = (float(x) for x in accelerator.reduce(counts, "sum").tolist())
-            step_tokens = int(step_tokens)
+                                   float(sum(count_tokens(b) for b in window)),
+                                   float(sum(settings.count_units(b) for b in window))],
+                                  dtype=torch.float64, device=device)
+            global_targets, step_tokens, units = (float(x) for x in accelerator.reduce(counts, "sum").tolist())
+            step_tokens, units = int(step_tokens), max(units, 1.0)
         # DDP averages gradients over processes; multiplying by their number turns that into a sum.
-        loss_sum = _forward_backward(model, window, accelerator, settings, accelerator.num_processes / max(global_targets, 1.0))
+        sums = _forward_backward(model, window, accelerator, settings, accelerator.num_processes / units)
 
         with span("optimizer"):
             # clip_grad_norm_ unscales fp16 gradients first; with no limit it still returns the norm we log.
             grad_norm = accelerator.clip_grad_norm_(params, settings.max_grad_norm or math.inf)
-            loss = float(accelerator.reduce(loss_sum, "sum")) / max(global_targets, 1.0)  # all-reduce + sync point
+            loss, *metrics = (x / units for x in accelerator.reduce(sums, "sum").tolist())  # all-reduce + sync point
             grad_norm = float(full_value(grad_norm))  # sync point; global (DDP all-reduced; FSDP: reduced DTensor)
             skipped, diverging = _optimizer_step(optimizer, accelerator, loss, grad_norm)
             optimizer.zero_grad(set_to_none=True)
@@ -232,6 +254,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
             "peak_mem_mb": round(peak_memory_mb(device), 1),
             "step_s": round(last_step_s, 4), "elapsed_s": round(state.elapsed_s, 3),
         }
+        record.update(zip(settings.metric_names, metrics))
         if state.examples_by_source:
             record["examples_by_source"] = dict(state.examples_by_source)
         if skipped:
