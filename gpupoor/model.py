@@ -212,13 +212,15 @@ def build_teacher(distill: DistillSection, model_cfg: ModelSection, precision: s
 
 
 def build_reference(model_cfg: ModelSection, bits: int | None, precision: str, attention: str, device: str,
-                    seed: int, smoke: bool = False):
+                    seed: int, smoke: bool = False, quant: QuantizationSection | None = None):
     """DPO's frozen reference copy (preference.reference: copy): the base model loaded again like a teacher
     (4/8-bit with preference.reference_bits; --smoke's copy is built from the same seed as the trained base), in
-    eval mode, no grads."""
+    eval mode, no grads. `quant`: the recipe's quantization section; a reference quantized to the same bits takes
+    its settings (type, double quantization, compute dtype), so it is the very base the policy trains on."""
     location = model_location(model_cfg, Path.cwd())
-    reference = load_base_model(location, model_cfg, QuantizationSection(bits=bits), precision, attention, device,
-                                seed, smoke)
+    same = quant is not None and bits is not None and quant.bits == bits
+    settings = quant if same else QuantizationSection(bits=bits)
+    reference = load_base_model(location, model_cfg, settings, precision, attention, device, seed, smoke)
     for param in reference.parameters():
         param.requires_grad = False
     # bitsandbytes 4-bit layers in eval mode repack their weights on the CPU (other logits, and an error for a

@@ -37,13 +37,14 @@ CUDA_CONTEXT = 500 * MiB
 # Fraction of the live tensors that torch's CUDA caching allocator holds on top as reserved-but-free
 # blocks (fragmentation) at the peak. PyTorch's memory docs and our reading of published traces: 5-15%.
 CUDA_ALLOCATOR_SLACK = 0.10
-# glibc keeps freed activation-sized blocks in its heap (tensors below its dynamic mmap threshold, up to
-# 32 MiB, are not returned to the system when freed), so on the CPU the resident peak exceeds the live
-# tensors. Modelled as a line in what one decoder layer allocates in its forward (kept + temporaries): MiB
-# retained = base + slope x those MiB, with and without gradient checkpointing, fitted by least squares on
-# three calibration recipes each that are not in the accuracy table (`python bench/plan_accuracy.py
-# --calibrate`, docs/benchmarks.md). It varies from run to run by about 5-10% of the peak.
-CPU_HEAP_RETENTION = {"checkpointing": (82, 0.98), "none": (156, 1.15)}
+# glibc keeps some freed tensors in its heap, so on the CPU the resident peak exceeds the live tensors. With
+# torch's huge-page-aligned allocations (THP_MEM_ALLOC_ENABLE=1, which the gpupoor command sets) that is a
+# roughly constant margin, no longer a multiple of the activations (it was 0.98-1.15 x one layer's forward
+# allocations with torch's default allocation): retained MiB = base + slope x one layer's forward allocations,
+# with and without gradient checkpointing, the slope fixed at 0 (a least-squares fit gave -0.05 and -0.11, noise
+# around a constant), the base the mean of three calibration recipes each that are not in the accuracy table
+# (`python bench/plan_accuracy.py --calibrate`, docs/benchmarks.md). It varies from run to run by about 5-10%.
+CPU_HEAP_RETENTION = {"checkpointing": (66, 0.0), "none": (71, 0.0)}
 # The fused loss: a chunk of logits (gpupoor.decisions.loss_chunk_tokens) in fp32, with their exponentials and
 # gradient alive together.
 FUSED_CHUNK_COPIES = 3

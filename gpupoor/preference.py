@@ -122,11 +122,21 @@ class Reference:
     model: torch.nn.Module
     head: FusedHead | None
     adapter_off: bool
+    # The reference is a fixed function: its pass runs in eval mode, so the base model's own dropout (GPT-2, OPT,
+    # Phi...) does not make it noisy. Off where bitsandbytes' 4-bit layers cannot run in eval mode (on the CPU).
+    eval_mode: bool = True
 
     def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         switch = self.model.disable_adapter() if self.adapter_off else contextlib.nullcontext()
-        with torch.no_grad(), switch:
-            return sequence_logps(self.model, batch, self.head)[0]
+        modes = [(module, module.training) for module in self.model.modules()] if self.eval_mode else []
+        if self.eval_mode:
+            self.model.eval()
+        try:
+            with torch.no_grad(), switch:
+                return sequence_logps(self.model, batch, self.head)[0]
+        finally:
+            for module, training in modes:
+                module.training = training
 
 
 def frozen_head(model: torch.nn.Module, head: FusedHead | None) -> FusedHead | None:

@@ -310,7 +310,9 @@ class PreferenceSection(_Section):
     )
     reference_bits: Literal[4, 8] | None = Field(
         None, description="Load the reference copy quantized (bitsandbytes) to fit beside the trained model; "
-        "`reference: copy` (or `full` with `auto`) only. Its log-probabilities shift a little."
+        "`reference: copy` (or `full` with `auto`) only. Its log-probabilities shift a little. With the bits of "
+        "`quantization.bits` it takes that section's settings (quant_type, double_quant, compute_dtype): the very "
+        "base the policy trains on; other bits use nf4 with double quantization."
     )
 
 
@@ -333,7 +335,8 @@ class TrainingSection(_Section):
         "fine-tuning, distillation). `dpo`: Direct Preference Optimization on `data.format: preference` pairs, "
         "against a frozen reference (`preference.reference`). `orpo`: ORPO on the same pairs: the chosen answer's "
         "cross-entropy plus an odds-ratio term, with no reference model. With `dpo`/`orpo` an example is a pair: "
-        "`micro_batch_size` counts pairs and the loss is normalized by pairs (docs/preference.md)."
+        "`micro_batch_size` counts pairs (with the packed sampler, rows of up to 2 x `data.max_length` tokens, each "
+        "holding as many whole pairs as fit) and the loss is normalized by pairs (docs/preference.md)."
     )
     micro_batch_size: int = Field(1, ge=1, description="Examples per forward/backward pass.")
     gradient_accumulation_steps: int = Field(
@@ -600,6 +603,10 @@ class Recipe(_Section):
                              "adapter into the base first (gpupoor merge-lora) and train a new one on the merged "
                              "model, or set preference.reference: adapter_off (or copy) to accept the base as "
                              "the reference")
+        if objective == "dpo" and preference.label_smoothing and preference.loss_type != "sigmoid":
+            raise ValueError(f"preference.label_smoothing applies to preference.loss_type sigmoid (conservative "
+                             f"DPO); {preference.loss_type} has no smoothed form: remove label_smoothing, or use "
+                             "loss_type sigmoid")
         using_copy = objective == "dpo" and (preference.reference == "copy" or (preference.reference == "auto"
                                                                                  and full))
         if preference.reference_bits is not None and not using_copy:

@@ -452,7 +452,8 @@ def _build_reference(recipe: Recipe, precision: str, attention: str, device: str
         return None
     from gpupoor.model import build_reference
 
-    return build_reference(recipe.model, preference.reference_bits, precision, attention, device, recipe.seed, smoke)
+    return build_reference(recipe.model, preference.reference_bits, precision, attention, device, recipe.seed, smoke,
+                           recipe.quantization)
 
 
 def check_checkpoint_matches(session: Session, checkpoint) -> None:
@@ -613,7 +614,9 @@ def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
                 f"({part.target_tokens:,} targets); {source.count} examples per epoch"
                 + (f"; eval {source.eval_end - source.eval_start}" if source.eval_end > source.eval_start else ""))
     sampler = choices["sampler"]
-    unit = (f"{recipe.training.micro_batch_size} packed rows of up to {data.plan.row_length} tokens"
+    # Packed, a micro-batch is rows holding as many whole examples (pairs) as fit: say how many that makes.
+    per_batch = f" (about {len(data.train) / max(len(data.plan), 1):.1f} {noun} each)" if sampler.value == "packed" else ""
+    unit = (f"{recipe.training.micro_batch_size} packed rows of up to {data.plan.row_length} tokens{per_batch}"
             if sampler.value == "packed" else f"{recipe.training.micro_batch_size} {noun}")
     say(f"  {session.steps} optimizer steps of {recipe.training.gradient_accumulation_steps} x {unit}; "
         f"{len(data.plan)} micro-batches per epoch; sampler {sampler.value} ({sampler.reason})")
@@ -999,10 +1002,14 @@ def _preference_loss(session: Session, head, reason: str):
     choice = choose_reference(objective, preference.reference, recipe.peft.method)
     reference = None
     if choice.value == "adapter_off":
-        reference = Reference(session.unwrapped, frozen_head(session.unwrapped, head), adapter_off=True)
+        # bitsandbytes 4-bit layers repack their weights in eval mode on some CPUs (as loop_settings' eval does)
+        eval_mode = not (recipe.quantization.bits is not None and session.device == "cpu")
+        reference = Reference(session.unwrapped, frozen_head(session.unwrapped, head), adapter_off=True,
+                              eval_mode=eval_mode)
     elif choice.value == "copy":
         reference_head, _ = find_fused_head(session.reference, enabled=recipe.memory.fused_cross_entropy)
-        reference = Reference(session.reference, reference_head, adapter_off=False)
+        # The copy stays in the mode gpupoor.model.build_reference chose (eval, but train for 4-bit on a CPU).
+        reference = Reference(session.reference, reference_head, adapter_off=False, eval_mode=False)
     loss = PreferenceLoss(objective, head, reference, preference.beta, preference.loss_type,
                           preference.label_smoothing, preference.orpo_lambda)
     if objective == "dpo":

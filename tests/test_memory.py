@@ -186,3 +186,26 @@ def test_missing_bitsandbytes_is_a_clear_error_before_loading(make_recipe, tmp_p
 def test_max_gpu_memory_must_be_a_size(make_recipe):
     result = runner.invoke(app, ["validate", str(make_recipe(memory={"max_gpu_memory": "lots"}))])
     assert result.exit_code == 2 and "memory.max_gpu_memory" in result.output and "10GiB" in result.output
+
+
+def test_peak_memory_is_this_processes_own_after_a_fork():
+    """gpupoor reports its own peak RSS: Linux's ru_maxrss would carry over the high-water mark of the process
+    it was forked from (a notebook or a benchmark launching `gpupoor train` with subprocess)."""
+    import subprocess
+    import sys
+
+    from gpupoor.train.loop import peak_memory_mb
+
+    ballast = bytearray(600 * 2**20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # touched, so resident
+    with open("/proc/self/status") as status:  # the parent's resident size now, ballast included
+        parent_mb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+    probe = ("import resource, torch; from gpupoor.train.loop import peak_memory_mb; "
+             "print(peak_memory_mb(torch.device('cpu')), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    # preexec_fn makes subprocess fork (not vfork/posix_spawn), which is what carries the parent's mark over.
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         preexec_fn=lambda: None)
+    own_mb, inherited_mb = map(float, out.stdout.split())
+    del ballast
+    assert inherited_mb > parent_mb - 100  # what ru_maxrss says in the child: about the parent's size
+    assert own_mb < parent_mb - 400, (own_mb, parent_mb)

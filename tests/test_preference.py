@@ -94,6 +94,23 @@ def reference_loss(policy, frozen, pairs, objective: str, beta=0.1, loss_type="s
     return total
 
 
+def dpo_rewards(policy, frozen, pairs, beta: float) -> dict[str, torch.Tensor]:
+    """DPO's reward sums over the pairs (TRL's metrics): beta x (policy - reference) log-probability of each
+    answer, their margin, and the pairs the chosen answer wins (a tie counts half)."""
+    sums = {"rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/margins": 0.0}
+    wins = 0.0
+    with torch.no_grad():
+        for chosen, rejected in pairs:
+            chosen_reward = beta * (sequence_logp(policy, *chosen)[0] - sequence_logp(frozen, *chosen)[0])
+            rejected_reward = beta * (sequence_logp(policy, *rejected)[0] - sequence_logp(frozen, *rejected)[0])
+            sums["rewards/chosen"] += chosen_reward
+            sums["rewards/rejected"] += rejected_reward
+            sums["rewards/margins"] += chosen_reward - rejected_reward
+            wins += 1.0 if chosen_reward > rejected_reward else 0.5 if chosen_reward == rejected_reward else 0.0
+    return {**{key: torch.as_tensor(value) for key, value in sums.items()},
+            "rewards/accuracies": torch.tensor(wins, dtype=torch.float64)}
+
+
 @pytest.fixture(scope="module")
 def pair_data(tokenizer):
     encoder = Encoder(tokenizer, "preference", max_length=64)
@@ -142,6 +159,7 @@ def test_loss_and_gradient_match_the_formula(tiny_model, pair_data, tokenizer, m
     expected = reference_loss(policy, frozen, pairs, objective, 0.3, loss_type, smoothing, orpo_lambda=0.4)
     expected.backward()
     expected_grads = _grads(policy)
+    expected_rewards = dpo_rewards(policy, frozen, pairs, beta=0.3) if objective == "dpo" else {}
     fused, reason = find_fused_head(policy)
     assert fused is not None, reason
     for head_path in (fused, None):
@@ -156,6 +174,9 @@ def test_loss_and_gradient_match_the_formula(tiny_model, pair_data, tokenizer, m
             where = f"{'fused' if head_path else 'plain'}, {'packed' if row_length else 'padded'}"
             assert close(loss, expected, 1e-10), where
             assert close(_grads(policy), expected_grads, 1e-8), where
+            if objective == "dpo":
+                for key, value in expected_rewards.items():
+                    assert close(sums[key], value, 1e-9), (where, key)
             assert 0 <= float(sums["rewards/accuracies"]) <= len(indices)
 
 
@@ -193,6 +214,24 @@ def test_an_untrained_policy_scores_chance_against_its_reference(tiny_model, pai
     loss, sums = loss_fn(policy, collate_pairs(pair_data, [0, 1, 2, 3], tokenizer.pad_token_id))
     assert float(loss.detach()) == pytest.approx(4 * 0.6931471805599453, rel=1e-6)
     assert float(sums["rewards/margins"]) == 0.0 and float(sums["rewards/accuracies"]) == 2.0
+
+
+def test_the_adapter_off_reference_is_deterministic_under_the_base_models_dropout(tiny_model, tokenizer, pair_data):
+    """The reference is a fixed function: with the base model's own attention dropout on and the policy in train
+    mode, two reference passes over the same pairs agree exactly, and the policy is left in train mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, attention_dropout=0.5, attn_implementation="eager")
+    policy = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")).train()
+    fused, _ = find_fused_head(policy)
+    batch = collate_pairs(pair_data, [0, 1, 2, 3], tokenizer.pad_token_id)
+    noisy = [Reference(policy, frozen_head(policy, fused), adapter_off=True, eval_mode=False).logps(batch)
+             for _ in range(2)]
+    assert not torch.equal(*noisy)  # the dropout is really there
+    reference = Reference(policy, frozen_head(policy, fused), adapter_off=True)
+    assert torch.equal(reference.logps(batch), reference.logps(batch))
+    assert all(module.training for module in policy.modules())
 
 
 # ------------------------------------------------------------------------------------------- runs end to end
@@ -261,10 +300,13 @@ def test_pairs_are_the_unit_of_accumulation(make_recipe, pairs_file, tmp_path):
             "max_grad_norm": None})
         assert invoke("train", recipe, "--output-dir", tmp_path / name).exit_code == 0
         runs[name] = steps(tmp_path / name)
-    big, small = runs["big"][0], runs["small"][0]
-    for key in ("loss", "grad_norm", "rewards/chosen", "logps/rejected"):
-        assert big[key] == pytest.approx(small[key], rel=1e-5, abs=1e-7), key
-    assert big["rewards/accuracies"] == 0.5  # the first step: policy = reference, every pair a tie
+    for big, small in zip(runs["big"], runs["small"]):  # step 2: the policy has moved off its reference
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/rejected"):
+            # The margin is a difference of two rewards: its tolerance scales with them, not with itself.
+            scale = abs(big["rewards/chosen"]) + abs(big["rewards/rejected"]) if key == "rewards/margins" else 0.0
+            assert big[key] == pytest.approx(small[key], rel=1e-5, abs=1e-7 + 1e-5 * scale), (big["step"], key)
+    assert runs["big"][0]["rewards/accuracies"] == 0.5  # the first step: policy = reference, every pair a tie
+    assert runs["big"][1]["rewards/margins"] != 0.0
 
 
 def test_reference_copy_equals_adapter_off_and_full_tuning_uses_a_copy(make_recipe, pairs_file, tmp_path):
@@ -284,6 +326,8 @@ def test_reference_copy_equals_adapter_off_and_full_tuning_uses_a_copy(make_reci
         assert {"off": "reference adapter_off", "copy": "reference copy", "full": "reference copy",
                 "full4": "reference copy", "orpo": "ORPO (lambda 0.1"}[name] in result.output
     assert losses["copy"] == pytest.approx(losses["off"], rel=1e-6)
+    for name in ("full", "full4"):  # a reference equal to the policy would keep every loss at log 2, margin 0
+        assert steps(tmp_path / name)[-1]["rewards/margins"] != 0.0 and losses[name][-1] != losses[name][0], name
     assert "log_odds_chosen" in steps(tmp_path / "orpo")[0]
 
 
@@ -305,6 +349,8 @@ def test_qlora_dpo_trains(make_recipe, pairs_file, tmp_path):
      ("training.objective", "distill")),
     ({"training": {"objective": "dpo"}, "data": {"format": "preference"}, "peft": {"method": "full"},
       "preference": {"reference": "adapter_off"}}, ("preference.reference", "peft.method")),
+    ({"training": {"objective": "dpo"}, "data": {"format": "preference"},
+      "preference": {"loss_type": "hinge", "label_smoothing": 0.2}}, ("preference.label_smoothing", "loss_type")),
 ])
 def test_a_preference_recipe_must_be_coherent(make_recipe, sections, keys):
     """Exit 2, naming the keys that disagree."""

@@ -67,9 +67,19 @@ def micro_batches(data: DataBundle, epoch: int, position: int) -> Iterator[tuple
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    # This process's own high-water mark of resident memory. Not getrusage's ru_maxrss: on Linux it carries over
+    # the high-water mark of the process this one was forked from (a notebook or benchmark that launched
+    # gpupoor with subprocess reports its own size as gpupoor's peak).
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux and BSD report KiB
 
 
 def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> dict:
