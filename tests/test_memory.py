@@ -207,5 +207,6 @@ def test_peak_memory_is_this_processes_own_after_a_fork():
                          preexec_fn=lambda: None)
     own_mb, inherited_mb = map(float, out.stdout.split())
     del ballast
-    assert inherited_mb > parent_mb - 100  # what ru_maxrss says in the child: about the parent's size
+    # ru_maxrss in the child carries (most of) the parent's size over; the child's own figure does not.
+    assert inherited_mb > own_mb + 400, (inherited_mb, own_mb)
     assert own_mb < parent_mb - 400, (own_mb, parent_mb)
