@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import ROOT, Steady, shown_command, spread, usable_cores, write_section  # noqa: E402, F401
+from machine import ROOT, Steady, run_table_rows, shown_command, spread, usable_cores, write_section  # noqa: E402, F401
 
 SETTINGS = {"batch": 8, "seq": 512, "rank": 16}  # the comparison the issue asks for
 REFERENCE_ROWS = 160  # the issue's reference fixture
@@ -203,14 +203,7 @@ def med(runs: list[dict], key: str) -> float:
 def result_table(results: dict[str, list[dict]]) -> list[str]:
     lines = ["| run | training s | whole process s | peak RSS MB | real tokens/s | loss (epoch mean) | "
              "GFLOP/s before | GFLOP/s after |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for label, runs in results.items():
-        def col(key: str, fmt: str) -> str:
-            return spread([r[key] for r in runs], fmt)
-
-        lines.append(f"| {label} | {col('train_s', '{:.1f}')} | {col('wall_s', '{:.1f}')} | "
-                     f"{col('peak_rss_mb', '{:.0f}')} | {col('tokens_per_s', '{:.0f}')} | {col('loss', '{:.3f}')} | "
-                     f"{col('gflops_before', '{:.0f}')} | {col('gflops_after', '{:.0f}')} |")
-    return lines
+    return lines + run_table_rows(results)
 
 
 def ratio_table(results: dict[str, list[dict]], sides: dict[str, Side]) -> list[str]:

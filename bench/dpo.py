@@ -8,7 +8,7 @@ to spare: neither tool truncates anything, so both see the same tokens. Every co
 (alpha 32, all linear layers, no dropout) in fp32 with AdamW, `--batch` pairs per micro-batch, padded batches (TRL
 pads; gpupoor's `random` sampler), no gradient checkpointing, beta 0.1, sigmoid loss, for `--steps` steps; the
 step time is the median over the steps after the first two (warm-up), the peak RSS the whole process's
-(ru_maxrss: loading included).
+(its own VmHWM: loading included).
 
 - `gpupoor, adapter off`: preference.reference adapter_off (the default with an adapter).
 - `gpupoor, reference copy`: preference.reference copy (a second, frozen copy of the base in memory).
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -118,6 +117,13 @@ def trl_run(fixture: Path, pairs: Path, args, run_dir: Path) -> dict:
     return {**json.loads(out.strip().splitlines()[-1]), "wall_s": time.perf_counter() - started}
 
 
+def own_peak_rss_mb() -> float:
+    """This process's own high-water mark (VmHWM), as gpupoor reports its peak: ru_maxrss would carry over the
+    launching process's mark."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+
+
 def run(command: list[str]) -> str:
     """A command's stdout; its output shown when it fails."""
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -156,7 +162,7 @@ def trl_worker(fixture: str, pairs: str, run_dir: str, batch: str, seq: str, ste
                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
     out = trainer.train()
     print(json.dumps({"step_s": statistics.median(times[2:] or times), "loss": out.training_loss,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "peak_rss_mb": own_peak_rss_mb()}))
 
 
 # -------------------------------------------------------------------------------------------- the driver

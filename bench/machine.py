@@ -151,6 +151,20 @@ def spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     return f"{middle} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
+def run_table_rows(results: dict[str, list[dict]], loss_key: str = "loss") -> list[str]:
+    """One markdown row per configuration: training s, wall s, peak RSS, real tokens/s, loss and the probes, each
+    as median (min-max) over its runs (compare_trl.py and methods.py print these columns)."""
+    rows = []
+    for label, runs in results.items():
+        def col(key: str, fmt: str) -> str:
+            return spread([r[key] for r in runs], fmt)
+
+        rows.append(f"| {label} | {col('train_s', '{:.1f}')} | {col('wall_s', '{:.1f}')} | "
+                    f"{col('peak_rss_mb', '{:.0f}')} | {col('tokens_per_s', '{:.0f}')} | {col(loss_key, '{:.3f}')} | "
+                    f"{col('gflops_before', '{:.0f}')} | {col('gflops_after', '{:.0f}')} |")
+    return rows
+
+
 def median_of(runs: Sequence[dict], key: str) -> float:
     return statistics.median(run[key] for run in runs)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_trl import (REFERENCE_ROWS, ROOT, SETTINGS, build_fixture, gpupoor_recipe,  # noqa: E402
                          measured_run)
-from machine import Steady, gflops, shown_command, spread, write_section  # noqa: E402, F401 (gflops: distributed.py)
+from machine import Steady, gflops, run_table_rows, shown_command, spread, write_section  # noqa: E402, F401 (gflops: distributed.py)
 
 METHODS = {  # label -> --set overrides on the kit's LoRA recipe (packed, checkpointing, fp32, r16)
     "LoRA r16": [],
@@ -75,13 +75,7 @@ def render(title: str, note: str, results: dict, steady: Steady, rounds: int, co
              + steady.summary(), "",
              "| configuration | train s | wall s | peak RSS MB | real tokens/s | final loss | GFLOP/s before | "
              "GFLOP/s after |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, runs in results.items():
-        def col(key: str, fmt: str) -> str:
-            return spread([r[key] for r in runs], fmt)
-
-        lines.append(f"| {name} | {col('train_s', '{:.1f}')} | {col('wall_s', '{:.1f}')} | "
-                     f"{col('peak_rss_mb', '{:.0f}')} | {col('tokens_per_s', '{:.0f}')} | {col('loss', '{:.3f}')} | "
-                     f"{col('gflops_before', '{:.0f}')} | {col('gflops_after', '{:.0f}')} |")
+    lines += run_table_rows(results)
     notes = steady.notes()
     if notes:
         lines += ["", "Runs the probe flagged:", *notes]
