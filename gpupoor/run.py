@@ -1222,3 +1222,8 @@ def _all_finished(session: Session, hooks: RunHooks) -> None:
     exits with a non-zero code (75 after a stop), which would cut the first process's bookkeeping short."""
     session.accelerator.wait_for_everyone()
     hooks.stop.finished = True
+    # Then the process group goes, while the interpreter is whole: left to interpreter shutdown, gloo's worker
+    # threads can still hold tensors whose release needs the GIL, and the process aborts (SIGABRT, "terminate
+    # called without an active exception") after a run that succeeded. Only here, on the paths every process
+    # reaches: destroying it while another process is mid-collective (after an error) would hang instead.
+    session.accelerator.end_training()

@@ -306,3 +306,21 @@ def test_an_fsdp_stop_before_the_first_step_resumes_exactly(recipe, straight, tm
     assert losses(run) == losses(straight("fsdp"))
     a, b = adapter(straight("fsdp")), adapter(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("fault, code", [("", 0), ("sigterm@2", 75)])
+def test_a_run_destroys_the_process_group_before_the_process_exits(make_recipe, tmp_path, monkeypatch, fault, code):
+    """Left to interpreter shutdown, gloo's process group can abort a process that trained fine (SIGABRT,
+    "terminate called without an active exception"; seen once in CI after a two-process DPO run). A finished or
+    stopped run destroys it while the interpreter is whole. In-process, with a one-process group standing in."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        result = invoke("train", make_recipe(training={"max_steps": 3}), "--output-dir", tmp_path / "run",
+                        monkeypatch=monkeypatch, fault=fault)
+        assert result.exit_code == code, result.output
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
