@@ -463,6 +463,10 @@ class Settings:
     # On the CPU, weights whose file dtype is the run's stay memory-mapped from the safetensors file, and
     # pages of embedding rows the tokenizer never produces are never read: rows that become resident.
     resident_embedding_rows: int | None = None
+    # The same condition: tensors loaded without conversion are views of the mapped file, which stays mapped
+    # while any of them lives. A quantized base then keeps resident the file pages its linear weights were
+    # quantized from (measured on the CPU: the whole 4-bit h1024 checkpoint's 180 MiB of linears).
+    weights_mapped: bool = False
     loss_reason: str = ""  # why the fused loss is (not) used
     training: Training | None = None  # what trains (None: LoRA on `targets` in every layer, as before methods)
     teacher: Shape | None = None  # distill.teacher's dimensions
@@ -515,6 +519,7 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
     # twice as long), and DPO's reference forward.
     pairs = 2 if recipe.training.objective != "sft" else 1
     reference = choose_reference(recipe.training.objective, recipe.preference.reference, recipe.peft.method).value
+    mapped = device == "cpu" and shape.file_dtype == precision
     return Settings(device=device, precision=precision, attention=attention, sampler=sampler,
                     micro_batch=recipe.training.micro_batch_size * (pairs if sampler != "packed" else 1),
                     row_tokens=recipe.data.max_length * (pairs if sampler == "packed" else 1),
@@ -526,8 +531,8 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                     fused_loss=fused, loss_reason=loss_reason,
                     max_gpu_weights=parse_size(recipe.memory.max_gpu_memory, "memory.max_gpu_memory")
                     if recipe.memory.max_gpu_memory and device == "cuda" else None,
-                    resident_embedding_rows=shape.tokenizer_rows if device == "cpu" and shape.file_dtype == precision
-                    else None, training=training, teacher=teacher,
+                    resident_embedding_rows=shape.tokenizer_rows if mapped else None,
+                    weights_mapped=mapped, training=training, teacher=teacher,
                     teacher_bits=recipe.distill.bits if recipe.distill is not None else None,
                     distribution=distribution, reference=reference,
                     reference_bits=recipe.preference.reference_bits if reference == "copy" else None)
@@ -563,8 +568,9 @@ def weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
     linear = shape.layers * shape.layer_linear_params
     rest = shape.total_params - linear
     note = ""
-    # (A tied head reads every row in the loss; a quantized load or a trained copy materializes them all.)
-    if s.resident_embedding_rows is not None and s.resident_embedding_rows < shape.vocab and s.bits is None \
+    # (A tied head reads every row in the loss; a trained copy materializes them all. A quantized load on the
+    # CPU keeps the embedding a view of the file like an unquantized one: measured.)
+    if s.resident_embedding_rows is not None and s.resident_embedding_rows < shape.vocab \
             and not shape.tied and not training.embedding:
         unread = (shape.vocab - s.resident_embedding_rows) * shape.hidden
         rest -= unread
@@ -574,17 +580,22 @@ def weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
         frozen = linear + rest - training.params
         return frozen * dtype, (f"{frozen / 1e6:,.1f}M frozen parameters in {s.precision}{note}; the "
                                 f"{training.params / 1e6:,.1f}M that train are the trainable term")
+    # A quantized base whose other tensors are views of the mapped file: the pages its linears were read from.
+    source = linear * dtype if s.bits and s.weights_mapped else 0
+    source_note = f"; the file's pages they were quantized from {source / MiB:.0f} MiB (still mapped)" if source else ""
     if s.bits == 4:
         # NF4/FP4: half a byte per weight + an absmax per 64 weights (fp32; or 8-bit with one fp32 per 256
         # absmax when double-quantized).
         constants = linear / 64 * (1 + 4 / 256) if s.double_quant else linear / 64 * 4
-        total = linear / 2 + constants + rest * dtype
+        total = linear / 2 + constants + rest * dtype + source
         return int(total), (f"{linear / 1e6:,.0f}M linear weights in 4-bit + constants "
-                            f"{constants / MiB:.0f} MiB; {rest / 1e6:,.0f}M others in {s.precision}")
+                            f"{constants / MiB:.0f} MiB{source_note}; {rest / 1e6:,.0f}M others in "
+                            f"{s.precision}{note}")
     if s.bits == 8:
         rows = shape.layers * sum(out for _, out in map(shape.linear, LINEARS))
-        total = linear + rows * 4 + rest * dtype  # int8 + one fp32 scale per output row
-        return int(total), f"{linear / 1e6:,.0f}M linear weights in int8; {rest / 1e6:,.0f}M others in {s.precision}"
+        total = linear + rows * 4 + rest * dtype + source  # int8 + one fp32 scale per output row
+        return int(total), (f"{linear / 1e6:,.0f}M linear weights in int8{source_note}; {rest / 1e6:,.0f}M others "
+                            f"in {s.precision}{note}")
     return (linear + rest) * dtype, f"{shape.total_params / 1e6:,.1f}M parameters in {s.precision}{note}"
 
 
@@ -884,7 +895,8 @@ def fsdp_shares(shape: Shape, s: Settings) -> dict[str, tuple[int, int, str]]:
     units, root = shard_units(shape, s)
     sharded = sum(unit.frozen for unit in units) + root.frozen
     # FSDP copies what it shards, so no sharded weight stays memory-mapped from the file (the CPU's unread rows).
-    unmapped = replace(s, max_gpu_weights=None, resident_embedding_rows=None if sharded else s.resident_embedding_rows)
+    unmapped = replace(s, max_gpu_weights=None, resident_embedding_rows=None if sharded else s.resident_embedding_rows,
+                       weights_mapped=s.weights_mapped and not sharded)
     whole = weight_bytes(shape, unmapped)[0] - sharded
     kept = "bitsandbytes' quantized linears" if s.bits else "frozen weights (distributed.shard_frozen: false)"
     weights = [f"1/{n} of {format_bytes(sharded)} frozen weights in {s.precision}"] if sharded else []

@@ -765,3 +765,36 @@ def test_a_fsdp_recipe_that_does_not_fit_is_never_offered_an_8_bit_optimizer(lla
 def test_more_nodes_than_processes_is_an_error(llama_8b):
     result = runner.invoke(app, ["plan", str(llama_8b), "--processes", "2", "--nodes", "3"])
     assert result.exit_code == 2 and "--nodes 3 with --processes 2" in result.output
+
+
+def test_a_4bit_base_on_the_cpu_keeps_its_file_mapped_and_the_plan_counts_the_pages(tiny_model, make_recipe):
+    """On the CPU a quantized load leaves the unquantized tensors (embedding, head) views of the safetensors
+    file, so the mapping, with the pages the linears were quantized from, stays resident as long as they live.
+    The plan's base weights add those pages when the file's dtype is the run's (views, no conversion); not when
+    the file is in another dtype (everything is converted: nothing stays mapped), nor on a GPU."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, device_map={"": "cpu"},
+                                                 quantization_config=quantization)
+    with open("/proc/self/maps") as maps:
+        spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps
+                 if line.rstrip().endswith(str(tiny_model / "model.safetensors"))]
+    mapped = {name for name, p in model.named_parameters() if any(a <= p.data_ptr() < b for a, b in spans)}
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= mapped
+    assert not any(name.endswith("_proj.weight") for name in mapped)  # the 4-bit linears are new tensors
+
+    loaded = load_recipe(make_recipe(quantization={"bits": 4}))
+    shape, _ = planning.load_shape(loaded)
+    assert shape.file_dtype == "fp32"
+    cpu = planning.resolve_settings(loaded.recipe, "cpu", shape)
+    linear_bytes = shape.layers * shape.layer_linear_params * 4
+    assert cpu.weights_mapped
+    with_pages = planning.weight_bytes(shape, cpu)[0]
+    assert with_pages - planning.weight_bytes(shape, replace(cpu, weights_mapped=False))[0] == linear_bytes
+    bf16_file = replace(shape, file_dtype="bf16")
+    assert not planning.resolve_settings(loaded.recipe, "cpu", bf16_file).weights_mapped
+    assert not planning.resolve_settings(loaded.recipe, "cuda", shape).weights_mapped
