@@ -67,6 +67,10 @@ CALIBRATION = {
     "calib-none-small": case("h512-v32k", "calibration", 256, 2, False, "length_grouped"),
     "calib-none-mid": case("h1024-v32k", "calibration", 1024, 2, False, "length_grouped"),
     "calib-none-large": case("h1024-v32k", "calibration", 2048, 2, False, "packed"),
+    # a 4-bit base: bitsandbytes' dequantized weights (CPU_DEQUANTIZED_RETENTION)
+    "calib-nf4-h512": case("h512-v32k", "calibration", 512, 4, True, quantization__bits=4),
+    "calib-nf4-h1024": case("h1024-v32k", "calibration", 1024, 2, True, quantization__bits=4),
+    "calib-nf4-none": case("h512-v32k", "calibration", 512, 2, False, quantization__bits=4),
 }
 
 
@@ -162,7 +166,7 @@ def measure_rounds(names: list[str], rounds: int,
     return peaks, probes
 
 
-def calibrate(rounds: int) -> None:
+def calibrate(rounds: int, only: list[str]) -> None:
     """The heap retention ratio each calibration recipe implies: (median measured - plan without retention) /
     the step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan defines it."""
     from gpupoor import plan as planning
@@ -170,22 +174,37 @@ def calibrate(rounds: int) -> None:
 
     steady = Steady()
     steady.warm_up()
-    peaks, _ = measure_rounds(list(CALIBRATION), rounds, steady)
+    names = [name for name in CALIBRATION if not only or name in only]
+    peaks, _ = measure_rounds(names, rounds, steady)
     points: dict[str, list[tuple[float, float]]] = {"checkpointing": [], "none": []}
-    for name in CALIBRATION:
+    ratios = []
+    for name in names:
         measured = statistics.median(peaks[name])
         loaded = load_recipe(write_recipe(name))
         shape, _ = planning.load_shape(loaded)
         settings = planning.resolve_settings(loaded.recipe, "cpu", shape)
-        terms, _ = planning.plan_terms(shape, settings, False)
+        terms, _ = planning.plan_terms(shape, settings, planning.uses_bitsandbytes(loaded.recipe))
         _, churn, _ = planning.activation_bytes(shape, settings)
-        without = sum(t.bytes for t in terms) - planning.heap_retention(settings, churn)
+        dequantized = shape.layer_linear_params * settings.act_bytes if settings.bits else 0
+        without = sum(t.bytes for t in terms) - planning.heap_retention(settings, churn, dequantized)
         mode = "checkpointing" if settings.checkpointing else "none"
+        if dequantized:  # beyond the unquantized constant: in units of one layer's dequantized weights
+            base = planning.heap_retention(settings, churn)
+            ratios.append((measured - without - base) / dequantized)
+            print(f"{name}: median measured {measured / 2**20:.0f} MiB, plan without the dequantized term "
+                  f"{(without + base) / 2**20:.0f} MiB, one layer dequantized {dequantized / 2**20:.0f} MiB -> "
+                  f"{ratios[-1]:.2f} x", flush=True)
+            continue
         points[mode].append((churn / 2**20, (measured - without) / 2**20))
         print(f"{name}: median measured {measured / 2**20:.0f} MiB, plan without retention {without / 2**20:.0f} MiB, "
               f"one layer's forward allocations {churn / 2**20:.0f} MiB -> retained {(measured - without) / 2**20:.0f} MiB",
               flush=True)
+    if ratios:
+        print(f"quantized: retained beyond the constant = {statistics.mean(ratios):.2f} x one layer's dequantized "
+              f"linear weights (mean of {len(ratios)})")
     for mode, xy in points.items():  # least squares: retained = base + slope x allocations
+        if len(xy) < 2:
+            continue
         slope = statistics.linear_regression([x for x, _ in xy], [y for _, y in xy])
         print(f"{mode}: retained = {slope.intercept:.0f} MiB + {slope.slope:.2f} x one layer's forward allocations")
     print(steady.summary(), *steady.notes(), sep="\n")
@@ -202,7 +221,7 @@ def main() -> None:
     names = [n for n in args.only.split(",") if n] or list(RECIPES)
     build_fixtures()
     if args.calibrate:
-        calibrate(args.rounds)
+        calibrate(args.rounds, [n for n in args.only.split(",") if n])
         return
     steady = Steady()
     steady.warm_up()

@@ -38,13 +38,19 @@ CUDA_CONTEXT = 500 * MiB
 # blocks (fragmentation) at the peak. PyTorch's memory docs and our reading of published traces: 5-15%.
 CUDA_ALLOCATOR_SLACK = 0.10
 # glibc keeps some freed tensors in its heap, so on the CPU the resident peak exceeds the live tensors. With
-# torch's huge-page-aligned allocations (THP_MEM_ALLOC_ENABLE=1, which the gpupoor command sets) that is a
-# roughly constant margin, no longer a multiple of the activations (it was 0.98-1.15 x one layer's forward
-# allocations with torch's default allocation): retained MiB = base + slope x one layer's forward allocations,
-# with and without gradient checkpointing, the slope fixed at 0 (a least-squares fit gave -0.05 and -0.11, noise
-# around a constant), the base the mean of three calibration recipes each that are not in the accuracy table
-# (`python bench/plan_accuracy.py --calibrate`, docs/benchmarks.md). It varies from run to run by about 5-10%.
-CPU_HEAP_RETENTION = {"checkpointing": (66, 0.0), "none": (71, 0.0)}
+# torch's huge-page-aligned allocations (THP_MEM_ALLOC_ENABLE=1, which the gpupoor command sets) and the heap
+# trimmed after every backward pass (gpupoor.train.heap) that is a roughly constant margin, not a multiple of
+# the activations (it was 0.98-1.15 x one layer's forward allocations with torch's default allocation): retained
+# MiB = base + slope x one layer's forward allocations, with and without gradient checkpointing, the slope fixed
+# at 0 (least squares gave -0.03 and -0.15: noise around a constant), the base the mean of three calibration
+# recipes each that are not in the accuracy table (`python bench/plan_accuracy.py --calibrate`,
+# docs/benchmarks.md). It varies from run to run by about 5-10% of the peak.
+CPU_HEAP_RETENTION = {"checkpointing": (63, 0.0), "none": (22, 0.0)}
+# A quantized base on the CPU: bitsandbytes dequantizes each weight for its matmul (forward, recomputation and
+# backward), and the heap keeps more of that churn within a step: this many times one layer's linear weights in
+# the compute dtype. Fitted like the constant above, on three 4-bit calibration recipes (h512 and h1024, with and
+# without checkpointing): 4.29, 2.65 and 3.89, the mean taken.
+CPU_DEQUANTIZED_RETENTION = 3.6
 # The fused loss: a chunk of logits (gpupoor.decisions.loss_chunk_tokens) in fp32, with their exponentials and
 # gradient alive together.
 FUSED_CHUNK_COPIES = 3
@@ -835,10 +841,11 @@ def loss_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
             "KL and gradient")
 
 
-def heap_retention(s: Settings, layer_allocations: int) -> int:
-    """Bytes of freed step memory the C heap keeps (CPU), from one layer's forward allocations."""
+def heap_retention(s: Settings, layer_allocations: int, dequantized_layer: int = 0) -> int:
+    """Bytes of freed step memory the C heap keeps (CPU), from one layer's forward allocations and, with a
+    quantized base, one layer's weights as bitsandbytes dequantizes them for each matmul."""
     base_mib, slope = CPU_HEAP_RETENTION["checkpointing" if s.checkpointing else "none"]
-    return max(0, int(base_mib * MiB + slope * layer_allocations))
+    return max(0, int(base_mib * MiB + slope * layer_allocations + CPU_DEQUANTIZED_RETENTION * dequantized_layer))
 
 
 # ------------------------------------------------------------------------------------- several processes
@@ -1006,7 +1013,7 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
         terms.insert(1, Term("reference_weights", *reference_weight_bytes(shape, s)))
     if s.device == "cpu":
         baseline = CPU_PROCESS_BASELINE + (CPU_BITSANDBYTES_BASELINE if uses_bitsandbytes else 0)
-        kept = heap_retention(s, churn)
+        kept = heap_retention(s, churn, shape.layer_linear_params * s.act_bytes if s.bits else 0)
         terms.append(Term("overhead", baseline + kept,
                           f"process baseline {baseline / MiB:.0f} MiB (Python, torch, libraries); freed "
                           f"step memory the C heap keeps {kept / MiB:.0f} MiB"))
