@@ -1,12 +1,12 @@
 """Does the peak RSS of a CPU run creep up step after step, and what does trimming the C heap cost?
 
 Runs `gpupoor train` for --steps steps on plan_accuracy.py's recipes (its random-weight models and data, built
-on first use) with this checkout and with an earlier commit (--before, checked out into build/heap-before with
-`git worktree`; its gpupoor is imported first through PYTHONPATH), the two alternating, each run between two
-matmul probes (bench/machine.py). Reports the peak RSS after step 1, at the middle and at the end, and the
+on first use) with this checkout and with earlier commits (--before, comma-separated, each checked out into
+build/heap-before-COMMIT with `git worktree`; its gpupoor is imported first through PYTHONPATH), the builds
+alternating, each run between two matmul probes (bench/machine.py). Reports the peak RSS after step 1, at the middle and at the end, and the
 median step time after the first step.
 
-    python bench/heap_trim.py --before COMMIT [--steps 20] [--rounds 2] [--only seq2048-no-ckpt,...] [--no-write]
+    python bench/heap_trim.py --before COMMIT[,COMMIT] [--steps 20] [--rounds 2] [--only seq2048-no-ckpt,...] [--no-write]
 """
 
 from __future__ import annotations
@@ -24,15 +24,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plan_accuracy  # noqa: E402
 from machine import ROOT, Steady, shown_command, spread, write_section  # noqa: E402
 
-BEFORE = ROOT / "build" / "heap-before"
+BEFORE = ROOT / "build" / "heap-before-{}"
 RECIPES = ("seq2048-no-ckpt", "packed-batch", "seq2048-ckpt")
 
 
 def checkout(commit: str) -> Path:
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(BEFORE)], capture_output=True)
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(BEFORE), commit], check=True,
+    target = Path(str(BEFORE).format(commit))
+    remove(target)
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(target), commit], check=True,
                    capture_output=True)
-    return BEFORE
+    return target
+
+
+def remove(worktree: Path) -> None:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], capture_output=True)
 
 
 def train(name: str, steps: int, source: Path | None) -> dict:
@@ -55,7 +60,7 @@ def train(name: str, steps: int, source: Path | None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--before", required=True, help="the commit to compare with (without the heap trim)")
+    parser.add_argument("--before", required=True, help="the commits to compare with, comma-separated")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", default="")
@@ -63,7 +68,8 @@ def main() -> None:
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(RECIPES)
     plan_accuracy.build_fixtures()
-    sides = {f"before ({args.before[:7]})": checkout(args.before), "this checkout": None}
+    sides: dict[str, Path | None] = {commit[:7]: checkout(commit) for commit in args.before.split(",")}
+    sides["this checkout"] = None
     steady = Steady()
     steady.warm_up()
     results: dict[tuple[str, str], list[dict]] = {}
@@ -92,7 +98,9 @@ def main() -> None:
     print("\n".join(lines))
     if not args.no_write:
         write_section(ROOT / "docs" / "benchmarks.md", "heap-trim", "\n".join(lines))
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(BEFORE)], capture_output=True)
+    for source in sides.values():
+        if source is not None:
+            remove(source)
 
 
 if __name__ == "__main__":

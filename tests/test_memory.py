@@ -216,7 +216,7 @@ def test_peak_memory_is_this_processes_own_after_a_fork():
 
 HEAP_PROBE = """
 import ctypes, sys
-from gpupoor.train.heap import heap_trimmer
+from gpupoor.train.heap import malloc_trim
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -233,7 +233,7 @@ for block in blocks:
 for block in blocks[:-1]:  # the last one stays: the heap's top cannot shrink past it
     libc.free(block)
 before = anon_mib()
-trim = heap_trimmer("cpu") if sys.argv[1] == "trim" else (lambda: None)
+trim = malloc_trim() if sys.argv[1] == "trim" else (lambda: None)
 trim()
 print(before, anon_mib())
 """
@@ -241,11 +241,9 @@ print(before, anon_mib())
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
 def test_the_heap_trimmer_returns_freed_heap_pages_to_the_os():
-    """What gpupoor.train.heap does after each CPU backward pass: 199 MiB freed inside the heap stays resident
-    until it is trimmed (the control), and the trim gives it back."""
+    """What gpupoor.train.heap does when a CPU run's resident size creeps up: 199 MiB freed inside the heap stays
+    resident until it is trimmed (the control), and the trim gives it back."""
     import subprocess
-
-    from gpupoor.train.heap import heap_trimmer
 
     def run(mode: str) -> tuple[float, float]:
         out = subprocess.run([sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True, check=True)
@@ -256,4 +254,33 @@ def test_the_heap_trimmer_returns_freed_heap_pages_to_the_os():
     assert kept_after > kept_before - 20, (kept_before, kept_after)  # freed, yet still resident
     trimmed_before, trimmed_after = run("trim")
     assert trimmed_after < trimmed_before - 150, (trimmed_before, trimmed_after)
+
+
+def test_the_heap_is_trimmed_only_when_the_resident_size_creeps_up():
+    """After each backward pass: no trim while the resident size holds still (a trim costs the next step its page
+    faults), one when it grows more than 10% above where it stood, and memory that a trim cannot give back (the
+    optimizer's state arriving after the first step) raises the reference instead of being trimmed every step."""
+    from gpupoor.train.heap import HeapTrimmer, heap_trimmer
+
+    resident = [1000]
+    trims = []
+
+    def trim():
+        trims.append(resident[0])
+        resident[0] = min(resident[0], trimmed_to)
+
+    heap = HeapTrimmer(trim, lambda: resident[0])
+    trimmed_to = 1000
+    for size in (1000, 1050, 1090, 1100):  # within 10% of the first: left alone
+        resident[0] = size
+        heap.after_backward()
+    assert trims == []
+    resident[0] = 1300  # the heap crept: trimmed back
+    heap.after_backward()
+    assert trims == [1300] and resident[0] == 1000 and heap.reference == 1000
+    trimmed_to = 1500  # 500 that is really in use: trimmed once, then the new level is the reference
+    for size in (1500, 1520, 1540):
+        resident[0] = size
+        heap.after_backward()
+    assert trims == [1300, 1500] and heap.reference == 1500
     assert heap_trimmer("cuda") is None  # a GPU's activations are not in the C heap

@@ -214,7 +214,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
     model.train()
     last_step_s = 0.0
     skips_in_a_row = 0
-    trim_heap = heap_trimmer(torch.device(device).type)
+    heap = heap_trimmer(torch.device(device).type)
     if 0 < state.step and state.evaluated_step < state.step and eval_due(data, settings, state.step):
         # A resumed run evaluates the step it starts from again when that step is an eval point whose eval the
         # checkpoint does not include: the process that wrote the checkpoint may have died before writing the eval
@@ -241,8 +241,8 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
             step_tokens, units = int(step_tokens), max(units, 1.0)
         # DDP averages gradients over processes; multiplying by their number turns that into a sum.
         sums = _forward_backward(model, window, accelerator, settings, accelerator.num_processes / units)
-        if trim_heap is not None:
-            trim_heap()  # the step's activations are freed: their pages go back to the OS (gpupoor.train.heap)
+        if heap is not None:
+            heap.after_backward()  # the step's activations are freed: trim the C heap if it crept up (train.heap)
 
         with span("optimizer"):
             # clip_grad_norm_ unscales fp16 gradients first; with no limit it still returns the norm we log.
