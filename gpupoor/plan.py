@@ -39,7 +39,7 @@ CUDA_CONTEXT = 500 * MiB
 CUDA_ALLOCATOR_SLACK = 0.10
 # glibc keeps some freed tensors in its heap, so on the CPU the resident peak exceeds the live tensors. With
 # torch's huge-page-aligned allocations (THP_MEM_ALLOC_ENABLE=1, which the gpupoor command sets) and the heap
-# trimmed after every backward pass (gpupoor.train.heap) that is a roughly constant margin, not a multiple of
+# trimmed when it creeps up (gpupoor.train.heap) that is a roughly constant margin, not a multiple of
 # the activations (it was 0.98-1.15 x one layer's forward allocations with torch's default allocation): retained
 # MiB = base + slope x one layer's forward allocations, with and without gradient checkpointing, the slope fixed
 # at 0 (least squares gave -0.03 and -0.15: noise around a constant), the base the mean of three calibration
