@@ -637,7 +637,7 @@ def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
         say(f"  {session.startup.line()}")
 
 
-def open_run_dir(session: Session, lock: RunLock | None, started: float) -> RunLock | None:
+def open_run_dir(session: Session, lock: RunLock | None, started: float, say=print) -> RunLock | None:
     """Create and lock a new run's directory (a resume holds its lock already), then commit the recipe, trim
     metrics the resumed steps will write again, and record this session. Returns a lock this call took."""
     from gpupoor.rundir import METRICS
@@ -661,8 +661,11 @@ def open_run_dir(session: Session, lock: RunLock | None, started: float) -> RunL
         # the last step, whose eval follows the loop): a crash between checkpoint and eval record loses nothing.
         redone = step > 0 and session.state.evaluated_step < step and \
             (step >= session.steps or eval_due(session.data, loop_settings(session, None), step))
-        session.logged = already_logged(read_metrics(session.run_dir / METRICS))
-        truncate_metrics(session.run_dir / METRICS, step, redone)
+        # Lines that are not records (edited by hand, a disk error) never block a resume: the rewrite drops them.
+        records = read_metrics(session.run_dir / METRICS,
+                               lambda text: say(f"{text}; the resume rewrites it without them"))
+        session.logged = already_logged(records)
+        truncate_metrics(session.run_dir / METRICS, records, step, redone)
         write_session(session.run_dir, session.recipe.checkpoint.time_limit_s, started)
     return owned
 
@@ -1073,7 +1076,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
         plan = _plan_quietly(LoadedRecipe(recipe, None), session.device)
     session.memory_plan = plan
     print_summary(session, say, checkpoint, loss_path)
-    owned_lock = open_run_dir(session, lock, started)
+    owned_lock = open_run_dir(session, lock, started, say)
     # The first checkpoint's size, until one is measured: the saved weights (the whole model for `full`) plus
     # the optimizer's two moments of what trains.
     params = list(session.unwrapped.parameters())

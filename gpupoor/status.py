@@ -81,7 +81,7 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
     # An epoch-based run's step count is known once training has started: the checkpoints record it.
     planned = recipe.training.max_steps or next((m.get("total_steps") for m in manifests if m.get("total_steps")), None)
     total = f"/{planned}" if planned else ""
-    elapsed = steps[last]["elapsed_s"] if steps else 0.0
+    elapsed = (steps[last].get("elapsed_s") or 0.0) if steps else 0.0
     lines = [f"run {run_dir}", f"  model {recipe.model.name_or_path}; data {recipe.data.describe()}",
              f"  progress: step {last}{total} logged; {elapsed / 60:.1f} min of training"]
     sparkline = loss_sparkline([steps[step] for step in sorted(steps)])

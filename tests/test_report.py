@@ -207,6 +207,31 @@ def test_a_run_with_no_step_logged_has_nothing_to_plot(runs, tmp_path, metrics):
     assert not (run / "report.html").exists()
 
 
+# Lines of metrics.jsonl that are not records: what a hand edit or a disk error leaves (#25).
+BAD_LINES = {"null": b"null", "list": b"[1, 2]", "string": b'"a string"', "binary": b"\xff\xfe\x00garbage",
+             "no step": b'{"loss": 1.5}'}
+
+
+def insert_bad_line(run: Path, line: bytes, at: int = 3) -> None:
+    """Put `line` at line number `at` of the run's metrics.jsonl."""
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_bytes(b"".join(lines[:at - 1] + [line + b"\n"] + lines[at - 1:]))
+
+
+@pytest.mark.parametrize("kind", BAD_LINES)
+def test_a_bad_line_in_metrics_is_skipped_with_one_warning_by_status_and_report(runs, tmp_path, kind):
+    run = tmp_path / "bad"
+    shutil.copytree(runs / "resumed", run)
+    insert_bad_line(run, BAD_LINES[kind])
+    warning = f"warning: {run / 'metrics.jsonl'}: skipped 1 line that is not a metrics record (line 3: "
+    status = invoke("status", run)
+    assert status.exit_code == 0, status.output
+    assert status.output.count(warning) == 1 and "(steps 1-6)" in status.output  # every good record still read
+    report = invoke("report", run, "--output", tmp_path / "r.html")
+    assert report.exit_code == 0, report.output
+    assert report.output.count(warning) == 1 and (tmp_path / "r.html").stat().st_size > 0
+
+
 def test_an_output_that_is_neither_png_nor_html_is_exit_2(runs, tmp_path):
     result = invoke("report", runs / "resumed", "--output", tmp_path / "report.pdf")
     assert result.exit_code == 2 and ".png" in result.output and ".html" in result.output

@@ -244,6 +244,26 @@ def test_status_shows_progress_checkpoints_and_the_command(straight, tmp_path, m
     assert f"continue with: gpupoor resume {run}" in out
 
 
+def test_bad_lines_in_metrics_never_block_a_resume(straight, tmp_path, monkeypatch):
+    from test_report import BAD_LINES, insert_bad_line
+
+    recipe, reference = straight()
+    stopped = tmp_path / "stopped"
+    result = invoke("train", recipe, "--output-dir", stopped, "--set", "checkpoint.every_steps=3", fault="sigterm@4",
+                    monkeypatch=monkeypatch)
+    assert result.exit_code == 75, result.output
+    for kind, line in BAD_LINES.items():
+        run = tmp_path / kind.replace(" ", "-")
+        shutil.copytree(stopped, run)
+        insert_bad_line(run, line, at=2)
+        resumed = invoke("resume", run, monkeypatch=monkeypatch)
+        assert resumed.exit_code == 0, (kind, resumed.output)
+        assert resumed.output.count(f"warning: {run / 'metrics.jsonl'}: skipped 1 line that is not a metrics "
+                                    "record (line 2: ") == 1, (kind, resumed.output)
+        assert "the resume rewrites it without them" in resumed.output
+        assert losses(run) == losses(reference), kind  # every step once, no good record lost
+
+
 # ---- subprocesses: what only a real process shows ----------------------------------------------------------
 
 def run_cli(args: list, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:

@@ -38,27 +38,76 @@ class NullWriter:
         pass
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """Every record of a metrics.jsonl; a last line cut short by a kill is skipped."""
-    records = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+# Keys whose values the readers (status, report, the trackers) compute with: a number, or null for a non-finite one.
+NUMBERS = ("loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s", "peak_mem_mb", "step_s", "elapsed_s",
+           "epoch", "eval_loss", "eval_accuracy", "save_s", "predicted_peak_mb", "optimizer_state_mb", "best_eval_loss")
+
+
+def _record_problem(line: bytes) -> tuple[dict | None, str | None]:
+    """(the record, None), or (None, why the line is not one)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    except json.JSONDecodeError:
+        return None, "not JSON"
+    if not isinstance(record, dict):
+        what = "null" if record is None else "a list" if isinstance(record, list) else \
+            "a string" if isinstance(record, str) else "a bare value"
+        return None, f"{what}, not an object"
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None, "no step number"
+    wrong = next((key for key in NUMBERS if key in record and (isinstance(record[key], bool) or not (
+        record[key] is None or isinstance(record[key], (int, float))))), None)
+    if wrong is not None:
+        return None, f"{wrong} is not a number"
+    return record, None
+
+
+def parse_metrics(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
+    """The records of a metrics.jsonl, and (line number, why) of each line that is not one. A last line cut short
+    by a kill (no newline at its end) is left out without counting: a killed run writes one."""
+    records, bad = [], []
+    data = path.read_bytes() if path.is_file() else b""
+    lines = data.split(b"\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        record, problem = _record_problem(line)
+        if record is not None:
+            records.append(record)
+        elif not (number == len(lines) and problem == "not JSON"):
+            bad.append((number, problem))
+    return records, bad
+
+
+def bad_lines_message(path: Path, bad: list[tuple[int, str]]) -> str:
+    first = f"line {bad[0][0]}: {bad[0][1]}"
+    what = f"1 line that is not a metrics record ({first})" if len(bad) == 1 else \
+        f"{len(bad)} lines that are not metrics records (first {first})"
+    return f"warning: {path}: skipped {what}; each line is one JSON object with a step"
+
+
+def read_metrics(path: Path, warn=None) -> list[dict]:
+    """Every record of a metrics.jsonl. Lines that are not records (edited by hand, a disk error) are skipped
+    and counted in one warning to `warn` (default: standard error); they never stop a reader."""
+    records, bad = parse_metrics(path)
+    if bad:
+        (warn or (lambda text: print(text, file=sys.stderr, flush=True)))(bad_lines_message(path, bad))
     return records
 
 
-def truncate_metrics(path: Path, step: int, eval_redone: bool) -> None:
-    """Drop records of steps after a checkpoint's `step`: they will be trained (and logged) again. With
-    `eval_redone`, so is an eval of that step itself: a process may have died between the checkpoint and that
-    eval, and the resumed run evaluates the step again (the same weights, so the same value)."""
+def truncate_metrics(path: Path, records: list[dict], step: int, eval_redone: bool) -> None:
+    """Rewrite `path` with the `records` (read_metrics) of steps up to a checkpoint's `step`: those after it
+    will be trained (and logged) again. With `eval_redone`, so is an eval of that step itself: a process may have
+    died between the checkpoint and that eval, and the resumed run evaluates the step again (the same weights,
+    so the same value)."""
     if path.is_file():
         # With the eval redone, what judged it (a best checkpoint, an early stop) is judged again too.
         redone = ("best", "early_stop")
-        kept = [record for record in read_metrics(path) if record.get("step", 0) < step
-                or (record.get("step", 0) == step
+        kept = [record for record in records if record["step"] < step
+                or (record["step"] == step
                     and not (eval_redone and ("eval_loss" in record or record.get("event") in redone)))]
         write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
