@@ -6,16 +6,22 @@ once and is dropped; training goes on. All three work offline: TensorBoard event
 W&B offline runs in RUN_DIR/wandb, an MLflow file store in RUN_DIR/mlruns.
 
 A resumed run continues the same tracker run (W&B and MLflow run ids are kept in RUN_DIR/trackers.json) and
-logs no step twice: the records between the checkpoint and the interruption were logged already (metrics.jsonl
-had them before the resume trimmed it), and exact resume trains them again to the same values, so the trackers
-skip them; a record of a step that was not logged (the checkpoint whose save was interrupted) still goes out.
+ends with every step logged once: each tracker is sent what metrics.jsonl has that it lacks, first the records up
+to the checkpoint, then each record of the new session. What a tracker holds: TensorBoard and MLflow write each
+record as it is logged, so every record an earlier session wrote (metrics.jsonl had it before the resume trimmed
+it; exact resume trains those steps again to the same values); a W&B offline run holds what its transaction logs
+in RUN_DIR/wandb hold, read back (a SIGKILL loses what W&B had not yet written, often the whole session); a new
+tracker run holds nothing.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import struct
+import zlib
 from pathlib import Path
 
 from gpupoor.files import write_text_atomic
@@ -24,6 +30,11 @@ from gpupoor.files import write_text_atomic
 TRACKERS = {"tensorboard": ("tensorboard", "gpupoor[tensorboard]"), "wandb": ("wandb", "gpupoor[wandb]"),
             "mlflow": ("mlflow", "gpupoor[mlflow]")}
 STATE_FILE = "trackers.json"
+# An MLflow server that does not answer would hold training for MLflow's ~4 minutes of retries per request (7,
+# backing off up to 120 s, 120 s timeout each): give up within ~20 s instead, then warn once and drop the tracker.
+# What the user set stands.
+MLFLOW_PATIENCE = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 # metrics record key -> tracker key: namespaced as the trackers' dashboards group them.
 KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
         "tokens": "train/tokens", "target_tokens": "train/target_tokens", "epoch": "train/epoch",
@@ -67,6 +78,68 @@ def already_logged(records: list[dict]) -> set[tuple[int, str]]:
     return {(record.get("step", 0), record_kind(record)) for record in records}
 
 
+# A W&B transaction log (run-ID.wandb): a 7-byte header, then records in 32 KiB blocks, each record a 7-byte
+# header (CRC-32 seeded with the type byte, length, type: whole, first, middle or last part) and a protobuf Record.
+WANDB_MAGIC, WANDB_BLOCK, WANDB_RECORD_HEADER = b":W&B", 32768, 7
+WANDB_FULL, WANDB_FIRST, WANDB_MIDDLE, WANDB_LAST = 1, 2, 3, 4
+# The key that every row of a record kind has (tracker_values): a W&B row holding it holds that record.
+KIND_KEYS = {"train": "train/skipped", "eval": "eval/loss", "checkpoint": "checkpoint/save_s"}
+
+
+def wandb_log_records(path: Path):
+    """The raw records of one W&B transaction log, up to the first that is cut short or damaged (a kill)."""
+    data = path.read_bytes()
+    if len(data) < WANDB_RECORD_HEADER:
+        return
+    if not data.startswith(WANDB_MAGIC):
+        raise ValueError(f"{path} is not a W&B transaction log")
+    position, pending = WANDB_RECORD_HEADER, b""
+    while position + WANDB_RECORD_HEADER <= len(data):
+        left_in_block = WANDB_BLOCK - position % WANDB_BLOCK
+        if left_in_block < WANDB_RECORD_HEADER:  # the end of a block is padding
+            position += left_in_block
+            continue
+        checksum, length, kind = struct.unpack_from("<IHB", data, position)
+        body = data[position + WANDB_RECORD_HEADER:position + WANDB_RECORD_HEADER + length]
+        if len(body) < length or zlib.crc32(body, zlib.crc32(bytes([kind]))) != checksum:
+            return
+        position += WANDB_RECORD_HEADER + length
+        if kind in (WANDB_FULL, WANDB_FIRST):
+            pending = body
+        elif kind in (WANDB_MIDDLE, WANDB_LAST):
+            pending += body
+        if kind in (WANDB_FULL, WANDB_LAST):
+            yield pending
+
+
+def wandb_offline_history(run_dir: Path, run_id: str) -> list[tuple[int, dict]]:
+    """(step, {key: value}) of every history row that the W&B offline runs of `run_id` in RUN_DIR/wandb hold,
+    session after session (a resumed offline run is a new run directory with the same id, synced after the
+    earlier ones)."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+        for raw in wandb_log_records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            if record.WhichOneof("record_type") == "history":
+                rows.append((record.history.step.num, {item.key or "/".join(item.nested_key): _wandb_value(item)
+                                                       for item in record.history.item}))
+    return rows
+
+
+def _wandb_value(item):
+    kind = item.WhichOneof("value")
+    return json.loads(item.value_json or "null") if kind in (None, "value_json") else getattr(item, kind)
+
+
+def wandb_held(run_dir: Path, run_id: str) -> set[tuple[int, str]]:
+    """(step, kind) of the records a W&B offline run holds, as already_logged gives them for metrics.jsonl."""
+    return {(step, kind) for step, values in wandb_offline_history(run_dir, run_id)
+            for kind, key in KIND_KEYS.items() if key in values}
+
+
 def flat_config(recipe_dump: dict, prefix: str = "") -> dict[str, object]:
     """The recipe as flat `section.key` -> str/int/float/bool, what every tracker's config accepts."""
     flat: dict[str, object] = {}
@@ -79,18 +152,41 @@ def flat_config(recipe_dump: dict, prefix: str = "") -> dict[str, object]:
 
 
 class Trackers:
-    """The trackers of one session of a run, on the main process. `logged`: what earlier sessions logged
-    (already_logged); those records are not sent again."""
+    """The trackers of one session of a run, on the main process. `logged`: what earlier sessions wrote to
+    metrics.jsonl (already_logged). Each tracker is sent the records it does not hold (`held`, by name): at the
+    start, those of metrics.jsonl (the records up to the checkpoint a resume continues from); then the new ones."""
 
     def __init__(self, run_dir: Path, logging, recipe_dump: dict, logged: set[tuple[int, str]], warn):
+        from gpupoor.train.report import read_metrics
+
         self.run_dir, self.logging, self.logged, self.warn = run_dir, logging, logged, warn
         self.active: list = []
+        self.held: dict[str, set[tuple[int, str]]] = {}
         for name in logging.report_to:
             try:
+                self.held[name] = self._holds(name)
                 self.active.append(self._start(name, recipe_dump))
             except Exception as exc:  # an import, a login, the network: never a reason to stop training
                 self._warn(name, exc)
         self._save_ids()
+        for record in read_metrics(run_dir / "metrics.jsonl"):
+            self.log(record)
+
+    def _holds(self, name: str) -> set[tuple[int, str]]:
+        """(step, kind) of the records the tracker's run holds, before this session starts it."""
+        ids = self._saved_ids()
+        if name == "tensorboard":
+            return self.logged if (self.run_dir / "tensorboard").is_dir() else set()
+        if not ids.get(name):
+            return set()  # a new tracker run
+        offline = self.logging.offline or os.environ.get("WANDB_MODE") in ("offline", "dryrun")
+        if name == "wandb" and offline:
+            try:
+                return wandb_held(self.run_dir, ids["wandb"])
+            except Exception as exc:  # a format this reader does not know: assume it has what metrics.jsonl had
+                self.warn(f"warning: cannot read what the W&B offline run {ids['wandb']} holds ({exc}); records "
+                          "an earlier session wrote are not sent again")
+        return self.logged
 
     def _start(self, name: str, recipe_dump: dict):
         from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
@@ -116,8 +212,6 @@ class Trackers:
 
     def _mlflow_store(self) -> None:
         """MLflow's own MLFLOW_TRACKING_URI when set (and not offline), else a file store in the run dir."""
-        import os
-
         import mlflow
 
         if self.logging.offline or not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -125,6 +219,11 @@ class Trackers:
             # dependencies that mlflow-skinny leaves out.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((self.run_dir / "mlruns").resolve().as_uri())
+        else:
+            for key, value in MLFLOW_PATIENCE.items():
+                os.environ.setdefault(key, value)
+            # Said again: an earlier run in this process (the demo, tests) may have set the run dir's store.
+            mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
 
     def _saved_ids(self) -> dict:
         try:
@@ -146,9 +245,11 @@ class Trackers:
     def log(self, record: dict) -> None:
         step = record.get("step", 0)
         values = tracker_values(record)
-        if not values or (step, record_kind(record)) in self.logged:
+        if not values:
             return
         for tracker in list(self.active):
+            if (step, record_kind(record)) in self.held[tracker.name]:
+                continue
             try:
                 tracker.log(values, step=step)
             except Exception as exc:

@@ -73,11 +73,34 @@ def test_every_tracker_gets_every_record_offline_and_a_resume_continues_the_same
 
     params = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri()).get_run(ids["mlflow"]).data.params
     assert params["training.learning_rate"] == "0.01" and params["peft.rank"] == "4"
-    # W&B: one offline run (resumed, not a second one) whose history names the metrics.
+    # W&B: one offline run (resumed, not a second one: a session directory each, with the same id) that holds
+    # every step once. The killed session's log lacks what W&B had not written when the kill came (here every
+    # step): the resumed session sends what it lacks of metrics.jsonl, then of the steps it trains again.
+    from gpupoor.trackers import wandb_offline_history
+
     offline = sorted((run / "wandb").glob("offline-run-*"))
-    history = b"".join(path.read_bytes() for path in (run / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert offline and all(ids["wandb"] in path.name for path in offline)
-    assert b"train/loss" in history and b"eval/loss" in history
+    assert len(offline) == 2 and all(ids["wandb"] in path.name for path in offline)
+    history = wandb_offline_history(run, ids["wandb"])
+    losses = [(step, values["train/loss"]) for step, values in history if "train/loss" in values]
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 6]
+    assert [value for _, value in losses] == pytest.approx([loss for _, loss in expected], rel=1e-6)
+    assert [step for step, values in history if "eval/loss" in values] == [3, 6]
+    assert [step for step, values in history if "checkpoint/save_s" in values] == [2, 4, 6]
+
+
+def test_a_w_and_b_offline_run_stopped_cleanly_is_not_sent_its_steps_again(make_recipe, tmp_path, monkeypatch):
+    from gpupoor.trackers import wandb_offline_history
+
+    recipe = make_recipe(training={"max_steps": 5}, logging={"report_to": ["wandb"], "offline": True,
+                                                             "progress": "none"})
+    run = tmp_path / "run"
+    stopped = invoke("train", recipe, "--output-dir", run, fault="sigterm@3", monkeypatch=monkeypatch)
+    assert stopped.exit_code == 75, stopped.output
+    resumed = invoke("resume", run, monkeypatch=monkeypatch)
+    assert resumed.exit_code == 0, resumed.output
+    # The first session's log holds steps 1-3 (W&B wrote them at its orderly finish): read back, not sent again.
+    history = wandb_offline_history(run, json.loads((run / "trackers.json").read_text())["wandb"])
+    assert [step for step, values in history if "train/loss" in values] == [1, 2, 3, 4, 5]
 
 
 def test_a_failing_tracker_warns_once_and_training_goes_on(make_recipe, tmp_path, monkeypatch):
@@ -96,6 +119,28 @@ def test_a_failing_tracker_warns_once_and_training_goes_on(make_recipe, tmp_path
     assert result.output.count("tracker tensorboard failed") == 1 and "training goes on" in result.output
     assert calls == [1]  # dropped after its first failure
     assert [step for step, _ in steps_and_losses(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(make_recipe, tmp_path, monkeypatch):
+    import socket
+    import time
+
+    from gpupoor.trackers import MLFLOW_PATIENCE
+
+    with socket.socket() as probe:  # a port nothing listens on: every request is refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    for key in MLFLOW_PATIENCE:  # unset, as for a user who never heard of them; restored after the test
+        monkeypatch.delenv(key, raising=False)
+    recipe = make_recipe(training={"max_steps": 3}, logging={"report_to": ["mlflow"], "progress": "none"})
+    started = time.monotonic()
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
+    # MLflow's own retries held the start ~245 s before the warning; a generous bound, not a timing.
+    assert time.monotonic() - started < 90
+    assert result.exit_code == 0, result.output
+    assert result.output.count("tracker mlflow failed") == 1 and "training goes on" in result.output
+    assert [step for step, _ in steps_and_losses(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_a_tracker_that_is_not_installed_is_exit_2_at_validate_with_the_pip_command(make_recipe, monkeypatch):
