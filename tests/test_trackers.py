@@ -121,26 +121,34 @@ def test_a_failing_tracker_warns_once_and_training_goes_on(make_recipe, tmp_path
     assert [step for step, _ in steps_and_losses(tmp_path / "run")] == [1, 2, 3, 4]
 
 
-def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(make_recipe, tmp_path, monkeypatch):
+@pytest.mark.parametrize("server", ["refusing", "silent"])
+def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(make_recipe, tmp_path, monkeypatch, server):
     import socket
     import time
 
     from gpupoor.trackers import MLFLOW_PATIENCE
 
-    with socket.socket() as probe:  # a port nothing listens on: every request is refused
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
-    for key in MLFLOW_PATIENCE:  # unset, as for a user who never heard of them; restored after the test
-        monkeypatch.delenv(key, raising=False)
-    recipe = make_recipe(training={"max_steps": 3}, logging={"report_to": ["mlflow"], "progress": "none"})
-    started = time.monotonic()
-    result = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
-    # MLflow's own retries held the start ~245 s before the warning; a generous bound, not a timing.
-    assert time.monotonic() - started < 90
-    assert result.exit_code == 0, result.output
-    assert result.output.count("tracker mlflow failed") == 1 and "training goes on" in result.output
-    assert [step for step, _ in steps_and_losses(tmp_path / "run")] == [1, 2, 3]
+    # refusing: a port nothing listens on, every request is refused at once. silent: the connection is made (the
+    # kernel's backlog) and no answer ever comes, as from a server that hangs: each request times out.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        if server == "refusing":
+            listener.close()
+        else:
+            listener.listen(64)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+        for key in MLFLOW_PATIENCE:  # unset, as for a user who never heard of them; restored after the test
+            monkeypatch.delenv(key, raising=False)
+        recipe = make_recipe(training={"max_steps": 3}, logging={"report_to": ["mlflow"], "progress": "none"})
+        started = time.monotonic()
+        result = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
+        # MLflow's own retries held the start ~245 s (refusing) or ~19 min (silent) before the warning; a generous
+        # bound, not a timing.
+        assert time.monotonic() - started < 90, result.output
+        assert result.exit_code == 0, result.output
+        assert result.output.count("tracker mlflow failed") == 1 and "training goes on" in result.output
+        assert [step for step, _ in steps_and_losses(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_a_tracker_that_is_not_installed_is_exit_2_at_validate_with_the_pip_command(make_recipe, monkeypatch):
