@@ -103,6 +103,19 @@ def test_a_w_and_b_offline_run_stopped_cleanly_is_not_sent_its_steps_again(make_
     assert [step for step, values in history if "train/loss" in values] == [1, 2, 3, 4, 5]
 
 
+def test_a_tracker_added_on_resume_gets_every_step_once(make_recipe, tmp_path, monkeypatch):
+    recipe = make_recipe(training={"max_steps": 5})
+    run = tmp_path / "run"
+    stopped = invoke("train", recipe, "--output-dir", run, fault="sigterm@3", monkeypatch=monkeypatch)
+    assert stopped.exit_code == 75, stopped.output
+    resumed = invoke("resume", run, "--set", "logging.report_to=[tensorboard]", monkeypatch=monkeypatch)
+    assert resumed.exit_code == 0, resumed.output
+    # Steps 1-3 from metrics.jsonl at the start, then 4 and 5 as they are trained.
+    logged = tensorboard_scalars(run, "train/loss")
+    assert [step for step, _ in logged] == [1, 2, 3, 4, 5]
+    assert [value for _, value in logged] == pytest.approx([loss for _, loss in steps_and_losses(run)], rel=1e-6)
+
+
 def test_a_failing_tracker_warns_once_and_training_goes_on(make_recipe, tmp_path, monkeypatch):
     import accelerate.tracking
 
