@@ -267,11 +267,15 @@ def merge_lora(
             raise UserError(f"--dtype {dtype!r}: use auto, fp16, bf16 or fp32")
         if qlora_base not in ("dequantized", "original"):
             raise UserError(f"--qlora-base {qlora_base!r}: use dequantized or original")
+        shard_bytes = parse_size(max_shard_size, "--max-shard-size")
+        if shard_bytes < 1:
+            raise UserError(f"--max-shard-size {max_shard_size!r}: a shard must hold at least 1 byte; use a size "
+                            "like 2GB, 500MB or 4GiB (a tensor larger than it gets a shard of its own)")
         from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
         adapter = resolve_adapter(source, checkpoint, check_files=not skip_manifest_check)
-        merged = merge(adapter, output, dtype, base, parse_size(max_shard_size, "--max-shard-size"), qlora_base, say=typer.echo)
+        merged = merge(adapter, output, dtype, base, shard_bytes, qlora_base, say=typer.echo)
         typer.echo(f"merged model written to {merged}")
         if verify:
             gap = verify_merge(adapter, merged, base)
