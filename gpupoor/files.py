@@ -119,6 +119,15 @@ def give_default_modes(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
+def blocking_file(directory: Path) -> Path | None:
+    """The file (or FIFO, device...) that stands where `directory` or one of its parents should be, if any: mkdir
+    then fails with 'File exists' or 'Not a directory', which names neither that file nor what to do."""
+    for candidate in (directory, *directory.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
 def default_cache_dir() -> Path:
     """Where gpupoor caches tokenized data and built-in models: $GPUPOOR_CACHE, else ~/.cache/gpupoor."""
     return Path(os.environ.get("GPUPOOR_CACHE") or Path.home() / ".cache" / "gpupoor")

@@ -30,6 +30,10 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 def check_model(value: str, base_dir: Path, key: str = "model.name_or_path") -> list[str]:
     local = resolve_model_path(value, base_dir)
     if local is not None:
+        if local.exists() and not local.is_dir():
+            raise UserError(f"{key}: {local} is a file; expected a model directory (config.json and weights, as "
+                            "save_pretrained writes it) or a hub id (owner/name)",
+                            hint="name the directory that holds it")
         if not local.is_dir():
             raise UserError(f"{key}: {local} does not exist",
                             hint="relative paths resolve against the recipe file's directory")
