@@ -54,7 +54,7 @@ def builtin_model(name: str) -> Path:
         blocker = blocking_file(target.parent)
         why = f"{blocker} is a file, not a directory" if blocker else exc.strerror or exc
         raise UserError(f"cannot build {PREFIX}{name} into {target}: {why}",
-                        hint=("remove it, or " if blocker else "") + "set $GPUPOOR_CACHE to a writable folder") from None
+                        hint=f"{'remove it, or ' if blocker else ''}set $GPUPOOR_CACHE to a writable folder") from None
     _VERIFIED.add(target)
     return target
 
