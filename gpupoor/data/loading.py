@@ -122,12 +122,13 @@ def _read_jsonl(path: Path, limit: int | None) -> Iterator[Row]:
 
 
 def _read_json(path: Path, limit: int | None) -> Iterator[Row]:
-    text = path.read_text(encoding="utf-8")
-    escapes = _SURROGATE_ESCAPE.search(text) is not None
+    text: str | None = path.read_text(encoding="utf-8")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    if not _SURROGATE_ESCAPE.search(text):
+        text = None  # kept only to find a lone surrogate's line: otherwise the rows alone stay in memory
     if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), list):
         value = next(iter(value.values()))  # {"train": [...]} or {"data": [...]}
     if not isinstance(value, list):
@@ -135,7 +136,7 @@ def _read_json(path: Path, limit: int | None) -> Iterator[Row]:
     for index, item in enumerate(value[:limit] if limit else value):
         if not isinstance(item, dict):
             raise UserError(f"{path}: item {index}: expected a JSON object, got {type(item).__name__}")
-        if escapes:
+        if text is not None:
             _refuse_lone_surrogate(item, text, str(path), index)
         yield Row(item, f"{path}[{index}]")
 
