@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import sys
@@ -105,9 +106,43 @@ def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
         if isinstance(exc, RunFailed):
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
+        if isinstance(exc, OSError) and exc.errno is not None:
+            message, code = _file_system_error(exc)
+            typer.echo(f"error: {message}", err=True)
+            raise typer.Exit(code) from None
         typer.echo(f"error: {type(exc).__name__}: {exc}\n  (run again with --debug for the traceback)", err=True)
         raise typer.Exit(1) from None
     raise typer.Exit(code)
+
+
+# A path that cannot be used as named is bad input (exit 2); a full disk or quota, an I/O error, is the
+# environment's (exit 1). Either way: the path, what the system said, what to do.
+_PATH_ERRNOS = {errno.EACCES: "this user may not write there: choose a location you can write to, or fix its "
+                "permissions", errno.EPERM: "this user may not write there: choose a location you can write to",
+                errno.EROFS: "the file system is read-only: choose a location on a writable one"}
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _file_system_error(exc: OSError) -> tuple[str, int]:
+    """The one-line message and exit code for an OSError that reached the command: its path, its meaning, what
+    to do."""
+    from gpupoor.files import blocking_file
+
+    path = Path(exc.filename) if exc.filename else None
+    where = f"{path}: " if path else ""
+    what = f"{where}{exc.strerror} (errno {errno.errorcode.get(exc.errno, exc.errno)})"
+    if exc.errno in _FULL_ERRNOS:
+        folder = next((parent for parent in path.parents if parent.is_dir()), Path.cwd()) if path else Path.cwd()
+        return (f"{what}\n  hint: free space on that file system (df -h {folder}) or write somewhere else, then "
+                "run the command again"), 1
+    if exc.errno in _PATH_ERRNOS:
+        return f"{what}\n  hint: {_PATH_ERRNOS[exc.errno]}", EXIT_BAD_INPUT
+    blocker = blocking_file(path) if path is not None and exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
+    if blocker is not None:
+        where = "" if blocker == path else where
+        return (f"{where}{blocker} is a file, not a directory\n  hint: remove or rename it, or choose another "
+                "location"), EXIT_BAD_INPUT
+    return f"{what}\n  (run again with --debug for the traceback)", 1
 
 
 @app.command()
@@ -267,11 +302,15 @@ def merge_lora(
             raise UserError(f"--dtype {dtype!r}: use auto, fp16, bf16 or fp32")
         if qlora_base not in ("dequantized", "original"):
             raise UserError(f"--qlora-base {qlora_base!r}: use dequantized or original")
+        shard_bytes = parse_size(max_shard_size, "--max-shard-size")
+        if shard_bytes < 1:
+            raise UserError(f"--max-shard-size {max_shard_size!r}: a shard must hold at least 1 byte; use a size "
+                            "like 2GB, 500MB or 4GiB (a tensor larger than it gets a shard of its own)")
         from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
         adapter = resolve_adapter(source, checkpoint, check_files=not skip_manifest_check)
-        merged = merge(adapter, output, dtype, base, parse_size(max_shard_size, "--max-shard-size"), qlora_base, say=typer.echo)
+        merged = merge(adapter, output, dtype, base, shard_bytes, qlora_base, say=typer.echo)
         typer.echo(f"merged model written to {merged}")
         if verify:
             gap = verify_merge(adapter, merged, base)
@@ -447,12 +486,16 @@ def tokenize(
         from gpupoor.data.tokenize import write_tokenized_dir
         from gpupoor.model import load_tokenizer, model_location
         from gpupoor.recipe import load_recipe
+        from gpupoor.rundir import check_writable
 
         loaded = load_recipe(recipe, set_ or [])
         settings = loaded.recipe
         if settings.data.tokenized_path:
             raise UserError(f"{recipe}: data.tokenized_path is set, so its data is tokenized already",
                             hint="tokenize a recipe whose data.path or data.datasets names the rows")
+        # Before tokenizing anything: the output is written beside itself, then renamed into place.
+        check_writable(output.absolute().parent, f"--output {output}",
+                       hint="give --output a directory in a writable location")
         tokenizer = load_tokenizer(model_location(settings.model, loaded.base_dir), settings.model)
         bundle = build_data(settings.data, tokenizer, settings.training.micro_batch_size, settings.seed,
                             loaded.base_dir)

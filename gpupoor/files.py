@@ -42,9 +42,9 @@ def atomic_file(path: Path) -> Iterator[Path]:
         fsync_file(tmp)
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; outputs get the modes open() gives
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        raise
+        raise naming(exc, path)
     fsync_dir(path.parent)
 
 
@@ -70,9 +70,19 @@ def atomic_dir(target: Path, tmp_name: str) -> Iterator[Path]:
                 fsync_file(path)
         fsync_dir(tmp)  # the directory entries too, before the rename publishes them
         publish_dir(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise naming(exc, target)
+
+
+def naming(exc: BaseException, path: Path) -> BaseException:
+    """`exc`, or for an OSError that names no file (a write or fsync on a full disk names none) the same error
+    naming `path`, the file or folder being written: a message can then say where the space ran out."""
+    if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:
+        named = OSError(exc.errno, exc.strerror, str(path))  # the same subclass: OSError picks it by errno
+        named.__cause__ = exc
+        return named
+    return exc
 
 
 def publish_dir(tmp: Path, target: Path) -> None:
@@ -117,6 +127,15 @@ def give_default_modes(root: Path) -> None:
     umask = current_umask()
     for path in [root, *root.rglob("*")]:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def blocking_file(directory: Path) -> Path | None:
+    """The file (or FIFO, device...) that stands where `directory` or one of its parents should be, if any: mkdir
+    then fails with 'File exists' or 'Not a directory', which names neither that file nor what to do."""
+    for candidate in (directory, *directory.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
 
 
 def default_cache_dir() -> Path:

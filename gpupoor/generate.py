@@ -25,13 +25,15 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
     from gpupoor.data.build import make_encoder
     from gpupoor.hardware import dtype_of, resolve_device, resolve_inference_precision
     from gpupoor.checkpoint import read_manifest, verify_adapter_dir
-    from gpupoor.merge import resolve_adapter, run_weights_dir
+    from gpupoor.merge import refuse_checkpoint_outside_run, resolve_adapter, run_weights_dir
     from gpupoor.model import load_tokenizer, quantization_config
     from gpupoor.recipe import DataSection, ModelSection, QuantizationSection
     from gpupoor.rundir import is_run_dir, stored_recipe
 
     target = resolve_device(device).value
     weights = run_weights_dir(path, checkpoint) if is_run_dir(path) else None
+    if weights is None:
+        refuse_checkpoint_outside_run(path, checkpoint)
     if weights is not None and not (weights / "adapter_config.json").is_file():  # a full fine-tune: a model
         verify_adapter_dir(weights, in_run=True)
         model = _load_base(str(weights), dtype=torch.float32 if target == "cpu" else "auto")

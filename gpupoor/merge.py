@@ -52,6 +52,7 @@ def resolve_adapter(path: Path, checkpoint: str, check_files: bool = True) -> Ad
         verify_adapter_dir(adapter, skip=not check_files, in_run=True)
         return AdapterSource(adapter, path)
     if (path / "adapter_config.json").is_file():
+        refuse_checkpoint_outside_run(path, checkpoint)
         verify_adapter_dir(path, skip=not check_files)
         return AdapterSource(path, None)
     raise UserError(f"{path} is neither a gpupoor run directory nor a PEFT adapter directory "
@@ -60,6 +61,11 @@ def resolve_adapter(path: Path, checkpoint: str, check_files: bool = True) -> Ad
 
 def run_weights_dir(run_dir: Path, checkpoint: str) -> Path:
     """final/ or checkpoints/step-N of a run: an adapter, or (peft.method: full) a whole model."""
+    if checkpoint != "final" and not re.fullmatch(r"step-\d+", checkpoint):
+        # A name, not a path: "--checkpoint ../../other-run/final" must not reach weights outside this run.
+        raise UserError(f"--checkpoint {checkpoint!r}: use final or the name step-N of one of {run_dir}'s "
+                        "checkpoints (gpupoor status lists them), not a path",
+                        hint="to use an adapter directory elsewhere, pass that directory instead of the run")
     weights = run_dir / "final" if checkpoint == "final" else run_dir / "checkpoints" / checkpoint
     if not ((weights / "adapter_config.json").is_file() or (weights / "config.json").is_file()):
         available = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) \
@@ -69,6 +75,13 @@ def run_weights_dir(run_dir: Path, checkpoint: str) -> Path:
                         hint="pick one with --checkpoint: " + ", ".join(available) if available
                         else "train the run to the end first (gpupoor resume)")
     return weights
+
+
+def refuse_checkpoint_outside_run(path: Path, checkpoint: str) -> None:
+    """--checkpoint picks among a run's checkpoints: given with an adapter or model directory it would be ignored."""
+    if checkpoint != "final":
+        raise UserError(f"--checkpoint {checkpoint}: {path} is not a run directory, so it has no checkpoints "
+                        "to choose from", hint="pass the run directory, or leave --checkpoint out")
 
 
 def base_files(base: str, revision: str | None = None) -> Path:

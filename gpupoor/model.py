@@ -309,6 +309,9 @@ def find_init_adapter(value: str, base_dir: Path) -> InitAdapter:
     # steps, run dir -> final/ and the manifest check, with errors that speak of peft.init_adapter.
     in_run = is_run_dir(path)
     adapter = path / "final" if in_run else path
+    if adapter.exists() and not adapter.is_dir():
+        raise UserError(f"peft.init_adapter: {adapter} is a file; expected an adapter directory "
+                        "(adapter_config.json and adapter_model.safetensors)", hint=INIT_ADAPTER_HINT)
     if not adapter.is_dir():
         hint = (f"name one of its checkpoints ({path}/checkpoints/step-N) or finish it first (gpupoor resume {path})"
                 if in_run else INIT_ADAPTER_HINT)

@@ -199,6 +199,19 @@ def _read_json(path: Path, key: str = "model.name_or_path") -> dict:
     return data
 
 
+def require_model_dir(local: Path, key: str) -> None:
+    """A local model path (named by recipe key `key`) is a directory with a config.json, or a UserError saying
+    what it is instead: a file, nothing, or a directory of something else."""
+    if local.exists() and not local.is_dir():
+        raise UserError(f"{key}: {local} is a file; expected a model directory (config.json and weights, as "
+                        "save_pretrained writes it) or a hub id (owner/name)", hint="name the directory that holds it")
+    if not local.is_dir():
+        raise UserError(f"{key}: {local} does not exist",
+                        hint="relative paths resolve against the recipe file's directory")
+    if not (local / "config.json").is_file():
+        raise UserError(f"{key}: {local} has no config.json; it is not a model saved with save_pretrained")
+
+
 def find_config(name_or_path: str, base_dir: Path, revision: str | None = None,
                 key: str = "model.name_or_path") -> tuple[dict, str]:
     """The model's config.json without its weights: a local directory, the hub cache, the configs gpupoor
@@ -206,10 +219,8 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None,
     `key`: the recipe key that named the model (the student's, or distill.teacher), for errors."""
     local = resolve_model_path(name_or_path, base_dir)
     if local is not None:
-        path = local / "config.json"
-        if not path.is_file():
-            raise UserError(f"{key}: {local} has no config.json")
-        return _read_json(path, key), str(path)
+        require_model_dir(local, key)
+        return _read_json(local / "config.json", key), str(local / "config.json")
     try:
         from huggingface_hub import try_to_load_from_cache
 

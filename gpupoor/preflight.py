@@ -30,12 +30,9 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 def check_model(value: str, base_dir: Path, key: str = "model.name_or_path") -> list[str]:
     local = resolve_model_path(value, base_dir)
     if local is not None:
-        if not local.is_dir():
-            raise UserError(f"{key}: {local} does not exist",
-                            hint="relative paths resolve against the recipe file's directory")
-        if not (local / "config.json").is_file():
-            raise UserError(f"{key}: {local} has no config.json; it is not a model saved with "
-                            "save_pretrained")
+        from gpupoor.plan import require_model_dir
+
+        require_model_dir(local, key)
         return []
     if not _REPO_ID.match(value):
         raise UserError(f"{key}: {value!r} is neither a local directory nor a hub id (owner/name)")

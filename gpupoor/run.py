@@ -653,7 +653,9 @@ def open_run_dir(session: Session, lock: RunLock | None, started: float, say=pri
             owned.release()
             check_run_dir(session.run_dir)
     session.accelerator.wait_for_everyone()
-    if session.main:
+    if not session.main:
+        return owned
+    try:
         # Only now, with everything built and loaded, is the (possibly changed) recipe committed.
         store_recipe(session.run_dir, session.recipe)
         step = session.state.step
@@ -667,6 +669,10 @@ def open_run_dir(session: Session, lock: RunLock | None, started: float, say=pri
         session.logged = already_logged(records)
         truncate_metrics(session.run_dir / METRICS, records, step, redone)
         write_session(session.run_dir, session.recipe.checkpoint.time_limit_s, started)
+    except BaseException:
+        if owned is not None:  # a new run that could not start (a full disk): its .lock alone is no run
+            owned.release()
+        raise
     return owned
 
 

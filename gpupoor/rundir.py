@@ -15,6 +15,7 @@ this module imports only leaves (errors, files, recipe), never a verb.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.files import write_text_atomic
+from gpupoor.files import blocking_file, write_text_atomic
 from gpupoor.recipe import DATA_SUFFIXES, LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
 
 RECIPE = "recipe.yaml"
@@ -56,16 +57,19 @@ def check_run_dir(run_dir: Path) -> None:
         kind = "a file" if run_dir.is_file() else "not a directory"
         raise UserError(f"run directory {run_dir} is {kind}",
                         hint="pass --output-dir NEW_DIR (or set output_dir) naming a new or empty directory")
-    if run_dir.exists() and any(run_dir.iterdir()):
+    # A lone .lock is left by a start that failed before anything was written (a full disk): not a run.
+    if run_dir.exists() and any(path.name != RunLock.NAME for path in run_dir.iterdir()):
         hint = (f"to continue it: gpupoor resume {run_dir}" if is_run_dir(run_dir)
                 else "pass --output-dir NEW_DIR (or set output_dir), or delete the old run")
         raise UserError(f"run directory {run_dir} is not empty; gpupoor never trains over an earlier run",
                         hint=hint)
 
 
-def check_writable(run_dir: Path) -> None:
+def check_writable(run_dir: Path, what: str | None = None,
+                   hint: str = "pass --output-dir (or set output_dir) to a writable location") -> None:
     """Create the run directory (and a file in it) and remove them again, before anything slow: a read-only or
-    impossible location is bad input, said at once, not an OSError after the model has loaded."""
+    impossible location is bad input, said at once, not an OSError after the model has loaded. A full disk is
+    the environment's failure, not the input's: its OSError goes on (exit 1, naming the path)."""
     missing = []
     probe = run_dir
     while not probe.exists() and probe != probe.parent:
@@ -76,8 +80,11 @@ def check_writable(run_dir: Path) -> None:
         with tempfile.TemporaryFile(dir=run_dir):
             pass
     except OSError as exc:
-        raise UserError(f"cannot create the run directory {run_dir}: {exc.strerror or exc}",
-                        hint="pass --output-dir (or set output_dir) to a writable location") from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        blocker = blocking_file(run_dir)
+        why = f"{blocker} is a file, not a directory" if blocker else exc.strerror or exc
+        raise UserError(f"cannot create {what or f'the run directory {run_dir}'}: {why}", hint=hint) from None
     finally:
         for path in missing:  # deepest first; leave nothing behind
             with contextlib.suppress(OSError):

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from gpupoor.cli import app
 from gpupoor.data.formats import Encoder
 from gpupoor.errors import UserError
+from gpupoor.preflight import PREFLIGHT_ROWS
 from gpupoor.recipe import load_recipe
 
 runner = CliRunner()
@@ -153,6 +154,97 @@ def test_tool_role_is_allowed(make_recipe, tmp_path):
     data = chat_file(tmp_path, [USER, ASSISTANT, tool, ASSISTANT])
     code, output = validate(make_recipe(data={"path": str(data), "format": "chat", "chat_template": "chatml"}))
     assert code == 0, output
+
+
+# 2b. Lone surrogates ---------------------------------------------------------------------------------------
+
+# A lone UTF-16 surrogate escape: valid JSON, no character; a tokenizer cannot encode it (a TypeError naming no
+# row before). Each format: a good row, then one whose FIELD holds "\ud800" (json.dumps writes it escaped).
+LONE = "x\ud800y"
+SURROGATE_ROWS = {  # format -> (good row, bad row, the field named, extra data settings, training settings)
+    "text": ({"text": "sort lists"}, {"text": LONE}, "text", {}, {}),
+    "alpaca": ({"instruction": "sort", "output": "done"}, {"instruction": "sort", "output": LONE}, "output", {}, {}),
+    "completion": ({"prompt": "sort", "completion": "done"}, {"prompt": LONE, "completion": "done"}, "prompt", {},
+                   {}),
+    "chat": ({"messages": [USER, ASSISTANT]}, {"messages": [USER, {"role": "assistant", "content": LONE}]},
+             "messages[1].content", {"chat_template": "chatml"}, {}),
+    "sharegpt": ({"conversations": [{"from": "human", "value": "sort"}, {"from": "gpt", "value": "done"}]},
+                 {"conversations": [{"from": "human", "value": LONE}, {"from": "gpt", "value": "done"}]},
+                 "conversations[0].value", {"chat_template": "chatml"}, {}),
+    "preference": ({"prompt": "sort", "chosen": "done", "rejected": "no"},
+                   {"prompt": "sort", "chosen": "done", "rejected": LONE}, "rejected", {}, {"objective": "dpo"}),
+}
+
+
+def surrogate_recipe(make_recipe, tmp_path, fmt: str, suffix: str = ".jsonl"):
+    good, bad, _, data, training = SURROGATE_ROWS[fmt]
+    path = tmp_path / f"lone{suffix}"
+    if suffix == ".jsonl":
+        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    else:
+        path.write_text("[\n" + json.dumps(good) + ",\n" + json.dumps(bad) + "\n]\n")
+    assert "\\ud800" in path.read_text()
+    return make_recipe(data={"path": str(path), "format": fmt, **data}, training=training)
+
+
+@pytest.mark.parametrize("fmt", sorted(SURROGATE_ROWS))
+def test_lone_surrogate_fails_validate_naming_line_and_field(make_recipe, tmp_path, fmt):
+    code, output = validate(surrogate_recipe(make_recipe, tmp_path, fmt))
+    field = SURROGATE_ROWS[fmt][2]
+    assert code == 2, output
+    assert f"lone.jsonl:2: {field}: \\ud800 (column " in output and "surrogate pair with no other half" in output
+    assert "Traceback" not in output
+
+
+def test_lone_surrogate_in_a_json_list_names_its_line(make_recipe, tmp_path):
+    code, output = validate(surrogate_recipe(make_recipe, tmp_path, "alpaca", ".json"))
+    assert code == 2 and "lone.json:3 (item 1): output: \\ud800 (column " in output, output
+
+
+@pytest.mark.parametrize("fmt", ["alpaca", "chat"])
+def test_lone_surrogate_fails_tokenize_and_train_with_exit_2(make_recipe, tmp_path, fmt):
+    recipe = surrogate_recipe(make_recipe, tmp_path, fmt)
+    result = runner.invoke(app, ["tokenize", str(recipe), "--output", str(tmp_path / "tokenized")])  # no preflight
+    assert result.exit_code == 2, result.output
+    assert f"lone.jsonl:2: {SURROGATE_ROWS[fmt][2]}: \\ud800" in result.output
+    assert not (tmp_path / "tokenized").exists()
+    # Past the rows validate reads (PREFLIGHT_ROWS), training's own reading of the rows refuses it.
+    good, bad = SURROGATE_ROWS[fmt][:2]
+    data = tmp_path / "lone.jsonl"
+    data.write_text((json.dumps(good) + "\n") * PREFLIGHT_ROWS + json.dumps(bad) + "\n")
+    result = runner.invoke(app, ["train", str(recipe), "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert f"lone.jsonl:{PREFLIGHT_ROWS + 1}: {SURROGATE_ROWS[fmt][2]}: \\ud800" in result.output
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_text(make_recipe, tmp_path):
+    rows = [{"instruction": "smile \U0001F600", "output": "done"},  # json.dumps writes "\ud83d\ude00": one character
+            {"instruction": "\\ud800 is six characters", "output": "done"}]  # an escaped backslash, then "ud800"
+    path = tmp_path / "fine.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert "\\ud83d\\ude00" in path.read_text() and "\\\\ud800" in path.read_text()
+    code, output = validate(make_recipe(data={"path": str(path)}))
+    assert code == 0, output
+
+
+def test_generate_file_with_a_lone_surrogate(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "sort"}) + "\n" + json.dumps({"prompt": LONE}) + "\n")
+    result = runner.invoke(app, ["generate", str(tiny_model), "--file", str(prompts), "--format", "text"])
+    assert result.exit_code == 2 and "prompts.jsonl:2: prompt: \\ud800 (column 14)" in result.output, result.output
+
+
+def test_parquet_string_that_is_not_utf8_names_row_and_column(make_recipe, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # b"\xed\xa0\x80" is \ud800 as CESU-8: pyarrow refuses to write it from Python, another writer may not.
+    values = b"ab" + b"x\xed\xa0\x80y"
+    offsets = pa.py_buffer(bytes([0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 7, 0, 0, 0]))
+    output = pa.Array.from_buffers(pa.string(), 3, [None, offsets, pa.py_buffer(values)])
+    pq.write_table(pa.table({"instruction": ["a", "b", "c"], "output": output}), tmp_path / "bad.parquet")
+    code, text = validate(make_recipe(data={"path": str(tmp_path / "bad.parquet")}))
+    assert code == 2 and "bad.parquet[2]: output: not UTF-8 text: invalid continuation byte" in text, text
 
 
 # 3. data.chat_template --------------------------------------------------------------------------------------

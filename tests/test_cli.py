@@ -48,6 +48,23 @@ def test_validate_missing_model_directory(make_recipe, tmp_path):
     assert result.exit_code == 2 and "model.name_or_path" in result.output and "does not exist" in result.output
 
 
+def test_validate_model_path_that_is_a_file(make_recipe, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    result = runner.invoke(app, ["validate", str(make_recipe(model={"name_or_path": "model.safetensors"}))])
+    assert result.exit_code == 2, result.output
+    assert (f"model.name_or_path: {tmp_path / 'model.safetensors'} is a file; expected a model directory "
+            "(config.json and weights") in result.output and "does not exist" not in result.output
+
+
+def test_cache_that_is_a_file_is_named_when_a_builtin_model_is_built(make_recipe, tmp_path, monkeypatch):
+    (tmp_path / "cache-file").write_text("")
+    monkeypatch.setenv("GPUPOOR_CACHE", str(tmp_path / "cache-file"))
+    result = runner.invoke(app, ["validate", str(make_recipe(model={"name_or_path": "gpupoor:demo"}))])
+    assert result.exit_code == 2, result.output
+    assert f"{tmp_path / 'cache-file'} is a file, not a directory" in result.output
+    assert "remove it, or set $GPUPOOR_CACHE" in result.output
+
+
 def test_validate_model_dir_without_config(make_recipe, tmp_path):
     (tmp_path / "empty-model").mkdir()
     result = runner.invoke(app, ["validate", str(make_recipe(model={"name_or_path": "empty-model"}))])

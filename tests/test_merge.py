@@ -188,6 +188,37 @@ def test_run_without_final_adapter_names_the_checkpoints(workdir, tiny_model, tm
     assert merge(run, "--output", tmp_path / "m", "--checkpoint", "step-000004").exit_code == 0
 
 
+@pytest.mark.parametrize("size", ["0", "0.4"])
+def test_max_shard_size_below_one_byte_is_refused(lora_run, tmp_path, size):
+    result = merge(lora_run, "--output", tmp_path / "m", "--max-shard-size", size)
+    assert result.exit_code == 2, result.output
+    assert f"--max-shard-size '{size}': a shard must hold at least 1 byte" in result.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_checkpoint_outside_the_run_directory_is_refused(lora_run, tmp_path):
+    import shutil
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(lora_run / "final", elsewhere)
+    for value in (str(elsewhere), "../../elsewhere", "../final"):  # a path, even one back into the run, is no name
+        result = merge(lora_run, "--output", tmp_path / "m", "--checkpoint", value)
+        assert result.exit_code == 2 and f"--checkpoint '{value}': use final or the name step-N" in result.output, \
+            result.output
+        generated = runner.invoke(app, ["generate", str(lora_run), "--checkpoint", value, "--prompt", "sort"])
+        assert generated.exit_code == 2 and "not a path" in generated.output, generated.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_checkpoint_with_an_adapter_directory_is_refused(lora_run, tmp_path):
+    result = merge(lora_run / "final", "--output", tmp_path / "m", "--checkpoint", "step-000002")
+    assert result.exit_code == 2 and "is not a run directory, so it has no checkpoints" in result.output
+    generated = runner.invoke(app, ["generate", str(lora_run / "final"), "--checkpoint", "step-000002",
+                                    "--prompt", "sort"])
+    assert generated.exit_code == 2 and "is not a run directory" in generated.output, generated.output
+    assert not (tmp_path / "m").exists()
+
+
 def test_base_with_other_shapes_is_refused(lora_run, tokenizer, tmp_path):
     from gpupoor.tiny import build_tiny_llama
 

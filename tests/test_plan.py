@@ -311,6 +311,17 @@ def test_bad_model_configs_are_clear_errors(tmp_path, make_recipe, config, words
     assert result.exit_code == 2 and words in result.output, result.output
 
 
+@pytest.mark.parametrize("key", ["model", "distill"])
+def test_a_model_path_that_is_a_file_is_said_to_be_one(tmp_path, make_recipe, key):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    sections = {"model": {"name_or_path": str(weights)}} if key == "model" else {"distill": {"teacher": str(weights)}}
+    result = runner.invoke(app, ["plan", str(make_recipe(**sections))])
+    name = "model.name_or_path" if key == "model" else "distill.teacher"
+    assert result.exit_code == 2, result.output
+    assert f"{name}: {weights} is a file; expected a model directory (config.json and weights" in result.output
+
+
 def test_unsupported_architecture_is_a_clear_error(tmp_path, make_recipe):
     model = tmp_path / "gpt2ish"
     model.mkdir()

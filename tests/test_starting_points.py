@@ -230,6 +230,10 @@ def test_settings_that_differ_are_found_without_loading_weights(foreign_adapter,
     message = problem(method="full")
     assert "peft.method full trains the model's own weights and cannot start from an adapter" in message
     assert "no such directory" in problem(init_adapter="nowhere")
+    (foreign_adapter.parent / "adapter.safetensors").write_bytes(b"")
+    message = problem(init_adapter="adapter.safetensors")
+    assert f"{foreign_adapter.parent / 'adapter.safetensors'} is a file; expected an adapter directory" in message
+    assert "no such directory" not in message
     unfinished = foreign_adapter.parent / "unfinished"
     unfinished.mkdir()
     (unfinished / "recipe.yaml").write_text("")  # a run dir that has no final/ yet

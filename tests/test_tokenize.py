@@ -214,13 +214,31 @@ def test_a_damaged_cache_entry_is_a_miss(tmp_path, tokenizer, alpaca_file, damag
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]  # no temporary files left
 
 
-def test_an_unwritable_cache_is_a_warning(tmp_path, tokenizer, alpaca_file):
+@pytest.mark.parametrize("entry", ["file/entry.safetensors", "file/tokenized/entry.safetensors"])
+def test_an_unwritable_cache_is_a_warning(tmp_path, tokenizer, alpaca_file, entry):
+    # "file/tokenized": mkdir says "Not a directory"; "file" itself as the entry's folder: "File exists".
     blocker = tmp_path / "file"
     blocker.write_text("")
     warnings: list[str] = []
     source, encoder = DataSource("file", str(alpaca_file), "train"), Encoder(tokenizer, "alpaca", 128)
-    dataset, hit = tokenize_source(source, None, encoder, tokenizer, blocker / "entry.safetensors", warnings)
+    dataset, hit = tokenize_source(source, None, encoder, tokenizer, tmp_path / entry, warnings)
     assert not hit and len(dataset) == 48 and "could not write the tokenized cache" in warnings[0]
+    assert f"({blocker} is a file, not a directory: remove it, or set data.cache_dir or $GPUPOOR_CACHE" \
+        in warnings[0], warnings[0]
+
+
+@pytest.mark.parametrize("change", [-3, 5])
+def test_a_cache_entry_of_the_wrong_length_says_which_way(tmp_path, tokenizer, alpaca_file, change):
+    entry = tmp_path / "entry.safetensors"
+    tokenize_source(DataSource("file", str(alpaca_file), "train"), None, Encoder(tokenizer, "alpaca", 128),
+                    tokenizer, entry, [])
+    data = entry.read_bytes()
+    entry.unlink()
+    entry.write_bytes(data[:change] if change < 0 else data + b"\0" * change)
+    with pytest.raises(CacheEntryInvalid) as info:
+        TokenizedDataset.load(entry)
+    what = "truncated" if change < 0 else "longer than its tensors"
+    assert str(info.value) == f"the file is {len(data) + change} bytes, its header describes {len(data)}: {what}"
 
 
 def test_rows_stream_from_every_reader(tmp_path, monkeypatch):

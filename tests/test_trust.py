@@ -222,6 +222,105 @@ def test_an_output_dir_that_cannot_be_created(make_recipe, tmp_path, where):
     assert not target.exists()
 
 
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_a_tokenize_output_that_cannot_be_written_is_said_before_tokenizing(make_recipe, tmp_path, monkeypatch,
+                                                                           where):
+    import gpupoor.data.build
+
+    if where == "under-a-file":
+        (tmp_path / "plain").write_text("x")
+        target = tmp_path / "plain" / "tokenized"
+    else:  # read-only for root too
+        target = Path("/proc") / "gpupoor-test" / "tokenized"
+    monkeypatch.setattr(gpupoor.data.build, "build_data", None)  # tokenizing anything would fail another way
+    result = invoke("tokenize", make_recipe(), "--output", target)
+    assert result.exit_code == 2, result.output
+    assert f"cannot create --output {target}: " in result.output and "Traceback" not in result.output
+    if where == "under-a-file":
+        assert f"{tmp_path / 'plain'} is a file, not a directory" in result.output
+    assert not target.exists()
+
+
+def full_disk_on(monkeypatch, name_prefix: str) -> None:
+    """fsync of a file whose name starts with `name_prefix` fails as on a full disk (naming no file, as it does)."""
+    import errno
+
+    import gpupoor.files
+
+    real = gpupoor.files.fsync_file
+
+    def fsync_file(path: Path) -> None:
+        if path.name.startswith(name_prefix):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path)
+
+    monkeypatch.setattr(gpupoor.files, "fsync_file", fsync_file)
+
+
+def test_a_full_disk_at_start_names_the_file_and_exits_1(make_recipe, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    full_disk_on(monkeypatch, f".{'recipe.yaml'}.")  # the first file a new run commits
+    result = invoke("train", make_recipe(), "--output-dir", run)
+    assert result.exit_code == 1, result.output
+    assert f"error: {run / 'recipe.yaml'}: No space left on device (errno ENOSPC)" in result.output
+    assert f"hint: free space on that file system (df -h {run})" in result.output and "Traceback" not in result.output
+    assert [p.name for p in run.iterdir()] == [".lock"]  # nothing half-written
+    monkeypatch.undo()  # space freed: the same command now works
+    result = invoke("train", make_recipe(), "--output-dir", run)
+    assert result.exit_code == 0, result.output
+
+
+def test_a_full_disk_when_the_run_directory_is_probed_is_exit_1(make_recipe, tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    run = tmp_path / "new" / "run"
+
+    def temporary_file(dir):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dir))
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", temporary_file)
+    result = invoke("train", make_recipe(), "--output-dir", run)
+    assert result.exit_code == 1, result.output  # the environment's failure, not bad input
+    assert f"error: {run}: No space left on device (errno ENOSPC)" in result.output
+    assert "cannot create the run directory" not in result.output and not (tmp_path / "new").exists()
+
+
+def test_a_full_disk_while_tokenize_writes_names_the_output(make_recipe, tmp_path, monkeypatch):
+    output = tmp_path / "tokenized"
+    full_disk_on(monkeypatch, "train.safetensors")
+    result = invoke("tokenize", make_recipe(data={"cache_dir": str(tmp_path / "cache")}), "--output", output)
+    assert result.exit_code == 1, result.output
+    assert f"error: {output}: No space left on device (errno ENOSPC)" in result.output
+    assert "Traceback" not in result.output and not output.exists() and list(tmp_path.glob(".tokenized*")) == []
+
+
+@pytest.mark.parametrize("code, errno_name, expected", [
+    (2, "EACCES", "hint: this user may not write there"), (2, "EROFS", "hint: the file system is read-only"),
+    (1, "EDQUOT", "hint: free space on that file system"), (1, "EIO", "(run again with --debug for the traceback)")])
+def test_file_system_errors_name_the_path_and_what_to_do(tmp_path, code, errno_name, expected):
+    import errno
+
+    from gpupoor.cli import _file_system_error
+
+    number = getattr(errno, errno_name)
+    message, exit_code = _file_system_error(OSError(number, os.strerror(number), str(tmp_path / "x")))
+    assert exit_code == code
+    assert message.startswith(f"{tmp_path / 'x'}: {os.strerror(number)} (errno {errno_name})") and expected in message
+
+
+def test_a_file_in_the_way_is_named(tmp_path):
+    import errno
+
+    from gpupoor.cli import _file_system_error
+
+    (tmp_path / "plain").write_text("x")
+    for number, path, where in ((errno.ENOTDIR, tmp_path / "plain" / "out", f"{tmp_path / 'plain' / 'out'}: "),
+                                (errno.EEXIST, tmp_path / "plain", "")):
+        message, exit_code = _file_system_error(OSError(number, os.strerror(number), str(path)))
+        assert exit_code == 2 and message.startswith(f"{where}{tmp_path / 'plain'} is a file, not a directory")
+
+
 def test_a_run_that_fails_while_loading_leaves_no_directory_behind(make_recipe, tiny_model, tmp_path):
     broken = tmp_path / "config-only"  # passes validate (it has a config), fails when the tokenizer loads
     broken.mkdir()

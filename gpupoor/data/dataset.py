@@ -444,8 +444,12 @@ def _read_header(handle) -> tuple[dict, int, dict]:
                 or entry.get("data_offsets") != [end, end + count * np.dtype(np_dtype).itemsize]:
             raise CacheEntryInvalid(f"its {name} entry is malformed: {entry}")
         end += count * np.dtype(np_dtype).itemsize
-    if header["ids"]["shape"] != header["target"]["shape"] or data_start + end != size:
-        raise CacheEntryInvalid(f"its tensors do not fill the file ({data_start + end} of {size} bytes)")
+    if header["ids"]["shape"] != header["target"]["shape"]:
+        raise CacheEntryInvalid(f"its ids and target entries differ in shape ({header['ids']['shape']}, "
+                                f"{header['target']['shape']})")
+    if data_start + end != size:
+        what = "truncated" if size < data_start + end else "longer than its tensors"
+        raise CacheEntryInvalid(f"the file is {size} bytes, its header describes {data_start + end}: {what}")
     return header, data_start, metadata
 
 

@@ -6,6 +6,7 @@ import csv
 import hashlib
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,11 @@ from gpupoor.files import hash_file_into
 from gpupoor.recipe import DATA_SUFFIXES, decode_utf8, resolve_local_path
 
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a batch, not the file, is in memory
+# JSON may escape a UTF-16 surrogate (\ud800-\udfff): a high one followed by a low one is one character (an emoji),
+# a lone one decodes to a str that is no Unicode text, which a tokenizer cannot encode (a TypeError naming no row).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # cheap test: only JSON text that has one is searched
+_JSON_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -107,6 +113,8 @@ def _read_jsonl(path: Path, limit: int | None) -> Iterator[Row]:
                                 hint="each line of a .jsonl file is one JSON object") from None
             if not isinstance(value, dict):
                 raise UserError(f"{path}:{line_no}: expected a JSON object, got {type(value).__name__}")
+            if _SURROGATE_ESCAPE.search(line):
+                _refuse_lone_surrogate(value, line, f"{path}:{line_no}")
             yield Row(value, f"{path}:{line_no}")
             count += 1
             if limit is not None and count >= limit:
@@ -114,10 +122,13 @@ def _read_jsonl(path: Path, limit: int | None) -> Iterator[Row]:
 
 
 def _read_json(path: Path, limit: int | None) -> Iterator[Row]:
+    text: str | None = path.read_text(encoding="utf-8")
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    if not _SURROGATE_ESCAPE.search(text):
+        text = None  # kept only to find a lone surrogate's line: otherwise the rows alone stay in memory
     if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), list):
         value = next(iter(value.values()))  # {"train": [...]} or {"data": [...]}
     if not isinstance(value, list):
@@ -125,7 +136,60 @@ def _read_json(path: Path, limit: int | None) -> Iterator[Row]:
     for index, item in enumerate(value[:limit] if limit else value):
         if not isinstance(item, dict):
             raise UserError(f"{path}: item {index}: expected a JSON object, got {type(item).__name__}")
+        if text is not None:
+            _refuse_lone_surrogate(item, text, str(path), index)
         yield Row(item, f"{path}[{index}]")
+
+
+def _refuse_lone_surrogate(value, text: str, where: str, item: int | None = None) -> None:
+    """A UserError naming file:line, the column and the field when a decoded JSON row holds a lone surrogate.
+    `text` is the JSON the row came from (a .jsonl line, where `where` names its line; or a whole .json file)."""
+    field = _lone_surrogate_field(value)
+    if field is None:
+        return
+    offset = _lone_escape_offset(text)
+    line = text.count("\n", 0, offset)
+    column = offset - (text.rfind("\n", 0, offset) + 1) + 1
+    if item is not None:  # a .json file: `where` is the file, the line is counted in it
+        where = f"{where}:{line + 1} (item {item})"
+    raise UserError(f"{where}: {field}: {text[offset:offset + 6]} (column {column}) is half of a UTF-16 surrogate "
+                    "pair with no other half: JSON allows the escape, but it is no character and no tokenizer can "
+                    "encode it", hint="write the whole character (both escapes, e.g. \\ud83d\\ude00, or the "
+                    "character itself) or drop the row; the tool that wrote the file may have cut a string "
+                    "mid-character")
+
+
+def _lone_surrogate_field(value, name: str = "") -> str | None:
+    """The field (`messages[1].content`) of the first string in a decoded JSON value that holds a lone surrogate.
+    A key holding one is named by where it is: the name itself cannot be printed."""
+    if isinstance(value, str):
+        return (name or "the row") if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return f"a key of {name or 'the row'}"
+        found = _lone_surrogate_field(item, f"{name}[{key}]" if isinstance(key, int) else f"{name}.{key}" if name
+                                      else key)
+        if found is not None:
+            return found
+    return None
+
+
+def _lone_escape_offset(text: str) -> int:
+    """Where the first escape of a lone surrogate is in JSON text. Escapes are read in order, so an escaped
+    backslash followed by `ud800` is no surrogate, and a high half is lone unless a low half follows at once."""
+    high = None  # the offset of a high half waiting for its low half
+    for match in _JSON_ESCAPE.finditer(text):
+        code = int(match.group(1), 16) if match.group(1) else -1
+        if high is not None:
+            if match.start() != high + 6 or not 0xDC00 <= code <= 0xDFFF:
+                return high
+            high = None
+        elif 0xD800 <= code <= 0xDBFF:
+            high = match.start()
+        elif 0xDC00 <= code <= 0xDFFF:
+            return match.start()
+    return high if high is not None else 0
 
 
 def _read_csv(path: Path, limit: int | None) -> Iterator[Row]:
@@ -144,13 +208,32 @@ def _read_parquet(path: Path, limit: int | None) -> Iterator[Row]:
         batches = pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS)
         index = 0
         for batch in batches:
-            for record in batch.to_pylist():
+            try:
+                records = batch.to_pylist()
+            except UnicodeDecodeError:
+                raise _undecodable_row(path, batch, index) from None
+            for record in records:
                 if limit is not None and index >= limit:
                     return
                 yield Row(record, f"{path}[{index}]")
                 index += 1
+    except UserError:
+        raise
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise UserError(f"{path}: cannot read parquet: {exc}") from None
+
+
+def _undecodable_row(path: Path, batch, first: int) -> UserError:
+    """The row and column of a batch whose string holds bytes that are not UTF-8 (pyarrow checks them on write,
+    other writers may not; a lone surrogate written as CESU-8 is one)."""
+    for row in range(batch.num_rows):
+        for name in batch.schema.names:
+            try:
+                batch.slice(row, 1).column(name).to_pylist()
+            except UnicodeDecodeError as exc:
+                return UserError(f"{path}[{first + row}]: {name}: not UTF-8 text: {exc.reason} at byte {exc.start} "
+                                 "of the value", hint="write the column again as UTF-8 text, or drop the row")
+    return UserError(f"{path}: rows {first} to {first + batch.num_rows - 1} are not UTF-8 text")
 
 
 def _load_disk(source: DataSource):

@@ -34,7 +34,7 @@ from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
 from gpupoor.data.loading import DataSource, Row, iter_rows
 from gpupoor.data.mixture import Mixture, Source
 from gpupoor.errors import UserError
-from gpupoor.files import atomic_dir, sha256_file
+from gpupoor.files import atomic_dir, blocking_file, sha256_file
 
 CHUNK_ROWS = 1000  # rows encoded together: one tokenizer call, one task for a worker
 PROGRESS_AFTER_ROWS = 50_000  # a progress line for sources at least this long
@@ -62,8 +62,10 @@ def tokenize_source(location: DataSource, limit: int | None, encoder: Encoder, t
         try:
             return stream_tokenize(iter_rows(location, limit), encoder, cache_path, _label(location)), False
         except OSError as exc:  # a cache that cannot be written costs time next run, never this run
-            warnings.append(f"could not write the tokenized cache {cache_path} ({exc.strerror or exc}); set "
-                            "data.cache_dir or $GPUPOOR_CACHE to a writable folder")
+            blocker = blocking_file(cache_path.parent)
+            why = f"{blocker} is a file, not a directory: remove it, or" if blocker else f"{exc.strerror or exc};"
+            warnings.append(f"could not write the tokenized cache {cache_path} ({why} set data.cache_dir or "
+                            "$GPUPOOR_CACHE to a writable folder)")
     return stream_tokenize(iter_rows(location, limit), encoder, None, _label(location)), False
 
 
