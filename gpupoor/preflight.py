@@ -14,7 +14,7 @@ from pathlib import Path
 from gpupoor.builtin_models import resolve_model_path
 from gpupoor.data.formats import (CHAT_FORMATS, IGNORE_INDEX, chat_messages, check_row, preference_parts,
                                   sharegpt_messages)
-from gpupoor.data.loading import Row, read_rows, resolve_source
+from gpupoor.data.loading import Row, check_held_out, iter_rows, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
 from gpupoor.recipe import DataSection, LoadedRecipe, SourceSection
@@ -79,9 +79,24 @@ def check_training_data(loaded: LoadedRecipe) -> list[str]:
     warnings: list[str] = []
     for prefix, source in data_sources(data):
         warnings += check_data(source.path, f"{prefix}.path", loaded, source.split, source)
+        if source.eval_rows:
+            check_eval_rows(prefix, source, loaded.base_dir)
         if source.eval_path:
             warnings += check_data(source.eval_path, f"{prefix}.eval_path", loaded, "train", source)
     return warnings
+
+
+def check_eval_rows(prefix: str, source: SourceSection, base_dir: Path) -> None:
+    """The rows `eval_rows` holds out leave some to train on (a local source's rows are counted, up to one past
+    eval_rows; training counts its usable examples with the same rule)."""
+    location = resolve_source(source.path, base_dir, source.split, f"{prefix}.path")
+    if location.kind == "hub":
+        return
+    limit = min(source.eval_rows + 1, source.max_rows or source.eval_rows + 1)
+    rows = sum(1 for _ in iter_rows(location, limit))
+    counted = (f"{prefix}.max_rows = {rows} keeps {rows} rows of {location.location}" if source.max_rows == rows
+               else f"{location.location} has {rows} rows")
+    check_held_out(prefix, source.eval_rows, rows, counted)
 
 
 def check_tokenized_path(value: str, base_dir: Path) -> list[str]:
@@ -313,6 +328,25 @@ def check_module_names(loaded: LoadedRecipe) -> list[str]:
     return []
 
 
+def check_last_layers(loaded: LoadedRecipe) -> list[str]:
+    """peft.last_layers against the decoder layers the model's config says it has (the rule training applies,
+    decisions.trained_layer_indices), so validate refuses what the model build would."""
+    from gpupoor.decisions import trained_layer_indices
+    from gpupoor.plan import find_config
+
+    recipe = loaded.recipe
+    if recipe.peft.last_layers is None:
+        return []
+    try:
+        config, _ = find_config(recipe.model.name_or_path, loaded.base_dir, recipe.model.revision)
+    except UserError:
+        return []  # the plan reports a config it cannot read
+    layers = (config.get("text_config") or config).get("num_hidden_layers")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        trained_layer_indices(recipe.peft.last_layers, layers)
+    return []
+
+
 def check_trackers(report_to: list[str]) -> None:
     from gpupoor.trackers import missing_trackers
 
@@ -329,6 +363,7 @@ def preflight(loaded: LoadedRecipe) -> list[str]:
     check_trackers(recipe.logging.report_to)
     warnings = check_model(recipe.model.name_or_path, loaded.base_dir)
     warnings += check_module_names(loaded)
+    warnings += check_last_layers(loaded)
     if recipe.distill is not None:
         warnings += check_model(recipe.distill.teacher, loaded.base_dir, "distill.teacher")
     warnings += check_training_data(loaded)

@@ -305,3 +305,44 @@ def test_fifo_data_path_is_not_a_regular_file(make_recipe, tmp_path):
 def test_fifo_recipe_is_not_a_regular_file(tmp_path):
     os.mkfifo(tmp_path / "r.yaml")
     assert "r.yaml: not a regular file" in error_of(tmp_path / "r.yaml")
+
+
+# 7. What validate accepted and train then refused (#25): each is exit 2 at validate, naming the key --------------
+
+
+def test_last_layers_beyond_the_model_is_refused_at_validate(make_recipe):
+    code, output = validate(make_recipe(peft={"rank": 4, "last_layers": 5}))  # the tiny model has 2 layers
+    assert code == 2, output
+    assert "peft.last_layers = 5 but the model has 2 decoder layers" in output and "at most 2" in output
+
+
+@pytest.mark.parametrize("key", ["modules_to_save", "target_modules"])
+def test_empty_module_name_is_refused_at_validate(make_recipe, key):
+    code, output = validate(make_recipe(peft={"rank": 4, key: [""]}))
+    assert code == 2, output
+    assert f"'peft.{key}' = ['']: an empty module name matches no module" in output
+
+
+def test_eval_rows_beyond_the_source_are_refused_at_validate(make_recipe, alpaca_file):
+    code, output = validate(make_recipe(data={"eval_rows": 48}))  # the file has 48 rows
+    assert code == 2, output
+    assert f"data.eval_rows = 48 leaves no training rows ({alpaca_file} has 48 rows)" in output
+    assert "at most 47" in output
+
+
+def test_eval_rows_beyond_a_mixture_sources_max_rows_are_refused_at_validate(make_recipe, alpaca_file):
+    sources = [{"path": str(alpaca_file)}, {"path": str(alpaca_file), "max_rows": 10, "eval_rows": 10}]
+    code, output = validate(make_recipe(data={"path": None, "datasets": sources}))
+    assert code == 2, output
+    assert "data.datasets[1].eval_rows = 10 leaves no training rows (data.datasets[1].max_rows = 10 keeps 10 rows" \
+        in output
+
+
+def test_eval_rows_that_leave_training_rows_pass_validate(make_recipe):
+    code, output = validate(make_recipe(data={"eval_rows": 47}))
+    assert code == 0, output
+
+
+def test_a_tracker_named_twice_is_refused(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL + "logging:\n  report_to: [tensorboard, mlflow, tensorboard]\n"))
+    assert "r.yaml:6: 'logging.report_to'" in message and "tensorboard listed more than once" in message

@@ -9,7 +9,7 @@ import torch
 
 from gpupoor.data.dataset import TokenizedDataset, TokenStats, cache_key, concat_datasets, data_identity
 from gpupoor.data.formats import IGNORE_INDEX, Encoder
-from gpupoor.data.loading import DataSource, resolve_source
+from gpupoor.data.loading import DataSource, check_held_out, resolve_source
 from gpupoor.data.mixture import Mixture, Source, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
 from gpupoor.data.tokenize import load_tokenized_dir, manifest_mixture, manifest_source_stats, tokenize_source
@@ -98,9 +98,8 @@ def _source_data(data: DataSection, source: SourceSection, key: str, tokenizer, 
                          else DataSource(location.kind, location.location, eval_split))
         evaluation, _, _ = _tokenized(eval_location, None, encoder, tokenizer, cache_dir, warnings)
     elif source.eval_rows:
-        if source.eval_rows >= len(train):
-            raise UserError(f"{key.rsplit('.', 1)[0]}.eval_rows = {source.eval_rows} leaves no training rows "
-                            f"(the data has {len(train)} usable examples)")
+        check_held_out(key.rsplit(".", 1)[0], source.eval_rows, len(train),
+                       f"the data has {len(train)} usable examples")
         # Held-out rows are chosen by a seeded shuffle that does not depend on the epoch.
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
         evaluation = train.subset(sorted(order[: source.eval_rows]))
