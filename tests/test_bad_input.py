@@ -346,3 +346,33 @@ def test_eval_rows_that_leave_training_rows_pass_validate(make_recipe):
 def test_a_tracker_named_twice_is_refused(tmp_path):
     message = error_of(write(tmp_path, MINIMAL + "logging:\n  report_to: [tensorboard, mlflow, tensorboard]\n"))
     assert "r.yaml:6: 'logging.report_to'" in message and "tensorboard listed more than once" in message
+
+
+# 8. A field that is there with the wrong type is not a *missing* field (#25) ---------------------------------------
+
+
+@pytest.mark.parametrize("fmt, row, said", [
+    ("alpaca", {"instruction": "a", "output": None}, "field 'output' is null, expected a string"),
+    ("alpaca", {"instruction": "a", "output": 5}, "field 'output' is a number (5), expected a string"),
+    ("completion", {"prompt": ["a"], "completion": "b"}, "field 'prompt' is a list, expected a string"),
+    ("preference", {"prompt": "a", "chosen": None, "rejected": "b"},
+     "field 'chosen' is null, expected a string or a list of messages"),
+])
+def test_a_present_field_of_the_wrong_type_is_not_missing(make_recipe, tmp_path, fmt, row, said):
+    good = {"alpaca": {"instruction": "a", "output": "b"}, "completion": {"prompt": "a", "completion": "b"},
+            "preference": {"prompt": "a", "chosen": "b", "rejected": "c"}}[fmt]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    extra = {"training": {"objective": "dpo"}} if fmt == "preference" else {}
+    code, output = validate(make_recipe(data={"path": str(bad), "format": fmt}, **extra))
+    assert code == 2, output
+    assert f"bad.jsonl:2: {said}" in output and "missing" not in output
+
+
+def test_generate_prompt_of_the_wrong_type_is_not_a_missing_field(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "sort"}\n{"prompt": 5}\n')
+    result = runner.invoke(app, ["generate", str(tiny_model), "--file", str(prompts), "--format", "text"])
+    assert result.exit_code == 2, result.output
+    assert "prompts.jsonl:2: field 'prompt' is a number (5), expected a string" in result.output
+    assert "missing" not in result.output
