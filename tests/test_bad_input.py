@@ -376,3 +376,45 @@ def test_generate_prompt_of_the_wrong_type_is_not_a_missing_field(tiny_model, tm
     assert result.exit_code == 2, result.output
     assert "prompts.jsonl:2: field 'prompt' is a number (5), expected a string" in result.output
     assert "missing" not in result.output
+
+
+# 9. The same data to train and to evaluate on is warned about (#25) ------------------------------------------------
+
+
+def test_eval_path_that_is_the_training_file_is_warned(make_recipe, alpaca_file, tmp_path):
+    (tmp_path / "link.jsonl").symlink_to(alpaca_file)  # another name for the same file
+    code, output = validate(make_recipe(data={"eval_path": str(tmp_path / "link.jsonl")}))
+    assert code == 0, output
+    assert "warning: data.eval_path: " in output and "train.jsonl is also training data (data.path)" in output
+    assert "memorised" in output
+
+
+def test_a_mixtures_eval_path_that_is_another_sources_file_is_warned(make_recipe, alpaca_file, tmp_path):
+    other = tmp_path / "other.jsonl"
+    other.write_text(alpaca_file.read_text())  # the same rows in another file: not the same file
+    sources = [{"path": str(alpaca_file), "eval_path": str(other)}, {"path": str(other), "eval_path": str(alpaca_file)}]
+    code, output = validate(make_recipe(data={"path": None, "datasets": sources}))
+    assert code == 0, output
+    assert "warning: data.datasets[0].eval_path:" in output and "is also training data (data.datasets[1].path)" in output
+    assert "warning: data.datasets[1].eval_path:" in output and "is also training data (data.datasets[0].path)" in output
+
+
+def test_a_separate_eval_file_is_not_warned(make_recipe, tmp_path):
+    from conftest import alpaca_rows, write_jsonl
+
+    code, output = validate(make_recipe(data={"eval_path": str(write_jsonl(tmp_path / "eval.jsonl", alpaca_rows(8, 1)))}))
+    assert code == 0 and "also training data" not in output, output
+
+
+def test_eval_split_that_is_the_training_split_is_warned(make_recipe, tmp_path):
+    import datasets
+
+    from conftest import alpaca_rows
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(alpaca_rows(16)),
+                          "test": datasets.Dataset.from_list(alpaca_rows(4, 1))}).save_to_disk(str(saved))
+    code, output = validate(make_recipe(data={"path": str(saved), "eval_split": "train"}))
+    assert code == 0 and "warning: data.eval_split: " in output and "(split train) is also training data" in output
+    code, output = validate(make_recipe(data={"path": str(saved), "eval_split": "test"}))
+    assert code == 0 and "also training data" not in output, output
