@@ -1151,13 +1151,15 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
     recipe, run_dir, state = session.recipe, session.run_dir, session.state
     if reason not in ("done", "early_stop"):
         faults.at_stage("stopped")
+        # (no limit in the recipe when the stop came from elsewhere, e.g. GPUPOOR_FAULT=timeout@STEP)
+        limit = f" {recipe.checkpoint.time_limit}" if recipe.checkpoint.time_limit else ""
         if reason == "time_limit" and state.step == hooks.first_step:
-            raise UserError(f"checkpoint.time_limit {recipe.checkpoint.time_limit} is too short for one optimizer "
+            raise UserError(f"checkpoint.time_limit{limit} is too short for one optimizer "
                             f"step: start-up took {time.monotonic() - started:.0f} s and a checkpoint needs "
                             "time in reserve, so every resume would stop here again",
                             hint=f"continue with a longer limit: gpupoor resume {run_dir} --time-limit DURATION "
                             f"(the checkpoint checkpoints/{name} keeps this run)")
-        why = f"time limit {recipe.checkpoint.time_limit} nearly reached" if reason == "time_limit" else reason
+        why = f"time limit{limit} nearly reached" if reason == "time_limit" else reason
         say(f"{why}: stopped after step {state.step} with checkpoint checkpoints/{name}\n"
             f"continue with: gpupoor resume {run_dir}")
         _all_finished(session, hooks)

@@ -103,6 +103,13 @@ def test_resume_after_time_limit_finishes_the_same_run(straight, make_recipe, tm
     assert_same_run(reference, run)
 
 
+def test_a_time_limit_stop_without_a_limit_in_the_recipe_never_prints_none(make_recipe, tmp_path, monkeypatch):
+    """The stop message names the recipe's limit when there is one, and never says "time limit None" (#25)."""
+    result = invoke("train", make_recipe(), "--output-dir", tmp_path / "run", fault="timeout@2", monkeypatch=monkeypatch)
+    assert result.exit_code == 75, result.output
+    assert "time limit nearly reached: stopped after step 2" in result.output and "None" not in result.output
+
+
 def test_resuming_a_finished_run_says_so(straight, monkeypatch):
     _, run = straight()
     before = (run / "metrics.jsonl").read_text()
