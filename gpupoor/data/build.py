@@ -105,12 +105,23 @@ def _source_data(data: DataSection, source: SourceSection, key: str, tokenizer, 
         evaluation = train.subset(sorted(order[: source.eval_rows]))
         stats = train.stats
         train = train.subset(sorted(order[source.eval_rows:]))
-        train.stats = stats
+        train.stats, evaluation.stats = _split_stats(stats, evaluation)
         fingerprint = f"{fingerprint}-holdout{source.eval_rows}"  # the held-out rows change what is trained on
     if len(train) == 0:
         raise UserError(f"{key}: no usable training examples in {source.path} "
                         f"({train.stats.dropped_no_target} had no target tokens within max_length)")
     return _SourceData(train, evaluation, hit, fingerprint)
+
+
+def _split_stats(whole: TokenStats, held_out: TokenizedDataset) -> tuple[TokenStats, TokenStats]:
+    """(training, held-out) stats of a source whose eval_rows were held out: the summary and the tokenize manifest
+    count only what trains. Held-out rows are kept examples, so rows, examples and tokens split exactly; which
+    examples were truncated is not stored, so `truncated` stays the whole source's."""
+    tokens, targets = held_out.token_counts()
+    held = TokenStats(rows=len(held_out), kept=len(held_out), tokens=tokens, target_tokens=targets)
+    return TokenStats(rows=whole.rows - held.rows, kept=whole.kept - held.kept, truncated=whole.truncated,
+                      dropped_no_target=whole.dropped_no_target, tokens=whole.tokens - tokens,
+                      target_tokens=whole.target_tokens - targets), held
 
 
 def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
