@@ -41,7 +41,7 @@ def alpaca_prompt(instruction: str, input_text: str = "") -> str:
     return ALPACA_PROMPT.format(with_input="", instruction=instruction, input_block="")
 
 
-def json_type(value) -> str:
+def _json_type(value) -> str:
     """What a JSON value is, in JSON's words (an error says `null`, not `None`)."""
     if value is None:
         return "null"
@@ -55,7 +55,7 @@ def json_type(value) -> str:
 def wrong_type(where: str, name: str, value, expected: str = "a string") -> UserError:
     """A field that is there but holds the wrong kind of value (null included): not a *missing* field."""
     shown = f" ({json.dumps(value)[:40]})" if isinstance(value, (bool, numbers.Number)) else ""
-    return UserError(f"{where}: field '{name}' is {json_type(value)}{shown}, expected {expected}")
+    return UserError(f"{where}: field '{name}' is {_json_type(value)}{shown}, expected {expected}")
 
 
 def _field(row: dict, name: str, where: str, fmt: str, required: bool = True) -> str:
