@@ -136,6 +136,7 @@ def prompt_row(text: str, encoder) -> dict:
 def rows_from_file(path: Path, encoder) -> list[tuple[dict, str]]:
     """(row, where) per JSONL line: rows in the run's format, or {"prompt": "..."}. A chat row's trailing
     assistant turn (the expected answer) is dropped so the model writes its own."""
+    from gpupoor.data.formats import wrong_type
     from gpupoor.data.loading import read_rows, resolve_source
 
     rows = []
@@ -143,6 +144,8 @@ def rows_from_file(path: Path, encoder) -> list[tuple[dict, str]]:
         fields = dict(row.fields)
         if "prompt" in fields and isinstance(fields["prompt"], str):
             fields = prompt_row(fields["prompt"], encoder)
+        elif "prompt" in fields and encoder.fmt not in ("completion", "preference"):  # (theirs: checked as rows)
+            raise wrong_type(row.where, "prompt", fields["prompt"])
         elif encoder.fmt == "chat" and isinstance(fields.get(encoder.messages_field), list):
             messages = list(fields[encoder.messages_field])
             while messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":

@@ -14,7 +14,7 @@ from pathlib import Path
 from gpupoor.builtin_models import resolve_model_path
 from gpupoor.data.formats import (CHAT_FORMATS, IGNORE_INDEX, chat_messages, check_row, preference_parts,
                                   sharegpt_messages)
-from gpupoor.data.loading import Row, read_rows, resolve_source
+from gpupoor.data.loading import DataSource, Row, check_held_out, iter_rows, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
 from gpupoor.recipe import DataSection, LoadedRecipe, SourceSection
@@ -76,9 +76,57 @@ def check_training_data(loaded: LoadedRecipe) -> list[str]:
     warnings: list[str] = []
     for prefix, source in data_sources(data):
         warnings += check_data(source.path, f"{prefix}.path", loaded, source.split, source)
+        if source.eval_rows:
+            check_eval_rows(prefix, source, loaded.base_dir)
         if source.eval_path:
             warnings += check_data(source.eval_path, f"{prefix}.eval_path", loaded, "train", source)
+    return warnings + eval_is_training_data(loaded)
+
+
+def eval_is_training_data(loaded: LoadedRecipe) -> list[str]:
+    """A warning for each eval source that is a training source too (the same file, hard links and symlinks
+    included, or the same split): its eval loss would measure how well the model memorised those rows."""
+    data, base_dir = loaded.recipe.data, loaded.base_dir
+    trained = [(f"{prefix}.path", resolve_source(source.path, base_dir, source.split, f"{prefix}.path"))
+               for prefix, source in data_sources(data)]
+    evaluated = [(f"{prefix}.eval_path", resolve_source(source.eval_path, base_dir, "train", f"{prefix}.eval_path"))
+                 for prefix, source in data_sources(data) if source.eval_path]
+    location = trained[0][1]
+    if data.eval_split and location.kind != "file":  # a split of data.path (a file has none: training says so)
+        evaluated.append(("data.eval_split", DataSource(location.kind, location.location, data.eval_split)))
+    warnings = []
+    for eval_key, evaluation in evaluated:
+        same = next((key for key, training in trained if _same_data(evaluation, training)), None)
+        if same is not None:
+            split = "" if evaluation.kind == "file" else f" (split {evaluation.split})"
+            warnings.append(f"{eval_key}: {evaluation.location}{split} is also training data ({same}): the eval loss "
+                            "would measure how well the model memorised those rows, not how it does on rows it has "
+                            "not seen; hold out rows with eval_rows, or evaluate on a separate file")
     return warnings
+
+
+def _same_data(one, other) -> bool:
+    if one.kind != other.kind or (one.kind != "file" and one.split != other.split):
+        return False
+    if one.kind == "hub":
+        return one.location == other.location
+    try:
+        return os.path.samefile(one.location, other.location)
+    except OSError:
+        return False
+
+
+def check_eval_rows(prefix: str, source: SourceSection, base_dir: Path) -> None:
+    """The rows `eval_rows` holds out leave some to train on (a local source's rows are counted, up to one past
+    eval_rows; training counts its usable examples with the same rule)."""
+    location = resolve_source(source.path, base_dir, source.split, f"{prefix}.path")
+    if location.kind == "hub":
+        return
+    limit = min(source.eval_rows + 1, source.max_rows or source.eval_rows + 1)
+    rows = sum(1 for _ in iter_rows(location, limit))
+    counted = (f"{prefix}.max_rows = {rows} keeps {rows} rows of {location.location}" if source.max_rows == rows
+               else f"{location.location} has {rows} rows")
+    check_held_out(prefix, source.eval_rows, rows, counted)
 
 
 def check_tokenized_path(value: str, base_dir: Path) -> list[str]:
@@ -116,8 +164,25 @@ def check_data(value: str, key: str, loaded: LoadedRecipe, split: str, source: S
         conversations = [(row.where, _conversation(row, source, data)) for row in rows[:TEMPLATE_ROWS]]
         check_chat_template(template, conversations, field)
     if source.format == "preference":
-        return _check_pair_template(rows, template, loaded)
+        return identical_pairs(rows, key) + _check_pair_template(rows, template, loaded)
     return []
+
+
+def identical_pairs(rows: list[Row], key: str) -> list[str]:
+    """A warning when pairs among `rows` have the same chosen and rejected answer: such a pair teaches no
+    preference (its DPO loss stays at ln 2 whatever the model does), usually a field mapped twice upstream."""
+    same = [row.where for row in rows if _answers_equal(row)]
+    if not same:
+        return []
+    read = f"the first {len(rows)}" if len(rows) == PREFLIGHT_ROWS else f"{len(rows)}"
+    return [f"{key}: chosen is identical to rejected in {'all' if len(same) == len(rows) else len(same)} of {read} "
+            f"pairs (the first at {same[0]}): such a pair teaches no preference (DPO's loss and ORPO's odds-ratio "
+            "term stay at ln 2 = 0.693 on it, whatever the model does); check how the pairs were built"]
+
+
+def _answers_equal(row: Row) -> bool:
+    _, chosen, rejected = preference_parts(row.fields, row.where)
+    return chosen == rejected
 
 
 def _check_pair_template(rows: list[Row], template: str | None, loaded: LoadedRecipe) -> list[str]:
@@ -310,6 +375,25 @@ def check_module_names(loaded: LoadedRecipe) -> list[str]:
     return []
 
 
+def check_last_layers(loaded: LoadedRecipe) -> list[str]:
+    """peft.last_layers against the decoder layers the model's config says it has (the rule training applies,
+    decisions.trained_layer_indices), so validate refuses what the model build would."""
+    from gpupoor.decisions import trained_layer_indices
+    from gpupoor.plan import find_config
+
+    recipe = loaded.recipe
+    if recipe.peft.last_layers is None:
+        return []
+    try:
+        config, _ = find_config(recipe.model.name_or_path, loaded.base_dir, recipe.model.revision)
+    except UserError:
+        return []  # the plan reports a config it cannot read
+    layers = (config.get("text_config") or config).get("num_hidden_layers")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        trained_layer_indices(recipe.peft.last_layers, layers)
+    return []
+
+
 def check_trackers(report_to: list[str]) -> None:
     from gpupoor.trackers import missing_trackers
 
@@ -326,6 +410,7 @@ def preflight(loaded: LoadedRecipe) -> list[str]:
     check_trackers(recipe.logging.report_to)
     warnings = check_model(recipe.model.name_or_path, loaded.base_dir)
     warnings += check_module_names(loaded)
+    warnings += check_last_layers(loaded)
     if recipe.distill is not None:
         warnings += check_model(recipe.distill.teacher, loaded.base_dir, "distill.teacher")
     warnings += check_training_data(loaded)

@@ -255,6 +255,15 @@ class PeftSection(_Section):
         "`full`, the modules that train besides `last_layers` (with neither set, every module trains).",
     )
 
+    @field_validator("target_modules", "modules_to_save")
+    @classmethod
+    def _named_modules(cls, value):
+        # An empty name passes every check of the config's module names and then matches nothing in the model.
+        if isinstance(value, list) and any(not name.strip() for name in value):
+            raise ValueError("an empty module name matches no module; name modules such as q_proj, lm_head or "
+                             "embed_tokens, or leave the list out")
+        return value
+
     @model_validator(mode="after")
     def _method_settings(self) -> "PeftSection":
         if self.method == "ia3" and self.dropout:
@@ -541,7 +550,10 @@ class LoggingSection(_Section):
     @field_validator("report_to")
     @classmethod
     def _each_once(cls, value: list[str]) -> list[str]:
-        return list(dict.fromkeys(value))
+        twice = sorted({name for name in value if value.count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once; name each tracker once")
+        return value
 
 
 class Recipe(_Section):

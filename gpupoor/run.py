@@ -731,6 +731,7 @@ class RunHooks:
         self.session, self.policy, self.stop, self.manifest_base = session, policy, stop, manifest_base
         self.first_step = session.state.step  # the step this process started from
         self.last_loss: float | None = None
+        self.warned_nonfinite = False
         self.predicted_mb = (round(session.memory_plan.comparable_peak / 2**20, 1)
                              if session.memory_plan is not None else None)
         main = session.main
@@ -761,6 +762,11 @@ class RunHooks:
             self._memory_line(record, state.step)
         self.last_loss = record["loss"]
         self.write(record)
+        if record.get("nonfinite") and not self.warned_nonfinite:  # once per session; the end repeats the count
+            self.warned_nonfinite = True
+            self.progress.message(f"warning: step {record['step']} was skipped: its loss ({record['loss']:.4g}) or "
+                                  f"gradient norm ({record['grad_norm']:.4g}) is not finite. "
+                                  f"{nonfinite_advice(self.session.recipe)}", always=True)
         self.progress.step(record)
         if self.profiler is not None:
             self.profiler.step(record)
@@ -1139,7 +1145,25 @@ def _train(session: Session, hooks: RunHooks, loss_fn, eval_fn) -> tuple[str, st
                      "best_eval_loss": state.best_eval_loss})
     elif reason != "done":
         hooks.write({"step": step, "event": "stop", "reason": reason})
+    hooks.write({"step": step, "event": "end", "reason": reason, "skipped_steps": state.skipped_steps,
+                 "nonfinite_steps": state.nonfinite_steps})
     return reason, name
+
+
+def nonfinite_advice(recipe: Recipe) -> str:
+    training = recipe.training
+    clip = "" if training.max_grad_norm else ", set training.max_grad_norm (e.g. 1.0)"
+    return f"Lower training.learning_rate (now {training.learning_rate:g}){clip}, or look for bad rows in the data"
+
+
+def _nonfinite_warning(state, recipe: Recipe) -> str:
+    """The end-of-session line when steps were skipped as non-finite (empty when none were): they did not update
+    the weights."""
+    if not state.nonfinite_steps:
+        return ""
+    return (f"warning: {state.nonfinite_steps} of {state.step} optimizer steps were skipped (a non-finite loss or "
+            f"gradient norm; no update), so the run learned from {state.step - state.nonfinite_steps}. "
+            + nonfinite_advice(recipe))
 
 
 def _profiler(session: Session, hooks: RunHooks):
@@ -1160,13 +1184,17 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
     recipe, run_dir, state = session.recipe, session.run_dir, session.state
     if reason not in ("done", "early_stop"):
         faults.at_stage("stopped")
+        # (no limit in the recipe when the stop came from elsewhere, e.g. GPUPOOR_FAULT=timeout@STEP)
+        limit = f" {recipe.checkpoint.time_limit}" if recipe.checkpoint.time_limit else ""
         if reason == "time_limit" and state.step == hooks.first_step:
-            raise UserError(f"checkpoint.time_limit {recipe.checkpoint.time_limit} is too short for one optimizer "
+            raise UserError(f"checkpoint.time_limit{limit} is too short for one optimizer "
                             f"step: start-up took {time.monotonic() - started:.0f} s and a checkpoint needs "
                             "time in reserve, so every resume would stop here again",
                             hint=f"continue with a longer limit: gpupoor resume {run_dir} --time-limit DURATION "
                             f"(the checkpoint checkpoints/{name} keeps this run)")
-        why = f"time limit {recipe.checkpoint.time_limit} nearly reached" if reason == "time_limit" else reason
+        why = f"time limit{limit} nearly reached" if reason == "time_limit" else reason
+        if state.nonfinite_steps:
+            say(_nonfinite_warning(state, recipe))
         say(f"{why}: stopped after step {state.step} with checkpoint checkpoints/{name}\n"
             f"continue with: gpupoor resume {run_dir}")
         _all_finished(session, hooks)
@@ -1191,6 +1219,8 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
         say(f"early stop: eval_loss did not improve by more than {training.early_stopping_min_delta} for "
             f"{training.early_stopping_patience} evaluations; best {state.best_eval_loss:.4f} at step {state.best_step}")
     say(f"done: {state.step} steps in {state.elapsed_s:.1f} s; final loss {loss_text}; {where}")
+    if state.nonfinite_steps:
+        say(_nonfinite_warning(state, recipe))
     _all_finished(session, hooks)
     return RunResult(run_dir, reason, hooks.last_loss, state.step)
 

@@ -87,6 +87,10 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
     sparkline = loss_sparkline([steps[step] for step in sorted(steps)])
     if sparkline:
         lines.append(f"  {sparkline}")
+    nonfinite = sum(1 for record in steps.values() if record.get("nonfinite"))
+    if nonfinite:
+        lines.append(f"  warning: {nonfinite} of {len(steps)} logged steps were skipped for a non-finite loss or "
+                     f"gradient norm (no update): lower training.learning_rate (now {recipe.training.learning_rate:g})")
     lines += _checkpoint_lines(run_dir)
     lines.append(_session_line(run_dir, recipe.checkpoint.time_limit))
     final = final_problem(run_dir)

@@ -397,3 +397,116 @@ def test_fifo_data_path_is_not_a_regular_file(make_recipe, tmp_path):
 def test_fifo_recipe_is_not_a_regular_file(tmp_path):
     os.mkfifo(tmp_path / "r.yaml")
     assert "r.yaml: not a regular file" in error_of(tmp_path / "r.yaml")
+
+
+# 7. What validate accepted and train then refused (#25): each is exit 2 at validate, naming the key --------------
+
+
+def test_last_layers_beyond_the_model_is_refused_at_validate(make_recipe):
+    code, output = validate(make_recipe(peft={"rank": 4, "last_layers": 5}))  # the tiny model has 2 layers
+    assert code == 2, output
+    assert "peft.last_layers = 5 but the model has 2 decoder layers" in output and "at most 2" in output
+
+
+@pytest.mark.parametrize("key", ["modules_to_save", "target_modules"])
+def test_empty_module_name_is_refused_at_validate(make_recipe, key):
+    code, output = validate(make_recipe(peft={"rank": 4, key: [""]}))
+    assert code == 2, output
+    assert f"'peft.{key}' = ['']: an empty module name matches no module" in output
+
+
+def test_eval_rows_beyond_the_source_are_refused_at_validate(make_recipe, alpaca_file):
+    code, output = validate(make_recipe(data={"eval_rows": 48}))  # the file has 48 rows
+    assert code == 2, output
+    assert f"data.eval_rows = 48 leaves no training rows ({alpaca_file} has 48 rows)" in output
+    assert "at most 47" in output
+
+
+def test_eval_rows_beyond_a_mixture_sources_max_rows_are_refused_at_validate(make_recipe, alpaca_file):
+    sources = [{"path": str(alpaca_file)}, {"path": str(alpaca_file), "max_rows": 10, "eval_rows": 10}]
+    code, output = validate(make_recipe(data={"path": None, "datasets": sources}))
+    assert code == 2, output
+    assert "data.datasets[1].eval_rows = 10 leaves no training rows (data.datasets[1].max_rows = 10 keeps 10 rows" \
+        in output
+
+
+def test_eval_rows_that_leave_training_rows_pass_validate(make_recipe):
+    code, output = validate(make_recipe(data={"eval_rows": 47}))
+    assert code == 0, output
+
+
+def test_a_tracker_named_twice_is_refused(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL + "logging:\n  report_to: [tensorboard, mlflow, tensorboard]\n"))
+    assert "r.yaml:6: 'logging.report_to'" in message and "tensorboard listed more than once" in message
+
+
+# 8. A field that is there with the wrong type is not a *missing* field (#25) ---------------------------------------
+
+
+@pytest.mark.parametrize("fmt, row, said", [
+    ("alpaca", {"instruction": "a", "output": None}, "field 'output' is null, expected a string"),
+    ("alpaca", {"instruction": "a", "output": 5}, "field 'output' is a number (5), expected a string"),
+    ("completion", {"prompt": ["a"], "completion": "b"}, "field 'prompt' is a list, expected a string"),
+    ("preference", {"prompt": "a", "chosen": None, "rejected": "b"},
+     "field 'chosen' is null, expected a string or a list of messages"),
+])
+def test_a_present_field_of_the_wrong_type_is_not_missing(make_recipe, tmp_path, fmt, row, said):
+    good = {"alpaca": {"instruction": "a", "output": "b"}, "completion": {"prompt": "a", "completion": "b"},
+            "preference": {"prompt": "a", "chosen": "b", "rejected": "c"}}[fmt]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    extra = {"training": {"objective": "dpo"}} if fmt == "preference" else {}
+    code, output = validate(make_recipe(data={"path": str(bad), "format": fmt}, **extra))
+    assert code == 2, output
+    assert f"bad.jsonl:2: {said}" in output and "missing" not in output
+
+
+def test_generate_prompt_of_the_wrong_type_is_not_a_missing_field(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "sort"}\n{"prompt": 5}\n')
+    result = runner.invoke(app, ["generate", str(tiny_model), "--file", str(prompts), "--format", "text"])
+    assert result.exit_code == 2, result.output
+    assert "prompts.jsonl:2: field 'prompt' is a number (5), expected a string" in result.output
+    assert "missing" not in result.output
+
+
+# 9. The same data to train and to evaluate on is warned about (#25) ------------------------------------------------
+
+
+def test_eval_path_that_is_the_training_file_is_warned(make_recipe, alpaca_file, tmp_path):
+    (tmp_path / "link.jsonl").symlink_to(alpaca_file)  # another name for the same file
+    code, output = validate(make_recipe(data={"eval_path": str(tmp_path / "link.jsonl")}))
+    assert code == 0, output
+    assert "warning: data.eval_path: " in output and "train.jsonl is also training data (data.path)" in output
+    assert "memorised" in output
+
+
+def test_a_mixtures_eval_path_that_is_another_sources_file_is_warned(make_recipe, alpaca_file, tmp_path):
+    other = tmp_path / "other.jsonl"
+    other.write_text(alpaca_file.read_text())  # the same rows in another file: not the same file
+    sources = [{"path": str(alpaca_file), "eval_path": str(other)}, {"path": str(other), "eval_path": str(alpaca_file)}]
+    code, output = validate(make_recipe(data={"path": None, "datasets": sources}))
+    assert code == 0, output
+    assert "warning: data.datasets[0].eval_path:" in output and "is also training data (data.datasets[1].path)" in output
+    assert "warning: data.datasets[1].eval_path:" in output and "is also training data (data.datasets[0].path)" in output
+
+
+def test_a_separate_eval_file_is_not_warned(make_recipe, tmp_path):
+    from conftest import alpaca_rows, write_jsonl
+
+    code, output = validate(make_recipe(data={"eval_path": str(write_jsonl(tmp_path / "eval.jsonl", alpaca_rows(8, 1)))}))
+    assert code == 0 and "also training data" not in output, output
+
+
+def test_eval_split_that_is_the_training_split_is_warned(make_recipe, tmp_path):
+    import datasets
+
+    from conftest import alpaca_rows
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(alpaca_rows(16)),
+                          "test": datasets.Dataset.from_list(alpaca_rows(4, 1))}).save_to_disk(str(saved))
+    code, output = validate(make_recipe(data={"path": str(saved), "eval_split": "train"}))
+    assert code == 0 and "warning: data.eval_split: " in output and "(split train) is also training data" in output
+    code, output = validate(make_recipe(data={"path": str(saved), "eval_split": "test"}))
+    assert code == 0 and "also training data" not in output, output

@@ -81,6 +81,10 @@ def test_eval_is_reported_per_source_and_overall(make_recipe, two_sources, tmp_p
                          training={"max_steps": 2, "eval_every_steps": 1})
     result = invoke("train", recipe, "--output-dir", tmp_path / "run")
     assert result.exit_code == 0, result.output
+    # The start-up summary counts training rows only; the held-out ones are eval's (#25).
+    assert "data 70 examples (70 rows;" in result.output and "; eval 10 examples" in result.output
+    assert "source main: 34 rows, 34 examples," in result.output and "; eval 6" in result.output
+    assert "source extra: 36 rows, 36 examples," in result.output and "18 examples per epoch; eval 4" in result.output
     evals = [r for r in read_metrics(tmp_path / "run") if "eval_loss" in r]
     assert [r["step"] for r in evals] == [1, 2]
     for record in evals:
@@ -154,3 +158,30 @@ def test_the_data_identity_checkpoints_record_is_the_one_older_versions_recorded
         digest.update(tokenizer_fingerprint(tokenizer).encode())
         digest.update(json.dumps(first, sort_keys=True).encode())
         assert data_identity("data-bytes", tokenizer, encoder) == digest.hexdigest()[:32], fmt
+
+
+def test_held_out_rows_are_not_counted_as_training_examples(tokenizer, two_sources, tmp_path):
+    """The start-up summary's counts (each source's and the whole data's) are the training examples alone: the
+    rows eval_rows holds out are eval's (#25)."""
+    from gpupoor.data.build import build_data
+    from gpupoor.recipe import DataSection
+
+    main, extra = two_sources
+    data = DataSection(datasets=[{"path": str(main), "eval_rows": 6}, {"path": str(extra), "eval_rows": 4}],
+                       format="alpaca", max_length=128, sampler="random")
+    bundle = build_data(data, tokenizer, micro_batch_size=1, seed=0, base_dir=tmp_path, use_cache=False)
+    whole = build_data(DataSection(datasets=[{"path": str(main)}, {"path": str(extra)}], format="alpaca",
+                                   max_length=128, sampler="random"), tokenizer, 1, 0, tmp_path, use_cache=False)
+
+    def counted(dataset):  # tokens and targets counted example by example (the first token is never a target)
+        examples = [dataset[i] for i in range(len(dataset))]
+        return sum(len(ids) for ids, _ in examples), sum(int((labels[1:] != -100).sum()) for _, labels in examples)
+
+    for source, stats, eval_rows in zip(bundle.mixture.sources, bundle.source_stats, (6, 4)):
+        assert (stats.rows, stats.kept) == (40 - eval_rows, source.size) == (40 - eval_rows, 40 - eval_rows)
+        assert source.eval_end - source.eval_start == eval_rows
+    stats = bundle.train.stats
+    assert (stats.rows, stats.kept) == (70, len(bundle.train)) == (70, 70)
+    assert (stats.tokens, stats.target_tokens) == counted(bundle.train)
+    assert (bundle.eval.stats.tokens, bundle.eval.stats.target_tokens) == counted(bundle.eval)
+    assert stats.tokens + bundle.eval.stats.tokens == whole.train.stats.tokens

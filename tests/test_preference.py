@@ -359,6 +359,26 @@ def test_a_preference_recipe_must_be_coherent(make_recipe, sections, keys):
     assert all(key in result.output for key in keys), result.output
 
 
+def test_identical_pairs_are_warned_at_validate_and_train(make_recipe, tmp_path):
+    """A pair whose chosen and rejected answers are the same teaches nothing (the loss stays at ln 2): validate and
+    train say how many there are and where the first is (#25)."""
+    rows = pair_rows(24)
+    for row in rows[5:8]:
+        row["rejected"] = row["chosen"]
+    some = write_jsonl(tmp_path / "some.jsonl", rows)
+    result = invoke("validate", dpo_recipe(make_recipe, some, "some.yaml"))
+    assert result.exit_code == 0, result.output
+    assert "chosen is identical to rejected in 3 of 24 pairs (the first at " in result.output
+    assert "some.jsonl:6)" in result.output and "ln 2" in result.output
+    same = write_jsonl(tmp_path / "same.jsonl", [{**row, "rejected": row["chosen"]} for row in rows])
+    recipe = dpo_recipe(make_recipe, same, "same.yaml", training={"max_steps": 1})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert "warning: data.path: chosen is identical to rejected in all of 24 pairs (the first at " in result.output
+    different = invoke("validate", dpo_recipe(make_recipe, write_jsonl(tmp_path / "ok.jsonl", pair_rows(24)), "ok.yaml"))
+    assert different.exit_code == 0 and "identical to rejected" not in different.output, different.output
+
+
 def test_validate_checks_pairs_and_their_template(make_recipe, tmp_path):
     """Rows are checked in their format (file:line), and pairs of message lists need a chat template."""
     turns = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}],

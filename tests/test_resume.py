@@ -103,6 +103,13 @@ def test_resume_after_time_limit_finishes_the_same_run(straight, make_recipe, tm
     assert_same_run(reference, run)
 
 
+def test_a_time_limit_stop_without_a_limit_in_the_recipe_never_prints_none(make_recipe, tmp_path, monkeypatch):
+    """The stop message names the recipe's limit when there is one, and never says "time limit None" (#25)."""
+    result = invoke("train", make_recipe(), "--output-dir", tmp_path / "run", fault="timeout@2", monkeypatch=monkeypatch)
+    assert result.exit_code == 75, result.output
+    assert "time limit nearly reached: stopped after step 2" in result.output and "None" not in result.output
+
+
 def test_resuming_a_finished_run_says_so(straight, monkeypatch):
     _, run = straight()
     before = (run / "metrics.jsonl").read_text()
@@ -223,6 +230,35 @@ def test_diverging_run_stops_after_consecutive_skips(make_recipe, tmp_path, monk
     assert [r["step"] for r in records if r.get("skipped")] == [3, 4, 5]
     # the weights never went non-finite (skipped steps do not update), so checkpoints stay usable
     assert (tmp_path / "run" / "checkpoints" / "step-000005").is_dir()
+
+
+def test_skipped_steps_are_warned_during_and_after_the_run(make_recipe, tmp_path, monkeypatch):
+    """Steps skipped as non-finite are not silent (#25): a warning at the first, the count at the end (and in
+    the end event of metrics.jsonl); the run still finishes (exit 0) while some steps learned."""
+    recipe = make_recipe(training={"max_steps": 6})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run", fault="nan@2,nan@4,nan@5",
+                    monkeypatch=monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("was skipped: its loss (nan)") == 1 and "warning: step 2 was skipped" in result.output
+    assert "warning: 3 of 6 optimizer steps were skipped" in result.output and "learned from 3" in result.output
+    assert "training.learning_rate (now 0.01)" in result.output
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if r.get("nonfinite")] == [2, 4, 5]
+    end = [r for r in records if r.get("event") == "end"]
+    assert end == [{"step": 6, "event": "end", "reason": "done", "skipped_steps": 3, "nonfinite_steps": 3}]
+    status = invoke("status", tmp_path / "run", monkeypatch=monkeypatch)
+    assert status.exit_code == 0 and "warning: 3 of 6 logged steps were skipped for a non-finite loss" in status.output
+
+
+def test_a_run_whose_every_step_is_skipped_fails(make_recipe, tmp_path, monkeypatch):
+    """Fewer steps than training.max_consecutive_skips, all of them non-finite: the weights never changed, so the
+    run fails (exit 1) instead of writing an untrained final/ and exiting 0 (#25)."""
+    recipe = make_recipe(training={"max_steps": 3})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run", fault="nan@1,nan@2,nan@3",
+                    monkeypatch=monkeypatch)
+    assert result.exit_code == 1, result.output
+    assert "every one of the 3 optimizer steps had a non-finite loss or gradient norm" in result.output
+    assert not (tmp_path / "run" / "final").exists()
 
 
 def test_paged_8bit_optimizer_resumes_bitwise(straight, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 
 from gpupoor.data.dataset import TokenizedDataset, TokenStats, cache_key, concat_datasets, data_identity
 from gpupoor.data.formats import IGNORE_INDEX, Encoder
-from gpupoor.data.loading import DataSource, resolve_source
+from gpupoor.data.loading import DataSource, check_held_out, resolve_source
 from gpupoor.data.mixture import Mixture, Source, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
 from gpupoor.data.tokenize import load_tokenized_dir, manifest_mixture, manifest_source_stats, tokenize_source
@@ -98,20 +98,30 @@ def _source_data(data: DataSection, source: SourceSection, key: str, tokenizer, 
                          else DataSource(location.kind, location.location, eval_split))
         evaluation, _, _ = _tokenized(eval_location, None, encoder, tokenizer, cache_dir, warnings)
     elif source.eval_rows:
-        if source.eval_rows >= len(train):
-            raise UserError(f"{key.rsplit('.', 1)[0]}.eval_rows = {source.eval_rows} leaves no training rows "
-                            f"(the data has {len(train)} usable examples)")
+        check_held_out(key.rsplit(".", 1)[0], source.eval_rows, len(train),
+                       f"the data has {len(train)} usable examples")
         # Held-out rows are chosen by a seeded shuffle that does not depend on the epoch.
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
         evaluation = train.subset(sorted(order[: source.eval_rows]))
         stats = train.stats
         train = train.subset(sorted(order[source.eval_rows:]))
-        train.stats = stats
+        train.stats, evaluation.stats = _split_stats(stats, evaluation)
         fingerprint = f"{fingerprint}-holdout{source.eval_rows}"  # the held-out rows change what is trained on
     if len(train) == 0:
         raise UserError(f"{key}: no usable training examples in {source.path} "
                         f"({train.stats.dropped_no_target} had no target tokens within max_length)")
     return _SourceData(train, evaluation, hit, fingerprint)
+
+
+def _split_stats(whole: TokenStats, held_out: TokenizedDataset) -> tuple[TokenStats, TokenStats]:
+    """(training, held-out) stats of a source whose eval_rows were held out: the summary and the tokenize manifest
+    count only what trains. Held-out rows are kept examples, so rows, examples and tokens split exactly; which
+    examples were truncated is not stored, so `truncated` stays the whole source's."""
+    tokens, targets = held_out.token_counts()
+    held = TokenStats(rows=len(held_out), kept=len(held_out), tokens=tokens, target_tokens=targets)
+    return TokenStats(rows=whole.rows - held.rows, kept=whole.kept - held.kept, truncated=whole.truncated,
+                      dropped_no_target=whole.dropped_no_target, tokens=whole.tokens - tokens,
+                      target_tokens=whole.target_tokens - targets), held
 
 
 def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,

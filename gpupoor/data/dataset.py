@@ -249,6 +249,16 @@ class TokenizedDataset:
             select = self._select[select]
         return TokenizedDataset._view(self._shards, select, TokenStats(rows=len(indices), kept=len(indices)))
 
+    def token_counts(self) -> tuple[int, int]:
+        """(tokens, target tokens) of these examples, counted as TokenStats counts them: the first token of a
+        sequence is never a target."""
+        tokens = targets = 0
+        for ids, target, lengths in self.blocks():
+            trained = target == TRAINED  # (a later sequence's first token is SEQUENCE_START, so not counted)
+            tokens += len(ids)
+            targets += int(trained.sum()) - int(trained[np.cumsum(lengths) - lengths].sum())
+        return tokens, targets
+
     def content_hash(self) -> str:
         """The hash save() writes into the file's metadata (of the examples as one flat file holds them)."""
         content = _Content(keep=False)

@@ -7,6 +7,7 @@ tokenized one by one so the boundary between prompt and completion is exact in t
 
 from __future__ import annotations
 
+import json
 import numbers
 from dataclasses import dataclass
 
@@ -40,15 +41,32 @@ def alpaca_prompt(instruction: str, input_text: str = "") -> str:
     return ALPACA_PROMPT.format(with_input="", instruction=instruction, input_block="")
 
 
+def _json_type(value) -> str:
+    """What a JSON value is, in JSON's words (an error says `null`, not `None`)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, numbers.Number):
+        return "a number"
+    return {str: "a string", list: "a list", tuple: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def wrong_type(where: str, name: str, value, expected: str = "a string") -> UserError:
+    """A field that is there but holds the wrong kind of value (null included): not a *missing* field."""
+    shown = f" ({json.dumps(value)[:40]})" if isinstance(value, (bool, numbers.Number)) else ""
+    return UserError(f"{where}: field '{name}' is {_json_type(value)}{shown}, expected {expected}")
+
+
 def _field(row: dict, name: str, where: str, fmt: str, required: bool = True) -> str:
     value = row.get(name)
-    if value is None:
+    if value is None and (name not in row or not required):  # an optional field may be null (a parquet gap)
         if not required:
             return ""
         raise UserError(f"{where}: missing field '{name}' (format {fmt} needs it; the row has "
                         f"{', '.join(map(repr, row)) or 'no fields'})")
     if not isinstance(value, str):
-        raise UserError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
+        raise wrong_type(where, name, value)
     return value
 
 
@@ -118,10 +136,13 @@ def preference_parts(row: dict, where: str) -> tuple[str | list[dict], str | lis
     """(prompt, chosen, rejected) of a `preference` row, checked: three strings, or message lists (TRL's
     conversational format). Without `prompt`, chosen and rejected are whole conversations and the messages they
     share from the start are the prompt (TRL's implicit prompt)."""
-    missing = [name for name in ("chosen", "rejected") if row.get(name) is None]
+    missing = [name for name in ("chosen", "rejected") if name not in row]
     if missing:
         raise UserError(f"{where}: missing field '{missing[0]}' (format preference needs prompt, chosen and rejected; "
                         f"the row has {', '.join(map(repr, row)) or 'no fields'})")
+    for name in ("chosen", "rejected"):
+        if row[name] is None:
+            raise wrong_type(where, name, None, "a string or a list of messages")
     if isinstance(row["chosen"], str) or isinstance(row["rejected"], str):
         return tuple(_field(row, name, where, "preference") for name in PREFERENCE_FIELDS)
     if row.get("prompt") is None:

@@ -70,6 +70,15 @@ def resolve_source(value: str, base_dir: Path, split: str, key: str) -> DataSour
     return DataSource("file", str(local), split)
 
 
+def check_held_out(prefix: str, eval_rows: int, available: int, counted: str) -> None:
+    """`{prefix}.eval_rows` must leave training rows: validate counts the source's rows, training its usable
+    examples (`counted` says which, e.g. "the data has 40 usable examples")."""
+    if eval_rows >= available:
+        raise UserError(f"{prefix}.eval_rows = {eval_rows} leaves no training rows ({counted})",
+                        hint=f"hold out fewer rows (at most {max(available - 1, 0)}), or give {prefix}.eval_path: a "
+                        "separate eval file")
+
+
 def read_rows(source: DataSource, limit: int | None = None) -> list[Row]:
     """All rows (or the first `limit`) as dicts. Malformed input is a UserError naming file:line."""
     return list(iter_rows(source, limit))

@@ -198,6 +198,17 @@ def _optimizer_step(optimizer, accelerator, loss: float, grad_norm: float) -> tu
     return diverging, diverging
 
 
+def _count_skip(state: TrainState, record: dict, skipped: bool, diverging: bool) -> None:
+    """A skipped step, counted and marked in its record: `nonfinite` when it went wrong (every skip but an fp16
+    GradScaler's own while it finds its scale)."""
+    state.skipped_steps += int(skipped)
+    state.nonfinite_steps += int(diverging)
+    if skipped:
+        record["skipped"] = True
+    if diverging:
+        record["nonfinite"] = True
+
+
 def eval_due(data: DataBundle, settings: LoopSettings, step: int) -> bool:
     """An eval every `eval_every` steps before the last (the last step is always evaluated after the loop)."""
     return data.eval is not None and bool(settings.eval_every) and step % settings.eval_every == 0 \
@@ -254,7 +265,6 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
             lr = scheduler.get_last_lr()[0]
             scheduler.step()  # the schedule follows the step count, skipped steps included
         state.step += 1
-        state.skipped_steps += int(skipped)
         state.tokens_seen += step_tokens
         state.target_tokens_seen += int(global_targets)
         last_step_s = time.perf_counter() - started
@@ -271,8 +281,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
         record.update(zip(settings.metric_names, metrics))
         if state.examples_by_source:
             record["examples_by_source"] = dict(state.examples_by_source)
-        if skipped:
-            record["skipped"] = True
+        _count_skip(state, record, skipped, diverging)
         skips_in_a_row = skips_in_a_row + 1 if diverging else 0
         hooks.on_step(record, state)
         if skips_in_a_row >= settings.max_consecutive_skips:
@@ -280,6 +289,9 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
                                       f"gradient norm (last at step {state.step})")
         if eval_due(data, settings, state.step):
             hooks.on_eval({"step": state.step, **evaluate(model, accelerator, data, settings)}, state)
+    if state.step and state.nonfinite_steps >= state.step:  # fewer steps than max_consecutive_skips, all bad
+        raise TooManySkippedSteps(f"every one of the {state.step} optimizer steps had a non-finite loss or gradient "
+                                  "norm, so the weights never changed")
     if data.eval is not None and state.evaluated_step < state.step:  # (a resumed checkpoint may include it)
         hooks.on_eval({"step": state.step, **evaluate(model, accelerator, data, settings)}, state)
     return "done"

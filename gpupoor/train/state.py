@@ -18,7 +18,8 @@ class TrainState:
     samples_seen: int = 0  # examples consumed over the whole run
     tokens_seen: int = 0  # real (non-padding) tokens consumed
     target_tokens_seen: int = 0  # tokens the loss was computed on
-    skipped_steps: int = 0  # steps dropped for a non-finite loss or gradient norm
+    skipped_steps: int = 0  # steps dropped for a non-finite loss or gradient norm (fp16: the GradScaler's too)
+    nonfinite_steps: int = 0  # of those, the ones that went wrong (not an fp16 GradScaler calibrating its scale)
     elapsed_s: float = 0.0  # training time so far, across resumes
     examples_by_source: dict = field(default_factory=dict)  # a mixture: examples drawn from each source so far
     # Evaluation that decides (early stopping, the best checkpoint): the best eval loss and its step, the evals
