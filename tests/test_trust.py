@@ -232,6 +232,37 @@ def test_a_run_that_fails_while_loading_leaves_no_directory_behind(make_recipe, 
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("flag", [[], ["--resume-if-present"]])
+def test_a_start_that_ended_before_storing_its_recipe_leaves_a_fresh_start(make_recipe, tmp_path, flag):
+    """Killed while the model loaded, or on a full disk: the run dir holds only the lock (its owner is gone) and
+    maybe an unfinished recipe write. No run is there, so the same command starts it (a requeued job goes on)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").write_text("")
+    (run / ".recipe.yaml.k2j4x9.tmp").write_text("model: {name_or_pa")
+    result = invoke("train", make_recipe(), "--output-dir", run, *flag)
+    assert result.exit_code == 0, result.output
+    assert "not empty" not in result.output
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+    assert (run / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_a_start_still_loading_in_the_run_dir_is_not_trained_over(make_recipe, tmp_path):
+    from gpupoor.rundir import RunLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = RunLock(run).acquire()  # held, like a process that is still loading its model there
+    try:
+        for flag in ([], ["--resume-if-present"]):
+            result = invoke("train", make_recipe(), "--output-dir", run, *flag)
+            assert result.exit_code == 2, result.output
+            assert f"another gpupoor process is starting a run in {run}" in result.output
+    finally:
+        lock.release()
+    assert [p.name for p in run.iterdir()] == [".lock"]
+
+
 def test_final_and_checkpoint_files_get_the_modes_open_gives(finished_run, tmp_path):
     probe = tmp_path / "probe"
     probe.write_text("x")
