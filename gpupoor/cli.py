@@ -14,7 +14,7 @@ import typer
 
 from gpupoor import __version__
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_RESUMABLE, UserError
-from gpupoor.startup import started_by_command_line
+from gpupoor.startup import from_command_line, started_by_command_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs on the hardware you have, from a YAML recipe.")
@@ -133,10 +133,13 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
         try:
             return action(stop)
         finally:
-            if stop.finished and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                stop.ignore_from_now()  # the launcher's SIGTERM must not cut this process's exit short
+            # The outcome is decided (a checkpoint or final/ committed, or the error said): a signal while the process
+            # exits must not turn it into a bare 143 -- the launcher's SIGTERM to a finished process, or a scheduler's
+            # second one during interpreter shutdown (torch's teardown takes a while).
+            if from_command_line() or (stop.finished and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+                stop.ignore_from_now()
             else:
-                stop.uninstall()
+                stop.uninstall()  # a program or test calling the command keeps its own handlers
 
     return guarded
 

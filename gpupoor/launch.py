@@ -19,6 +19,7 @@ import signal
 
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_RESUMABLE, UserError
 from gpupoor.signals import EXIT_ABORTED, STOP_SIGNALS
+from gpupoor.startup import from_command_line
 
 # The launcher's own shutdown handling stays on for these (the workers are stopped, as torchrun does).
 LAUNCHER_SIGNALS = "SIGHUP,SIGQUIT"
@@ -115,5 +116,5 @@ def launch(torchrun: list[str], command: list[str], debug: bool = False, say=pri
             say(f"error: {len(failures)} of {processes} processes failed ({said}); their output is above")
         return code
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, handler in previous.items():  # from the command line: exiting with the code decided, not 143
+            signal.signal(sig, signal.SIG_IGN if from_command_line() else handler)

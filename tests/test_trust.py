@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,6 +191,23 @@ def test_sigterm_after_the_stop_checkpoint_still_exits_75(make_recipe, tmp_path)
     result = _train_process(make_recipe("s.yaml"), run, "sigterm@2,sigterm@stopped")
     assert result.returncode == 75, result.stderr
     assert "stopped after step 2 with checkpoint checkpoints/step-000002" in result.stdout
+
+
+@pytest.mark.parametrize("fault, outcome, code", [("sigterm@3", "continue with:", 75), ("", "done:", 0)])
+def test_a_sigterm_while_resume_exits_keeps_the_exit_code(make_recipe, tmp_path, fault, outcome, code):
+    """Once the outcome is committed (the stop checkpoint, or final/), a signal while the process exits (a
+    scheduler's second SIGTERM during the interpreter's shutdown) leaves the outcome's code, never a bare 143."""
+    run = tmp_path / "run"
+    assert _train_process(make_recipe("s.yaml"), run, "sigterm@2").returncode == 75
+    process = subprocess.Popen([sys.executable, "-m", "gpupoor", "resume", str(run)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "GPUPOOR_FAULT": fault})
+    for line in process.stdout:
+        if line.startswith(outcome):
+            time.sleep(0.2)  # into the exit: torch's teardown takes longer than this
+            process.send_signal(signal.SIGTERM)
+            break
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == code, err
 
 
 def test_a_bad_time_limit_names_the_option(make_recipe):
