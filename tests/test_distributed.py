@@ -192,6 +192,24 @@ def test_a_process_dying_mid_save_leaves_the_previous_checkpoint(recipe, straigh
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, codes", [("", [0, 0]), ("rank1/sigterm@2", [75, 75])])
+def test_the_processes_end_without_the_interpreters_teardown(recipe, tmp_path, fault, codes):
+    """gloo's threads and sockets outlive destroy_process_group, and tearing them down with the interpreter aborted a
+    process now and then (SIGABRT after a run that succeeded; on two nodes the other node's torchrun then waited
+    300 s at its exit barrier). Once its part is over a process ends without that teardown: here a teardown that
+    always aborts (an atexit hook in each training process) is never reached."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text('import atexit, os\nif "LOCAL_RANK" in os.environ:\n    atexit.register(os.abort)\n')
+    env = {**os.environ, "GPUPOOR_FAULT": fault, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "-m", "gpupoor", "train", str(recipe), "--output-dir",
+                             str(tmp_path / "run"), "--set", "distributed.strategy=ddp"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert (exit_codes(result) or [result.returncode] * 2) == codes, result.stderr[-3000:]
+    assert (tmp_path / "run" / ("final" if not fault else "checkpoints/step-000002") / "manifest.json").is_file()
+
+
 def launched(*args, fault: str = "") -> subprocess.CompletedProcess:
     """`gpupoor ARGS --nproc-per-node 2`: one process that launches the two (torch.distributed.run, in it)."""
     return one_process(*args, "--nproc-per-node", "2", fault=fault)
