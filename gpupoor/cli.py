@@ -15,7 +15,7 @@ import typer
 
 from gpupoor import __version__
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_RESUMABLE, UserError
-from gpupoor.startup import started_by_command_line
+from gpupoor.startup import from_command_line, started_by_command_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs on the hardware you have, from a YAML recipe.")
@@ -64,6 +64,62 @@ def _profile_override(steps: int | None) -> list[str]:
     return [] if steps is None else [f"logging.profile_steps={steps}"]
 
 
+LAUNCH = "Launch several processes (torchrun's options; exit 75 kept)"
+NPROC_OPTION = typer.Option(None, "--nproc-per-node", min=1, rich_help_panel=LAUNCH, help=(
+    "Start N training processes on this machine through torchrun's launcher (torch.distributed.run) and exit "
+    "with gpupoor's code for all of them: 75 when every process stopped with a checkpoint, where torchrun says 1."))
+NNODES_OPTION = typer.Option("1", "--nnodes", rich_help_panel=LAUNCH,
+                             help="Machines taking part: run the same command on each (with --nproc-per-node).")
+NODE_RANK_OPTION = typer.Option(0, "--node-rank", min=0, rich_help_panel=LAUNCH,
+                                help="This machine's number, 0 to NNODES-1 (with --master-addr).")
+MASTER_ADDR_OPTION = typer.Option("127.0.0.1", "--master-addr", rich_help_panel=LAUNCH,
+                                  help="The address of node 0, which every node reaches.")
+MASTER_PORT_OPTION = typer.Option(None, "--master-port", min=1, max=65535, rich_help_panel=LAUNCH,
+                                  help="A free port on node 0 (default 29500; one machine alone picks a free one).")
+RDZV_ENDPOINT_OPTION = typer.Option(None, "--rdzv-endpoint", rich_help_panel=LAUNCH, help=(
+    "HOST:PORT where the nodes meet (torchrun's c10d rendezvous), instead of --master-addr and --node-rank."))
+LAUNCH_PARAMS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint")
+
+
+def _launch_if_asked(context: typer.Context, debug: bool, nproc_per_node: int | None, nnodes: str, node_rank: int, master_addr: str,
+                     master_port: int | None, rdzv_endpoint: str | None) -> None:
+    """With --nproc-per-node: run this command in the processes torchrun's launcher starts, and exit with their
+    code (gpupoor.launch). Launch options without it are refused. Otherwise return: train here."""
+    given = [name for name, value, default in (("--nnodes", nnodes, "1"), ("--node-rank", node_rank, 0),
+                                               ("--master-addr", master_addr, "127.0.0.1"),
+                                               ("--master-port", master_port, None),
+                                               ("--rdzv-endpoint", rdzv_endpoint, None)) if value != default]
+    if nproc_per_node is None and not given:
+        return
+
+    def action() -> int:
+        if nproc_per_node is None:
+            raise UserError(f"{', '.join(given)} without --nproc-per-node: they say how to launch processes",
+                            hint="add --nproc-per-node N (the processes on each machine)")
+        return _launch(context, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, debug)
+
+    _guarded(debug, action)  # exits
+
+
+def _launch(context: typer.Context, nproc_per_node: int, nnodes: str, node_rank: int, master_addr: str,
+            master_port: int | None, rdzv_endpoint: str | None, debug: bool) -> int:
+    from gpupoor.launch import launch, torchrun_args
+
+    command = [context.info_name]
+    for param in context.command.params:  # the command line of each process: this one without launch options
+        value = context.params.get(param.name)
+        if param.name in LAUNCH_PARAMS or value is None or value is False:
+            continue
+        if param.param_type_name == "argument":
+            command.append(str(value))
+        elif param.is_flag:
+            command.append(param.opts[0])
+        else:
+            command += [item for v in (value if param.multiple else [value]) for item in (param.opts[0], str(v))]
+    return launch(torchrun_args(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint),
+                  command, debug, say=lambda text: typer.echo(text, err=True))
+
+
 FINISHED = ("done", "already_done", "early_stop")  # exit 0; any other reason stopped with a checkpoint: exit 75
 
 
@@ -76,14 +132,34 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
 
         stop = StopRequest().install()
         try:
-            return action(stop)
+            code = action(stop)
         finally:
-            if stop.finished and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                stop.ignore_from_now()  # the launcher's SIGTERM must not cut this process's exit short
+            # The outcome is decided (a checkpoint or final/ committed, or the error said): a signal while the process
+            # exits must not turn it into a bare 143 -- the launcher's SIGTERM to a finished process, or a scheduler's
+            # second one during interpreter shutdown (torch's teardown takes a while).
+            if from_command_line() or (stop.finished and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+                stop.ignore_from_now()
             else:
-                stop.uninstall()
+                stop.uninstall()  # a program or test calling the command keeps its own handlers
+        if stop.finished and from_command_line() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _leave_now(code or 0)
+        return code
 
     return guarded
+
+
+def _leave_now(code: int) -> None:
+    """End one process of several once its part is over (after the last barrier; metrics, trackers and files
+    closed), without the interpreter's teardown. gloo's threads and sockets outlive destroy_process_group (its
+    backend has no shutdown of its own, and the group lives on while anything refers to it), so they were torn
+    down with the interpreter, and now and then that aborted a process that had trained fine (SIGABRT; on two
+    nodes the other node's torchrun then waited 300 s for it at its exit barrier)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
@@ -147,6 +223,7 @@ def _file_system_error(exc: OSError) -> tuple[str, int]:
 
 @app.command()
 def train(
+    context: typer.Context,
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
     output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Run directory (overrides output_dir)."),
@@ -160,10 +237,17 @@ def train(
                                            "trajectory are refused) instead of refusing: one command line for a "
                                            "batch job that is requeued after preemption."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+    nproc_per_node: Optional[int] = NPROC_OPTION,
+    nnodes: str = NNODES_OPTION,
+    node_rank: int = NODE_RANK_OPTION,
+    master_addr: str = MASTER_ADDR_OPTION,
+    master_port: Optional[int] = MASTER_PORT_OPTION,
+    rdzv_endpoint: Optional[str] = RDZV_ENDPOINT_OPTION,
 ) -> None:
     """Train from a recipe into a new run directory (or, with --resume-if-present, continue the run there)."""
 
     started = time.monotonic()  # a time limit counts from here
+    _launch_if_asked(context, debug, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
 
     def action(stop) -> int:
         from gpupoor.preflight import preflight
@@ -203,6 +287,7 @@ def _existing_run(loaded, output_dir: str | None) -> Path | None:
 
 @app.command()
 def resume(
+    context: typer.Context,
     run_dir: Path = typer.Argument(..., help="The run directory `gpupoor train` wrote."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP + " Changes that alter the training "
                                              "trajectory are refused unless --force."),
@@ -211,9 +296,16 @@ def resume(
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
     profile: Optional[int] = typer.Option(None, "--profile", min=1, help=PROFILE_HELP),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+    nproc_per_node: Optional[int] = NPROC_OPTION,
+    nnodes: str = NNODES_OPTION,
+    node_rank: int = NODE_RANK_OPTION,
+    master_addr: str = MASTER_ADDR_OPTION,
+    master_port: Optional[int] = MASTER_PORT_OPTION,
+    rdzv_endpoint: Optional[str] = RDZV_ENDPOINT_OPTION,
 ) -> None:
     """Continue a run exactly from its newest valid checkpoint."""
     started = time.monotonic()
+    _launch_if_asked(context, debug, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
 
     def action(stop) -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

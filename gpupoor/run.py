@@ -29,8 +29,8 @@ from pathlib import Path
 
 from gpupoor.errors import UserError
 from gpupoor.recipe import LoadedRecipe, Recipe
-from gpupoor.rundir import (RunLock, check_run_dir, check_writable, end_session, portable_recipe, resolve_run_dir,
-                            store_recipe, stored_recipe, write_session)
+from gpupoor.rundir import (RunLock, check_run_dir, check_writable, end_session, holds_something, portable_recipe,
+                            resolve_run_dir, store_recipe, stored_recipe, write_session)
 
 SMOKE_ROWS = 16
 SMOKE_STEPS = 3
@@ -649,7 +649,7 @@ def open_run_dir(session: Session, lock: RunLock | None, started: float, say=pri
     if lock is None and session.main:  # a new run: create and lock it, then make sure no other run got there first
         session.run_dir.mkdir(parents=True, exist_ok=True)
         owned = RunLock(session.run_dir).acquire()
-        if any(p.name != RunLock.NAME for p in session.run_dir.iterdir()):
+        if holds_something(session.run_dir):
             owned.release()
             check_run_dir(session.run_dir)
     session.accelerator.wait_for_everyone()

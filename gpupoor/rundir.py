@@ -51,18 +51,31 @@ def resolve_run_dir(loaded: LoadedRecipe, output_dir: str | None, stem: str) -> 
     return (Path.cwd() / "runs" / stem).resolve()
 
 
+def start_leftover(path: Path) -> bool:
+    """What a start that ended before it stored the recipe leaves in its run directory (killed while the model
+    loaded, a full disk): the lock file, and an unfinished write of the recipe. No run is there yet."""
+    return path.name == RunLock.NAME or (path.name.startswith(f".{RECIPE}.") and path.name.endswith(".tmp"))
+
+
+def holds_something(run_dir: Path) -> bool:
+    """The directory holds more than a failed start's leftovers: an earlier run, or files that are not ours."""
+    return any(not start_leftover(path) for path in run_dir.iterdir())
+
+
 def check_run_dir(run_dir: Path) -> None:
-    """A new run needs a new or empty directory."""
+    """A new run needs a new or empty directory (a failed start's leftovers do not count: it starts afresh)."""
     if run_dir.exists() and not run_dir.is_dir():
         kind = "a file" if run_dir.is_file() else "not a directory"
         raise UserError(f"run directory {run_dir} is {kind}",
                         hint="pass --output-dir NEW_DIR (or set output_dir) naming a new or empty directory")
-    # A lone .lock is left by a start that failed before anything was written (a full disk): not a run.
-    if run_dir.exists() and any(path.name != RunLock.NAME for path in run_dir.iterdir()):
+    if run_dir.exists() and holds_something(run_dir):
         hint = (f"to continue it: gpupoor resume {run_dir}" if is_run_dir(run_dir)
                 else "pass --output-dir NEW_DIR (or set output_dir), or delete the old run")
         raise UserError(f"run directory {run_dir} is not empty; gpupoor never trains over an earlier run",
                         hint=hint)
+    if run_dir.is_dir() and RunLock.held(run_dir):  # a start that is still loading its model there
+        raise UserError(f"another gpupoor process is starting a run in {run_dir}",
+                        hint="wait for it, or pass --output-dir NEW_DIR (or set output_dir) naming another directory")
 
 
 def check_writable(run_dir: Path, what: str | None = None,

@@ -16,6 +16,11 @@ def started_by_command_line() -> None:
     _whole_process = True
 
 
+def from_command_line() -> bool:
+    """True in a process started for one gpupoor command (not a test session or a program calling gpupoor)."""
+    return _whole_process
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started (Python's own start-up included), or None where /proc cannot say."""
     try:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,6 +190,86 @@ def test_a_process_dying_mid_save_leaves_the_previous_checkpoint(recipe, straigh
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     a, b = adapter(straight("fsdp")), adapter(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, codes", [("", [0, 0]), ("rank1/sigterm@2", [75, 75])])
+def test_the_processes_end_without_the_interpreters_teardown(recipe, tmp_path, fault, codes):
+    """gloo's threads and sockets outlive destroy_process_group, and tearing them down with the interpreter aborted a
+    process now and then (SIGABRT after a run that succeeded; on two nodes the other node's torchrun then waited
+    300 s at its exit barrier). Once its part is over a process ends without that teardown: here a teardown that
+    always aborts (an atexit hook in each training process) is never reached."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text('import atexit, os\nif "LOCAL_RANK" in os.environ:\n    atexit.register(os.abort)\n')
+    env = {**os.environ, "GPUPOOR_FAULT": fault, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "-m", "gpupoor", "train", str(recipe), "--output-dir",
+                             str(tmp_path / "run"), "--set", "distributed.strategy=ddp"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert (exit_codes(result) or [result.returncode] * 2) == codes, result.stderr[-3000:]
+    assert (tmp_path / "run" / ("final" if not fault else "checkpoints/step-000002") / "manifest.json").is_file()
+
+
+def launched(*args, fault: str = "") -> subprocess.CompletedProcess:
+    """`gpupoor ARGS --nproc-per-node 2`: one process that launches the two (torch.distributed.run, in it)."""
+    return one_process(*args, "--nproc-per-node", "2", fault=fault)
+
+
+@pytest.mark.slow
+def test_one_launch_exits_75_when_every_process_stopped_and_resumes_exactly(recipe, straight, tmp_path):
+    """torchrun exits 1 (and prints a ChildFailedError traceback) when its processes stop with exit 75, so a
+    script that requeues on 75 never requeued: `--nproc-per-node` keeps gpupoor's codes."""
+    run = tmp_path / "run"
+    stopped = launched("train", recipe, "--output-dir", run, "--set", "distributed.strategy=ddp", fault="timeout@2")
+    assert stopped.returncode == 75, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    assert "time limit 1h nearly reached: stopped after step 2 with checkpoint checkpoints/step-000002" in stopped.stdout
+    assert "Traceback" not in stopped.stderr and "ChildFailedError" not in stopped.stderr, stopped.stderr[-3000:]
+    resumed = launched("resume", run)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "processes: 2 (DDP, gloo" in resumed.stdout
+    assert losses(run) == losses(straight("ddp"))
+    a, b = adapter(straight("ddp")), adapter(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    bad = launched("resume", run, "--set", "training.learning_rate=0.5")  # refused by every process: exit 2
+    assert bad.returncode == 2 and "training.learning_rate" in bad.stdout + bad.stderr, bad.stderr[-3000:]
+    assert "error: 2 of 2 processes failed (rank 0: exit 2, rank 1: exit 2)" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(recipe, tmp_path):
+    """A scheduler signals the one process it started (SLURM's --signal, a batch script's `kill`); its processes
+    run in sessions of their own, so it passes the signal on and waits for their checkpoint: exit 75."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "gpupoor", "train", recipe, "--output-dir", run, "--nproc-per-node", "2",
+               "--set", "training.max_steps=100000", "--set", "checkpoint.every_steps=null"]
+    launcher = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "GPUPOOR_FAULT": ""})
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run / "metrics.jsonl"
+        while not (metrics.is_file() and '"loss"' in metrics.read_text()):  # training has begun
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.5)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 75, out[-2000:] + err[-3000:]
+    step = max(r["step"] for r in read_metrics(run) if "loss" in r)
+    assert f"stopped after step {step} with checkpoint checkpoints/step-{step:06d}" in out
+    assert (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").is_file()
+    assert "Traceback" not in err
+
+
+def test_launch_exit_codes_and_options_without_nproc_per_node(make_recipe):
+    from gpupoor.launch import exit_code
+
+    assert [exit_code(codes) for codes in ([0, 0], [75, 75], [75, 2], [130, 130], [75, 0], [75, -9], [1, 0])] == \
+        [0, 75, 2, 130, 1, 1, 1]
+    result = invoke("train", make_recipe(), "--nnodes", "2", "--master-port", "29511")
+    assert result.exit_code == 2, result.output
+    assert "--nnodes, --master-port without --nproc-per-node" in result.output
 
 
 def test_resume_if_present_trains_then_resumes_then_says_done(make_recipe, tmp_path, monkeypatch):

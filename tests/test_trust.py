@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,23 @@ def test_sigterm_after_the_stop_checkpoint_still_exits_75(make_recipe, tmp_path)
     assert "stopped after step 2 with checkpoint checkpoints/step-000002" in result.stdout
 
 
+@pytest.mark.parametrize("fault, outcome, code", [("sigterm@3", "continue with:", 75), ("", "done:", 0)])
+def test_a_sigterm_while_resume_exits_keeps_the_exit_code(make_recipe, tmp_path, fault, outcome, code):
+    """Once the outcome is committed (the stop checkpoint, or final/), a signal while the process exits (a
+    scheduler's second SIGTERM during the interpreter's shutdown) leaves the outcome's code, never a bare 143."""
+    run = tmp_path / "run"
+    assert _train_process(make_recipe("s.yaml"), run, "sigterm@2").returncode == 75
+    process = subprocess.Popen([sys.executable, "-m", "gpupoor", "resume", str(run)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "GPUPOOR_FAULT": fault})
+    for line in process.stdout:
+        if line.startswith(outcome):
+            time.sleep(0.2)  # into the exit: torch's teardown takes longer than this
+            process.send_signal(signal.SIGTERM)
+            break
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == code, err
+
+
 def test_a_bad_time_limit_names_the_option(make_recipe):
     result = invoke("train", make_recipe(), "--time-limit", "5 parsecs")
     assert result.exit_code == 2 and "--time-limit '5 parsecs': not a positive duration" in result.output
@@ -329,6 +348,37 @@ def test_a_run_that_fails_while_loading_leaves_no_directory_behind(make_recipe, 
     result = invoke("train", make_recipe(model={"name_or_path": str(broken)}), "--output-dir", target)
     assert result.exit_code == 2 and "cannot load a tokenizer" in result.output, result.output
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("flag", [[], ["--resume-if-present"]])
+def test_a_start_that_ended_before_storing_its_recipe_leaves_a_fresh_start(make_recipe, tmp_path, flag):
+    """Killed while the model loaded, or on a full disk: the run dir holds only the lock (its owner is gone) and
+    maybe an unfinished recipe write. No run is there, so the same command starts it (a requeued job goes on)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").write_text("")
+    (run / ".recipe.yaml.k2j4x9.tmp").write_text("model: {name_or_pa")
+    result = invoke("train", make_recipe(), "--output-dir", run, *flag)
+    assert result.exit_code == 0, result.output
+    assert "not empty" not in result.output
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+    assert (run / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_a_start_still_loading_in_the_run_dir_is_not_trained_over(make_recipe, tmp_path):
+    from gpupoor.rundir import RunLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = RunLock(run).acquire()  # held, like a process that is still loading its model there
+    try:
+        for flag in ([], ["--resume-if-present"]):
+            result = invoke("train", make_recipe(), "--output-dir", run, *flag)
+            assert result.exit_code == 2, result.output
+            assert f"another gpupoor process is starting a run in {run}" in result.output
+    finally:
+        lock.release()
+    assert [p.name for p in run.iterdir()] == [".lock"]
 
 
 def test_final_and_checkpoint_files_get_the_modes_open_gives(finished_run, tmp_path):

@@ -1,0 +1,120 @@
+"""`gpupoor train|resume --nproc-per-node N`: torchrun's own launcher (torch.distributed.run, in this process) with
+gpupoor's exit codes. torchrun itself exits 1 with a ChildFailedError traceback whenever a process exits non-zero,
+so a clean stop (every process 75, with its checkpoint) looked like a crash and a job script that requeues on 75
+never requeued.
+
+- Exit codes: every process of this node exited 75 -> 75; every one 0 -> 0; one of them 2 (bad input) -> 2; every
+  one 130 (aborted) -> 130; anything else -> 1, with one line naming each process's exit code. (Each node's
+  launcher judges its own processes; the processes agree on every stop, so all nodes say the same.)
+- SIGTERM, SIGINT and SIGUSR1 reaching the launcher are passed on to its processes (each started in a session of
+  its own, so a terminal's Ctrl-C or a scheduler's signal to the launcher would not reach them) and the launcher
+  waits for them: they save a checkpoint and exit 75. torchrun would instead stop them and kill them 30 s later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from gpupoor.errors import EXIT_BAD_INPUT, EXIT_RESUMABLE, UserError
+from gpupoor.signals import EXIT_ABORTED, STOP_SIGNALS
+from gpupoor.startup import from_command_line
+
+# The launcher's own shutdown handling stays on for these (the workers are stopped, as torchrun does).
+LAUNCHER_SIGNALS = "SIGHUP,SIGQUIT"
+
+
+def torchrun_args(nproc_per_node: int, nnodes: str, node_rank: int, master_addr: str, master_port: int | None,
+                  rdzv_endpoint: str | None) -> list[str]:
+    """The torchrun command line for these options (the names are torchrun's; parsed by torchrun's own parser)."""
+    args = ["--nproc-per-node", str(nproc_per_node), "--nnodes", nnodes, "--max-restarts", "0",
+            "--signals-to-handle", LAUNCHER_SIGNALS]
+    if rdzv_endpoint:  # c10d rendezvous: the nodes find each other at the endpoint (no node ranks)
+        return [*args, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
+    args += ["--node-rank", str(node_rank), "--master-addr", master_addr]
+    return [*args, "--master-port", str(master_port)] if master_port is not None else args
+
+
+def exit_code(codes: list[int]) -> int:
+    """gpupoor's exit code for the exit codes of one node's processes."""
+    if all(code == 0 for code in codes):
+        return 0
+    if all(code == EXIT_RESUMABLE for code in codes):
+        return EXIT_RESUMABLE
+    if EXIT_BAD_INPUT in codes:
+        return EXIT_BAD_INPUT
+    if all(code == EXIT_ABORTED for code in codes):
+        return EXIT_ABORTED
+    return 1
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+def _children() -> list[int]:
+    """This process's child processes (the launched ones): /proc, since torch keeps their handles private."""
+    me, children = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == me:
+                children.append(int(entry))
+    return children
+
+
+def _pass_on(signum, frame) -> None:
+    for pid in _children():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _quiet_launcher() -> None:
+    """torchrun's agent logs each stopped process as a failure ("failed (exitcode: 75)", "Sending process ...
+    closing signal"); the launcher says what happened in one line instead (--debug keeps the agent's log)."""
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch(torchrun: list[str], command: list[str], debug: bool = False, say=print) -> int:
+    """Run `python -m gpupoor COMMAND` in the processes torchrun's options `torchrun` ask for; return the exit
+    code for all of them (see the module docstring)."""
+    if "WORLD_SIZE" in os.environ:
+        raise UserError("--nproc-per-node starts the processes itself, but this process is one of several "
+                        "already (WORLD_SIZE is set: a launcher such as torchrun started it)",
+                        hint="drop --nproc-per-node and the other launch options, or run gpupoor without torchrun")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args([*torchrun, "-m", "gpupoor", *command])
+    if not debug:
+        _quiet_launcher()
+    previous = {sig: signal.signal(sig, _pass_on) for sig in STOP_SIGNALS}
+    try:
+        run(args)  # torchrun's own entry point after parsing; returns when every process exited 0
+        return 0
+    except ChildFailedError as exc:
+        failures = exc.failures  # global rank -> ProcessFailure, for the processes of this node that failed
+        processes = int(args.nproc_per_node)  # given as a number (torchrun also takes "auto", "gpu")
+        codes = [failure.exitcode for failure in failures.values()] + [0] * (processes - len(failures))
+        code = exit_code(codes)
+        if code != EXIT_RESUMABLE:
+            said = ", ".join(f"rank {rank}: {_describe(failure.exitcode)}" for rank, failure in sorted(failures.items()))
+            say(f"error: {len(failures)} of {processes} processes failed ({said}); their output is above")
+        return code
+    finally:
+        for sig, handler in previous.items():  # from the command line: exiting with the code decided, not 143
+            signal.signal(sig, signal.SIG_IGN if from_command_line() else handler)
