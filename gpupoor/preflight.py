@@ -75,7 +75,7 @@ def check_training_data(loaded: LoadedRecipe) -> list[str]:
     """Every source's path and eval_path parse in the source's own format; data.tokenized_path exists."""
     data = loaded.recipe.data
     if data.tokenized_path:
-        return check_tokenized_path(data.tokenized_path, loaded.base_dir)
+        return check_tokenized_path(data.tokenized_path, loaded.base_dir, data)
     warnings: list[str] = []
     for prefix, source in data_sources(data):
         warnings += check_data(source.path, f"{prefix}.path", loaded, source.split, source)
@@ -84,8 +84,9 @@ def check_training_data(loaded: LoadedRecipe) -> list[str]:
     return warnings
 
 
-def check_tokenized_path(value: str, base_dir: Path) -> list[str]:
-    # What `gpupoor tokenize` writes inside is checked when training opens it; here only that it is there.
+def check_tokenized_path(value: str, base_dir: Path, data: DataSection | None = None) -> list[str]:
+    # Its files are checked against the manifest when training opens it; here that it is there, and (given the
+    # data section) that it was made with the recipe's max_length and format.
     path = Path(value).expanduser()
     path = path if path.is_absolute() else base_dir / path
     if not path.exists():
@@ -94,6 +95,10 @@ def check_tokenized_path(value: str, base_dir: Path) -> list[str]:
                         "directory")
     if not path.is_dir():
         raise UserError(f"data.tokenized_path: {path} is not a directory (it is what `gpupoor tokenize` writes)")
+    if data is not None:
+        from gpupoor.data.tokenize import check_tokenized_settings
+
+        check_tokenized_settings(path, data)
     return []
 
 
