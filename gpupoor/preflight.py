@@ -14,7 +14,7 @@ from pathlib import Path
 from gpupoor.builtin_models import resolve_model_path
 from gpupoor.data.formats import (CHAT_FORMATS, IGNORE_INDEX, chat_messages, check_row, preference_parts,
                                   sharegpt_messages)
-from gpupoor.data.loading import Row, read_rows, resolve_source
+from gpupoor.data.loading import Row, iter_rows, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
 from gpupoor.recipe import DataSection, LoadedRecipe, SourceSection
@@ -79,9 +79,27 @@ def check_training_data(loaded: LoadedRecipe) -> list[str]:
     warnings: list[str] = []
     for prefix, source in data_sources(data):
         warnings += check_data(source.path, f"{prefix}.path", loaded, source.split, source)
+        check_source_rows(prefix, source, loaded.base_dir)
         if source.eval_path:
             warnings += check_data(source.eval_path, f"{prefix}.eval_path", loaded, "train", source)
     return warnings
+
+
+def check_source_rows(prefix: str, source: SourceSection, base_dir: Path) -> None:
+    """A source's `rows` per epoch against its own rows (a hub dataset's are counted when training starts). Reads
+    only as many rows as `rows` needs (1 per MAX_PASSES), plus those held out."""
+    from gpupoor.data.mixture import check_rows
+    from gpupoor.recipe import MAX_PASSES
+
+    if source.rows is None:
+        return
+    location = resolve_source(source.path, base_dir, source.split, f"{prefix}.path")
+    if location.kind == "hub":
+        return
+    needed = -(-source.rows // MAX_PASSES) + source.eval_rows
+    limit = min(needed, source.max_rows) if source.max_rows else needed
+    have = sum(1 for _ in iter_rows(location, limit)) - source.eval_rows
+    check_rows(f"{prefix}.rows", source.rows, max(have, 0), "rows" + (" left after eval_rows" if source.eval_rows else ""))
 
 
 def check_tokenized_path(value: str, base_dir: Path, data: DataSection | None = None) -> list[str]:

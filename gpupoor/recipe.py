@@ -58,6 +58,11 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "tool": "tool", "function_call": "assistant", "observation": "tool"}
 
 
+# A source's amount per epoch (`rows`, `epochs`) is at most this many passes over it: an epoch's order is held in
+# memory, and more repetition of one source is what training.epochs (every source again) is for.
+MAX_PASSES = 100
+
+
 class SourceSection(_Section):
     """One source of a mixture (`data.datasets`). Keys left unset take the `data` section's value."""
 
@@ -75,9 +80,11 @@ class SourceSection(_Section):
         "weights (set it on every source or on none). An epoch holds as many examples as all sources together; "
         "a source with more weight than examples repeats them."
     )
-    rows: int | None = Field(None, ge=1, description="Exactly this many examples of this source per epoch.")
-    epochs: float | None = Field(None, gt=0, description="Passes over this source per epoch (0.5: half of it, "
-                                 "2: each example twice). Default 1 when neither `weight` nor `rows` is set.")
+    rows: int | None = Field(None, ge=1, description="Exactly this many examples of this source per epoch: at most "
+                             f"{MAX_PASSES} passes over it (validate counts its rows).")
+    epochs: float | None = Field(None, gt=0, le=MAX_PASSES, description="Passes over this source per epoch (0.5: "
+                                 f"half of it, 2: each example twice; at most {MAX_PASSES}). Default 1 when neither "
+                                 "`weight` nor `rows` is set.")
     eval_rows: int = Field(0, ge=0, description="Hold out this many rows of this source for eval.")
     eval_path: str | None = Field(None, description="This source's eval data, in its format.")
 

@@ -10,7 +10,7 @@ import torch
 from gpupoor.data.dataset import TokenizedDataset, TokenStats, cache_key, concat_datasets, data_identity
 from gpupoor.data.formats import IGNORE_INDEX, Encoder
 from gpupoor.data.loading import DataSource, resolve_source
-from gpupoor.data.mixture import Mixture, Source, source_counts
+from gpupoor.data.mixture import Mixture, Source, check_rows, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
 from gpupoor.data.tokenize import check_recipe_settings, load_tokenized_dir, manifest_mixture, manifest_source_stats, tokenize_source
 from gpupoor.errors import UserError
@@ -156,6 +156,9 @@ def _from_tokenized_dir(data: DataSection, tokenizer, micro_batch_size: int, see
 
 def _mixture(sources: list[SourceSection], parts: list[_SourceData], seed: int) -> Mixture:
     sizes = [len(part.train) for part in parts]
+    for number, (source, size) in enumerate(zip(sources, sizes)):
+        if source.rows is not None:  # only data.datasets sources have rows
+            check_rows(f"data.datasets[{number}].rows", source.rows, size)
     counts = source_counts(sizes, [s.weight for s in sources], [s.rows for s in sources], [s.epochs for s in sources])
     placed, start, eval_start = [], 0, 0
     for source, part, count in zip(sources, parts, counts):
