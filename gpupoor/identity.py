@@ -48,7 +48,7 @@ def model_identities(recipe, recorded: dict | None = None, base_dir: Path | None
 def model_identity(value: str, revision: str | None, base_dir: Path, known: dict[str, str]) -> dict:
     local = resolve_model_path(value, base_dir)
     if local is None:
-        return {"hub": value, "commit": hub_commit(value, revision)}
+        return {"hub": value, "commit": hub_commit(value, revision), "config": _facts(_hub_config(value, revision))}
     builtin = {}
     if value.startswith(PREFIX):  # verified against its manifest when resolved
         manifest = json.loads((local / "manifest.json").read_text())
@@ -59,18 +59,34 @@ def model_identity(value: str, revision: str | None, base_dir: Path, known: dict
             stat = path.stat()
             key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}"
             files[path.name] = {"sha256": builtin.get(path.name) or known.get(key) or sha256_file(path), "stat": key}
-    return {"path": str(local), "files": files}
+    return {"path": str(local), "files": files, "config": _facts(local / "config.json")}
 
 
-def hub_commit(value: str, revision: str | None) -> str | None:
-    """The commit of the cached snapshot `revision` (default main) of hub model `value` resolves to, or None."""
+def _facts(config: Path | None) -> dict | None:
+    """What generate and merge-lora check a base against (gpupoor.merge.check_base_fits): the architecture,
+    decoder layer count and hidden size the run trained on."""
+    from gpupoor.merge import config_facts
+
+    try:
+        return config_facts(json.loads(config.read_text())) if config is not None else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _hub_config(value: str, revision: str | None) -> Path | None:
     from huggingface_hub import try_to_load_from_cache
 
     try:
         found = try_to_load_from_cache(value, "config.json", revision=revision)
     except (ValueError, OSError):
         return None
-    return Path(found).parent.name if isinstance(found, str) else None  # .../snapshots/<commit>/config.json
+    return Path(found) if isinstance(found, str) else None
+
+
+def hub_commit(value: str, revision: str | None) -> str | None:
+    """The commit of the cached snapshot `revision` (default main) of hub model `value` resolves to, or None."""
+    found = _hub_config(value, revision)
+    return found.parent.name if found is not None else None  # .../snapshots/<commit>/config.json
 
 
 def identity_change(before: dict, now: dict) -> str | None:

@@ -99,7 +99,8 @@ def check_source_rows(prefix: str, source: SourceSection, base_dir: Path) -> Non
     needed = -(-source.rows // MAX_PASSES) + source.eval_rows
     limit = min(needed, source.max_rows) if source.max_rows else needed
     have = sum(1 for _ in iter_rows(location, limit)) - source.eval_rows
-    check_rows(f"{prefix}.rows", source.rows, max(have, 0), "rows" + (" left after eval_rows" if source.eval_rows else ""))
+    what = "rows left after eval_rows" if source.eval_rows else "rows"
+    check_rows(f"{prefix}.rows", source.rows, max(have, 0), what)
 
 
 def check_tokenized_path(value: str, base_dir: Path, data: DataSection | None = None) -> list[str]:

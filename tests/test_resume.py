@@ -213,7 +213,8 @@ def test_model_identity_reuses_hashes_of_unchanged_files_and_names_hub_commits(t
                              distill=SimpleNamespace(teacher="owner/teacher", revision=None))
     first = identity.model_identities(recipe)
     assert sorted(first["model.name_or_path"]["files"]) == ["config.json", "model.safetensors"]
-    assert first["distill.teacher"] == {"hub": "owner/teacher", "commit": None}  # not cached: unknown
+    assert first["distill.teacher"] == {"hub": "owner/teacher", "commit": None, "config": None}  # not cached
+    assert first["model.name_or_path"]["config"] == {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32}
     hashed = []
     monkeypatch.setattr(identity, "sha256_file", lambda path: hashed.append(path.name) or "rehashed")
     (tmp_path / "cache" / identity.CACHE_FILE).unlink()  # from the previous checkpoint's record alone
@@ -232,7 +233,7 @@ def test_model_identity_reuses_hashes_of_unchanged_files_and_names_hub_commits(t
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
     (hub / "models--owner--teacher" / "refs" / "main").write_text("a" * 40)
     before = identity.model_identities(recipe)
-    assert before["distill.teacher"] == {"hub": "owner/teacher", "commit": "a" * 40}
+    assert before["distill.teacher"]["commit"] == "a" * 40
     assert identity.model_changes({"distill.teacher": first["distill.teacher"]}, before) == {}
     (hub / "models--owner--teacher" / "refs" / "main").write_text("b" * 40)
     assert identity.model_changes(before, identity.model_identities(recipe)) == \

@@ -12,7 +12,8 @@ from gpupoor.data.formats import IGNORE_INDEX, Encoder
 from gpupoor.data.loading import DataSource, resolve_source
 from gpupoor.data.mixture import Mixture, Source, check_rows, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
-from gpupoor.data.tokenize import check_recipe_settings, load_tokenized_dir, manifest_mixture, manifest_source_stats, tokenize_source
+from gpupoor.data.tokenize import (check_recipe_settings, load_tokenized_dir, manifest_mixture, manifest_source_stats,
+                                    tokenize_source)
 from gpupoor.errors import UserError
 from gpupoor.files import default_cache_dir
 from gpupoor.recipe import DataSection, SourceSection
