@@ -7,6 +7,7 @@ allows, the hub itself. `validate --show` (show_rows) loads the tokenizer, never
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ from gpupoor.data.formats import (CHAT_FORMATS, IGNORE_INDEX, chat_messages, che
 from gpupoor.data.loading import Row, iter_rows, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
-from gpupoor.recipe import DataSection, LoadedRecipe, SourceSection
+from gpupoor.recipe import MAX_PASSES, DataSection, LoadedRecipe, SourceSection, check_rows, check_tokenized_settings
 
 PREFLIGHT_ROWS = 200  # rows parsed per data file: enough to catch a wrong format, fast on big files
 TEMPLATE_ROWS = 20  # rows rendered with a recipe's chat template
@@ -88,9 +89,6 @@ def check_training_data(loaded: LoadedRecipe) -> list[str]:
 def check_source_rows(prefix: str, source: SourceSection, base_dir: Path) -> None:
     """A source's `rows` per epoch against its own rows (a hub dataset's are counted when training starts). Reads
     only as many rows as `rows` needs (1 per MAX_PASSES), plus those held out."""
-    from gpupoor.data.mixture import check_rows
-    from gpupoor.recipe import MAX_PASSES
-
     if source.rows is None:
         return
     location = resolve_source(source.path, base_dir, source.split, f"{prefix}.path")
@@ -114,10 +112,12 @@ def check_tokenized_path(value: str, base_dir: Path, data: DataSection | None = 
                         "directory")
     if not path.is_dir():
         raise UserError(f"data.tokenized_path: {path} is not a directory (it is what `gpupoor tokenize` writes)")
-    if data is not None:
-        from gpupoor.data.tokenize import check_tokenized_settings
-
-        check_tokenized_settings(path, data)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # not one `gpupoor tokenize` wrote, or damaged: training names what is wrong with it
+    if data is not None and isinstance(manifest, dict):
+        check_tokenized_settings(manifest, data, path)
     return []
 
 

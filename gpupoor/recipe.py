@@ -225,6 +225,32 @@ class DataSection(_Section):
         return self
 
 
+def check_rows(key: str, rows: int, size: int, what: str = "examples") -> None:
+    """A source's `rows` per epoch are at most MAX_PASSES passes over its `size` (the epoch's order is held in
+    memory: a typo's 1e12 would grow it without end). validate counts rows; training, examples."""
+    if rows > MAX_PASSES * size:
+        raise UserError(f"{key}: {rows:,} examples per epoch is more than {MAX_PASSES} passes over the source's "
+                        f"{size:,} {what}", hint=f"give at most {MAX_PASSES * size:,} (or use weights); to see all the "
+                        "data more often, raise training.epochs")
+
+
+def check_tokenized_settings(manifest: dict, data: DataSection, path: Path) -> None:
+    """The recipe's data.max_length and data.format must be those the `gpupoor tokenize` directory `path` (its
+    manifest) was made with: its examples were cut and labelled then, so a recipe that says otherwise would
+    describe a run it is not (a UserError naming both)."""
+    made = {"max_length": manifest.get("max_length"), "format": (manifest.get("data") or {}).get("format")}
+    differences = [(key, getattr(data, key), made[key]) for key in ("max_length", "format")
+                   if made[key] is not None and getattr(data, key) != made[key]]
+    if not differences:
+        return
+    said = "; ".join(f"data.{key} is {ours!r} in the recipe but {theirs!r} in its manifest"
+                     for key, ours, theirs in differences)
+    raise UserError(f"data.tokenized_path: {path} was tokenized with other settings ({said}); its examples were "
+                    "cut and labelled when it was written, so the recipe's values would be ignored",
+                    hint="set " + " and ".join(f"data.{key}: {theirs}" for key, _, theirs in differences)
+                    + " in the recipe, or tokenize again with the new settings (gpupoor tokenize RECIPE --output DIR)")
+
+
 class PeftSection(_Section):
     """What trains: adapters on the frozen base model (LoRA, DoRA, IA3), or the model's own weights (full), on
     every decoder layer or only the last few."""

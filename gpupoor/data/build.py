@@ -10,13 +10,12 @@ import torch
 from gpupoor.data.dataset import TokenizedDataset, TokenStats, cache_key, concat_datasets, data_identity
 from gpupoor.data.formats import IGNORE_INDEX, Encoder
 from gpupoor.data.loading import DataSource, resolve_source
-from gpupoor.data.mixture import Mixture, Source, check_rows, source_counts
+from gpupoor.data.mixture import Mixture, Source, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
-from gpupoor.data.tokenize import (check_recipe_settings, load_tokenized_dir, manifest_mixture, manifest_source_stats,
-                                    tokenize_source)
+from gpupoor.data.tokenize import load_tokenized_dir, manifest_mixture, manifest_source_stats, tokenize_source
 from gpupoor.errors import UserError
 from gpupoor.files import default_cache_dir
-from gpupoor.recipe import DataSection, SourceSection
+from gpupoor.recipe import DataSection, SourceSection, check_rows, check_tokenized_settings
 
 
 @dataclass
@@ -147,7 +146,7 @@ def _from_tokenized_dir(data: DataSection, tokenizer, micro_batch_size: int, see
     path = Path(data.tokenized_path).expanduser()
     path = path if path.is_absolute() else base_dir / path
     train, evaluation, manifest = load_tokenized_dir(path, tokenizer)
-    check_recipe_settings(manifest, data, path)
+    check_tokenized_settings(manifest, data, path)
     mixture = manifest_mixture(manifest, seed)
     kind = sampler or (data.sampler if data.sampler != "auto" else "random")
     plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, manifest["max_length"], mixture)

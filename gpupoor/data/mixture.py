@@ -14,9 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gpupoor.errors import UserError
-from gpupoor.recipe import MAX_PASSES
-
 
 @dataclass
 class Source:
@@ -41,15 +38,6 @@ def source_counts(sizes: list[int], weights: list[float | None], rows: list[int 
         return [max(1, round(total * weight / weight_sum)) for weight in weights]
     return [row if row is not None else max(1, round(size * (epoch if epoch is not None else 1.0)))
             for size, row, epoch in zip(sizes, rows, epochs)]
-
-
-def check_rows(key: str, rows: int, size: int, what: str = "examples") -> None:
-    """A source's `rows` per epoch are at most MAX_PASSES passes over its `size` (the epoch's order is held in
-    memory: a typo's 1e12 would grow it without end)."""
-    if rows > MAX_PASSES * size:
-        raise UserError(f"{key}: {rows:,} examples per epoch is more than {MAX_PASSES} passes over the source's "
-                        f"{size:,} {what}", hint=f"give at most {MAX_PASSES * size:,} (or use weights); to see all the "
-                        "data more often, raise training.epochs")
 
 
 class Mixture:

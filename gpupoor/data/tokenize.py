@@ -318,27 +318,6 @@ def load_tokenized_dir(path: Path, tokenizer) -> tuple[TokenizedDataset, Tokeniz
     return train, evaluation, manifest
 
 
-def check_recipe_settings(manifest: dict, data, path: Path) -> None:
-    """The recipe's data.max_length and data.format must be those `path` was tokenized with: its examples were cut
-    and labelled then, so a recipe that says otherwise would describe a run it is not (a UserError naming both)."""
-    made = {"max_length": manifest.get("max_length"), "format": (manifest.get("data") or {}).get("format")}
-    differences = [(key, getattr(data, key), made[key]) for key in ("max_length", "format")
-                   if made[key] is not None and getattr(data, key) != made[key]]
-    if not differences:
-        return
-    said = "; ".join(f"data.{key} is {ours!r} in the recipe but {theirs!r} in its manifest"
-                     for key, ours, theirs in differences)
-    raise UserError(f"data.tokenized_path: {path} was tokenized with other settings ({said}); its examples were "
-                    "cut and labelled when it was written, so the recipe's values would be ignored",
-                    hint="set " + " and ".join(f"data.{key}: {theirs}" for key, _, theirs in differences)
-                    + " in the recipe, or tokenize again with the new settings (gpupoor tokenize RECIPE --output DIR)")
-
-
-def check_tokenized_settings(path: Path, data) -> None:
-    """validate: `path` is a directory `gpupoor tokenize` wrote, made with the recipe's max_length and format."""
-    check_recipe_settings(_read_manifest(path), data, path)
-
-
 def _read_manifest(path: Path) -> dict:
     file = path / MANIFEST
     if not file.is_file():
