@@ -25,7 +25,7 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
     from gpupoor.data.build import make_encoder
     from gpupoor.hardware import dtype_of, resolve_device, resolve_inference_precision
     from gpupoor.checkpoint import read_manifest, verify_adapter_dir
-    from gpupoor.merge import refuse_checkpoint_outside_run, resolve_adapter, run_weights_dir
+    from gpupoor.merge import base_config, check_base_fits, refuse_checkpoint_outside_run, resolve_adapter, run_weights_dir
     from gpupoor.model import load_tokenizer, quantization_config
     from gpupoor.recipe import DataSection, ModelSection, QuantizationSection
     from gpupoor.rundir import is_run_dir, stored_recipe
@@ -48,12 +48,14 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
         recipe = stored_recipe(source.run_dir) if source.run_dir else None
         adapter_config = json.loads((source.adapter_dir / "adapter_config.json").read_text())
         base_name = base or adapter_config["base_model_name_or_path"]
+        revision = None if base else adapter_config.get("revision")
+        check_base_fits(source.adapter_dir, base_config(base_name, revision), base_name)
         quant = recipe.quantization if recipe else QuantizationSection()
         # Compute in the precision the run trained in, where this device has it (the manifest records it).
         precision = resolve_inference_precision(target, read_manifest(source.adapter_dir).get("precision"))
         quantization = quantization_config(quant, precision) if quant.bits else None
         model = _load_base(base_name, dtype=dtype_of(precision), quantization_config=quantization,
-                           revision=None if base else adapter_config.get("revision"),
+                           revision=revision,
                            device_map={"": target} if quantization else None)
         try:
             with bitsandbytes_unless_loaded():

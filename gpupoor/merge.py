@@ -114,6 +114,82 @@ def weight_shards(base_dir: Path) -> list[Path]:
                     hint="gpupoor reads only safetensors (no pickle); convert the base with save_pretrained")
 
 
+# The decoder layer a tensor name belongs to (model.layers.3..., transformer.h.3..., blocks.3...).
+LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+# What says which model an adapter fits: its family, depth and width.
+SHAPE_KEYS = (("model_type", "model_type"), ("num_hidden_layers", "n_layer"), ("hidden_size", "n_embd"))
+
+
+def config_facts(config: dict) -> dict:
+    """A model config's family, decoder layer count and hidden size (None where it does not say)."""
+    return {key: config.get(key, config.get(other)) for key, other in SHAPE_KEYS}
+
+
+def base_config(base: str, revision: str | None = None) -> dict | None:
+    """The config.json of a base (a local directory, or a hub id's cached or downloadable config), or None when
+    it cannot be read here (loading the base then says why)."""
+    local = Path(base).expanduser()
+    try:
+        if local.is_dir():
+            return json.loads((local / "config.json").read_text())
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(base, "config.json", revision=revision)).read_text())
+    except Exception:  # no config, no network, not a repo: the load that follows names the problem
+        return None
+
+
+def _trained_facts(adapter_dir: Path, adapter_config: dict) -> dict | None:
+    """The facts of the model the adapter was trained on: as the run recorded them (manifest "models"), else from
+    the base it names when that is a local directory."""
+    recorded = read_manifest(adapter_dir).get("models", {}).get("model.name_or_path", {}).get("config")
+    if isinstance(recorded, dict):
+        return recorded
+    named = adapter_config.get("base_model_name_or_path")
+    config = base_config(named) if named and Path(named).expanduser().is_dir() else None
+    return config_facts(config) if config is not None else None
+
+
+def check_base_fits(adapter_dir: Path, base: dict | None, base_name: str) -> None:
+    """Refuse a base the adapter was not trained for, before it is loaded: another architecture, depth or width
+    than the run trained on, or decoder layers the adapter has weights for but the base lacks, or that the base
+    has beyond those the adapter covers (peft would apply part of the adapter, silently). merge-lora and generate
+    --base both ask."""
+    from safetensors import safe_open
+
+    if base is None:
+        return
+    adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    ours, theirs = config_facts(base), _trained_facts(adapter_dir, adapter_config)
+    problems = []
+    if theirs and None not in (theirs["model_type"], ours["model_type"]) and theirs["model_type"] != ours["model_type"]:
+        problems.append(f"it was trained on another architecture ({theirs['model_type']}; the base is "
+                        f"{ours['model_type']})")
+    depth = ours["num_hidden_layers"]
+    with safe_open(adapter_dir / "adapter_model.safetensors", framework="pt") as handle:
+        layers = {int(match.group(1)) for key in handle.keys() if (match := LAYER_INDEX.search(key))}
+    targets = adapter_config.get("target_modules")
+    # Generic module names on every layer (not a regex, not named layer by layer, no layers_to_transform): the
+    # adapter's highest layer is the trained model's last.
+    every_layer = adapter_config.get("layers_to_transform") is None and (targets == "all-linear" or (
+        isinstance(targets, list) and not any(LAYER_INDEX.search(f".{name}.") for name in targets)))
+    trained_depth = theirs["num_hidden_layers"] if theirs and theirs["num_hidden_layers"] else \
+        max(layers) + 1 if layers and every_layer else None
+    if layers and depth is not None and max(layers) >= depth:
+        problems.append(f"it was trained on another model (it has weights for decoder layer {max(layers)}; the base "
+                        f"has {depth} decoder layer{'s' if depth != 1 else ''})")
+    elif None not in (trained_depth, depth) and trained_depth != depth:
+        unadapted = f": layers {trained_depth}-{depth - 1} would run without it" if depth > trained_depth else ""
+        problems.append(f"it was trained on another model ({trained_depth} decoder layers; the base has "
+                        f"{depth}{unadapted})")
+    width = theirs["hidden_size"] if theirs else None
+    if None not in (width, ours["hidden_size"]) and width != ours["hidden_size"]:
+        problems.append(f"it was trained on another model (hidden size {width}; the base's is {ours['hidden_size']})")
+    if problems:
+        raise UserError(f"the adapter in {adapter_dir} does not fit the base {base_name}: {problems[0]}",
+                        hint="pass --base with the model the run trained on, or leave --base out")
+
+
 class ShapeMismatch(ValueError):
     """An adapter tensor that does not fit the base weight it targets (the adapter was trained on another model)."""
 
@@ -387,6 +463,7 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
         raise UserError("the adapter does not name its base model", hint="pass --base MODEL")
     # The hub revision the run trained on (recorded in the adapter config), unless another base was given.
     base_dir = base_files(base_name, None if base else adapter.config.get("revision"))
+    check_base_fits(source.adapter_dir, base_config(str(base_dir)), base_name)
     config = AutoConfig.from_pretrained(base_dir)
     recipe, metrics = _run_summary(source.run_dir)
     quantization = dict(recipe.get("quantization") or {})

@@ -7,6 +7,7 @@ allows, the hub itself. `validate --show` (show_rows) loads the tokenizer, never
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ from gpupoor.data.formats import (CHAT_FORMATS, IGNORE_INDEX, chat_messages, che
 from gpupoor.data.loading import DataSource, Row, check_held_out, iter_rows, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
-from gpupoor.recipe import DataSection, LoadedRecipe, SourceSection
+from gpupoor.recipe import MAX_PASSES, DataSection, LoadedRecipe, SourceSection, check_rows, check_tokenized_settings
 
 PREFLIGHT_ROWS = 200  # rows parsed per data file: enough to catch a wrong format, fast on big files
 TEMPLATE_ROWS = 20  # rows rendered with a recipe's chat template
@@ -72,12 +73,13 @@ def check_training_data(loaded: LoadedRecipe) -> list[str]:
     """Every source's path and eval_path parse in the source's own format; data.tokenized_path exists."""
     data = loaded.recipe.data
     if data.tokenized_path:
-        return check_tokenized_path(data.tokenized_path, loaded.base_dir)
+        return check_tokenized_path(data.tokenized_path, loaded.base_dir, data)
     warnings: list[str] = []
     for prefix, source in data_sources(data):
         warnings += check_data(source.path, f"{prefix}.path", loaded, source.split, source)
         if source.eval_rows:
             check_eval_rows(prefix, source, loaded.base_dir)
+        check_source_rows(prefix, source, loaded.base_dir)
         if source.eval_path:
             warnings += check_data(source.eval_path, f"{prefix}.eval_path", loaded, "train", source)
     return warnings + eval_is_training_data(loaded)
@@ -129,8 +131,24 @@ def check_eval_rows(prefix: str, source: SourceSection, base_dir: Path) -> None:
     check_held_out(prefix, source.eval_rows, rows, counted)
 
 
-def check_tokenized_path(value: str, base_dir: Path) -> list[str]:
-    # What `gpupoor tokenize` writes inside is checked when training opens it; here only that it is there.
+def check_source_rows(prefix: str, source: SourceSection, base_dir: Path) -> None:
+    """A source's `rows` per epoch against its own rows (a hub dataset's are counted when training starts). Reads
+    only as many rows as `rows` needs (1 per MAX_PASSES), plus those held out."""
+    if source.rows is None:
+        return
+    location = resolve_source(source.path, base_dir, source.split, f"{prefix}.path")
+    if location.kind == "hub":
+        return
+    needed = -(-source.rows // MAX_PASSES) + source.eval_rows
+    limit = min(needed, source.max_rows) if source.max_rows else needed
+    have = sum(1 for _ in iter_rows(location, limit)) - source.eval_rows
+    what = "rows left after eval_rows" if source.eval_rows else "rows"
+    check_rows(f"{prefix}.rows", source.rows, max(have, 0), what)
+
+
+def check_tokenized_path(value: str, base_dir: Path, data: DataSection | None = None) -> list[str]:
+    # Its files are checked against the manifest when training opens it; here that it is there, and (given the
+    # data section) that it was made with the recipe's max_length and format.
     path = Path(value).expanduser()
     path = path if path.is_absolute() else base_dir / path
     if not path.exists():
@@ -139,6 +157,12 @@ def check_tokenized_path(value: str, base_dir: Path) -> list[str]:
                         "directory")
     if not path.is_dir():
         raise UserError(f"data.tokenized_path: {path} is not a directory (it is what `gpupoor tokenize` writes)")
+    try:
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # not one `gpupoor tokenize` wrote, or damaged: training names what is wrong with it
+    if data is not None and isinstance(manifest, dict):
+        check_tokenized_settings(manifest, data, path)
     return []
 
 

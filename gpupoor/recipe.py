@@ -58,6 +58,11 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "tool": "tool", "function_call": "assistant", "observation": "tool"}
 
 
+# A source's amount per epoch (`rows`, `epochs`) is at most this many passes over it: an epoch's order is held in
+# memory, and more repetition of one source is what training.epochs (every source again) is for.
+MAX_PASSES = 100
+
+
 class SourceSection(_Section):
     """One source of a mixture (`data.datasets`). Keys left unset take the `data` section's value."""
 
@@ -75,9 +80,11 @@ class SourceSection(_Section):
         "weights (set it on every source or on none). An epoch holds as many examples as all sources together; "
         "a source with more weight than examples repeats them."
     )
-    rows: int | None = Field(None, ge=1, description="Exactly this many examples of this source per epoch.")
-    epochs: float | None = Field(None, gt=0, description="Passes over this source per epoch (0.5: half of it, "
-                                 "2: each example twice). Default 1 when neither `weight` nor `rows` is set.")
+    rows: int | None = Field(None, ge=1, description="Exactly this many examples of this source per epoch: at most "
+                             f"{MAX_PASSES} passes over it (validate counts its rows).")
+    epochs: float | None = Field(None, gt=0, le=MAX_PASSES, description="Passes over this source per epoch (0.5: "
+                                 f"half of it, 2: each example twice; at most {MAX_PASSES}). Default 1 when neither "
+                                 "`weight` nor `rows` is set.")
     eval_rows: int = Field(0, ge=0, description="Hold out this many rows of this source for eval.")
     eval_path: str | None = Field(None, description="This source's eval data, in its format.")
 
@@ -216,6 +223,32 @@ class DataSection(_Section):
                 raise ValueError("data.datasets: set eval_path (or eval_rows) on each source; data.eval_path, "
                                  "data.eval_split and data.eval_rows belong to a single `path`")
         return self
+
+
+def check_rows(key: str, rows: int, size: int, what: str = "examples") -> None:
+    """A source's `rows` per epoch are at most MAX_PASSES passes over its `size` (the epoch's order is held in
+    memory: a typo's 1e12 would grow it without end). validate counts rows; training, examples."""
+    if rows > MAX_PASSES * size:
+        raise UserError(f"{key}: {rows:,} examples per epoch is more than {MAX_PASSES} passes over the source's "
+                        f"{size:,} {what}", hint=f"give at most {MAX_PASSES * size:,} (or use weights); to see all the "
+                        "data more often, raise training.epochs")
+
+
+def check_tokenized_settings(manifest: dict, data: DataSection, path: Path) -> None:
+    """The recipe's data.max_length and data.format must be those the `gpupoor tokenize` directory `path` (its
+    manifest) was made with: its examples were cut and labelled then, so a recipe that says otherwise would
+    describe a run it is not (a UserError naming both)."""
+    made = {"max_length": manifest.get("max_length"), "format": (manifest.get("data") or {}).get("format")}
+    differences = [(key, getattr(data, key), made[key]) for key in ("max_length", "format")
+                   if made[key] is not None and getattr(data, key) != made[key]]
+    if not differences:
+        return
+    said = "; ".join(f"data.{key} is {ours!r} in the recipe but {theirs!r} in its manifest"
+                     for key, ours, theirs in differences)
+    raise UserError(f"data.tokenized_path: {path} was tokenized with other settings ({said}); its examples were "
+                    "cut and labelled when it was written, so the recipe's values would be ignored",
+                    hint="set " + " and ".join(f"data.{key}: {theirs}" for key, _, theirs in differences)
+                    + " in the recipe, or tokenize again with the new settings (gpupoor tokenize RECIPE --output DIR)")
 
 
 class PeftSection(_Section):

@@ -480,6 +480,29 @@ def check_checkpoint_matches(session: Session, checkpoint) -> None:
                         "optimizer state is resharded)")
 
 
+def _check_models(session: Session, checkpoint, force: bool, say) -> tuple[dict, dict[str, str]]:
+    """The identity of each model the run loads (gpupoor.identity), on the first process (it writes the
+    checkpoints; the others stop when it does), and what changed since the checkpoint recorded them: refused
+    unless --force, which accepts them. Returns (identities, changes by recipe key)."""
+    if not session.main or session.smoke:
+        return {}, {}
+    from gpupoor.identity import model_changes, model_identities
+
+    recorded = checkpoint.manifest.get("models") if checkpoint is not None else None
+    models = model_identities(session.recipe, recorded)
+    session.startup.mark("model")  # identifying the model's files counts as loading them
+    changes = model_changes(recorded, models)
+    listed = "\n".join(f"  {key}: {change}" for key, change in changes.items())
+    if changes and not force:
+        raise UserError(f"the model{'s' if len(changes) > 1 else ''} this run trained with changed at the same path "
+                        f"since checkpoint {checkpoint.path.name}; resuming would continue on other weights:\n{listed}",
+                        hint="restore the original files, or pass --force to accept the new ones (the next "
+                        "checkpoint records them)")
+    if changes:
+        say(f"warning: --force: resuming with changed models (recorded from now on):\n{listed}")
+    return models, changes
+
+
 def restore(session: Session, checkpoint, force: bool) -> None:
     """Load a checkpoint's adapter, optimizer (and GradScaler) state and progress; then build the schedule at
     the restored step. `checkpoint` None: a new run at step 0. (latest_valid verified every listed file.)"""
@@ -1080,6 +1103,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
     elif checkpoint is not None and checkpoint.manifest.get("processes", 1) != session.accelerator.num_processes:
         say(f"warning: --force: processes {checkpoint.manifest.get('processes', 1)} -> "
             f"{session.accelerator.num_processes}: resuming on another layout (the optimizer state is resharded)")
+    models, model_changes = _check_models(session, checkpoint, force, say)
     restore(session, checkpoint, force)
     if checkpoint is not None:
         session.startup.mark("restore")
@@ -1102,8 +1126,11 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
                      "optimizer": "dcp" if session.sharded else "torch",
                      "processes": session.accelerator.num_processes, "strategy": session.choices["strategy"].value,
                      "total_steps": session.steps, "warmup_steps": session.warmup, "precision":
-                     session.choices["precision"].value, "device": session.device, "versions": library_versions()}
+                     session.choices["precision"].value, "device": session.device, "versions": library_versions(),
+                     "models": models}
     hooks = RunHooks(session, policy, stop, manifest_base, resumed=checkpoint is not None)
+    for key, change in model_changes.items():  # accepted with --force: the next checkpoint records the new one
+        hooks.write({"step": session.state.step, "event": "model_changed", "key": key, "change": change})
     if checkpoint is not None:
         # Last, so nothing above consumes the restored stream; each process its own when the checkpoint has them.
         by_rank, accelerator = session.state.rng_by_rank, session.accelerator

@@ -389,3 +389,29 @@ def test_show_marks_truncation_and_each_source(make_recipe, tmp_path, alpaca_fil
     assert headers[2].startswith("--- data.datasets[1] (talk) ") and "sg.jsonl:1: 16 tokens" in headers[2]
     assert "truncated to data.max_length = 16" in headers[2]
     assert "no trained tokens, so training drops this row" in headers[2]  # the reply is past token 16
+
+
+def test_mixture_amounts_beyond_a_hundred_passes_are_refused(make_recipe, tmp_path, alpaca_file, tokenizer):
+    # rows or epochs of 1e12 passed validate, then grew memory without end building the epoch's order (issue #25):
+    # at most 100 passes over a source per epoch, checked by validate against its rows and by training's build.
+    from gpupoor.data.build import build_data
+    from gpupoor.errors import UserError
+    from gpupoor.recipe import load_recipe
+
+    code, output = validate(make_recipe(data=mixture(alpaca_file, {"path": str(alpaca_file), "rows": 10**12})))
+    assert code == 2, output
+    assert "data.datasets[1].rows: 1,000,000,000,000 examples per epoch is more than 100 passes over the " \
+           "source's 48 rows" in output and "at most 4,800" in output, output
+    code, output = validate(make_recipe(data=mixture(alpaca_file, {"path": str(alpaca_file), "epochs": 1e12})))
+    assert code == 2 and "'data.datasets.1.epochs' = 1000000000000.0: Input should be less than or equal to 100" \
+        in output, output
+    code, output = validate(make_recipe(data=mixture(alpaca_file, {"path": str(alpaca_file), "rows": 4800})))
+    assert code == 0, output
+    held_out = {"path": str(alpaca_file), "rows": 4800, "eval_rows": 8}  # 40 rows left to draw from
+    code, output = validate(make_recipe(data=mixture(alpaca_file, held_out)))
+    assert code == 2 and "passes over the source's 40 rows left after eval_rows" in output, output
+    # Training's own check, on the examples it built (a hub source is not counted by validate).
+    recipe = load_recipe(make_recipe(data=mixture(alpaca_file, {"path": str(alpaca_file), "rows": 4801}))).recipe
+    with pytest.raises(UserError, match=r"data.datasets\[1\].rows: 4,801 examples per epoch is more than 100 "
+                                        r"passes over the source's 48 examples"):
+        build_data(recipe.data, tokenizer, 4, 0, tmp_path)

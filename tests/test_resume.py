@@ -162,6 +162,91 @@ def test_changed_data_is_refused(straight, alpaca_file, monkeypatch):
     assert result.exit_code == 2 and "fingerprint changed" in result.output
 
 
+def test_base_weights_replaced_at_the_same_path_are_refused_and_forced(make_recipe, tokenizer, tmp_path,
+                                                                       monkeypatch):
+    # Resume fingerprinted the data but not the model: other base weights at the same path gave exit 0 and another
+    # adapter (issue #25). Each checkpoint records the model's files by sha256; a change is exit 2 unless --force.
+    from gpupoor.files import sha256_file
+    from gpupoor.tiny import build_tiny_llama
+
+    base = build_tiny_llama(tmp_path / "base", tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, seed=0)
+    recipe = make_recipe("exact.yaml", model={"name_or_path": str(base)}, **EXACT)
+    run = tmp_path / "run"
+    assert invoke("train", recipe, "--output-dir", run, fault="sigterm@3", monkeypatch=monkeypatch).exit_code == 75
+    manifest = json.loads((run / "checkpoints" / "step-000003" / "manifest.json").read_text())
+    recorded = manifest["models"]["model.name_or_path"]
+    assert recorded["path"] == str(base)
+    assert recorded["files"]["model.safetensors"]["sha256"] == sha256_file(base / "model.safetensors")
+    assert invoke("resume", run, fault="sigterm@4", monkeypatch=monkeypatch).exit_code == 75  # unchanged: resumes
+    shutil.rmtree(base)
+    build_tiny_llama(base, tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, seed=7)  # same shapes, other weights
+    result = invoke("resume", run, monkeypatch=monkeypatch)
+    assert result.exit_code == 2, result.output
+    assert f"model.name_or_path: {base}: model.safetensors changed" in result.output
+    assert "since checkpoint step-000004" in result.output and "--force" in result.output
+    assert "config.json" not in result.output  # only what changed is named
+    assert losses(run)[-1][0] == 4  # nothing was trained on the new weights
+    forced = invoke("resume", run, "--force", monkeypatch=monkeypatch)
+    assert forced.exit_code == 0, forced.output
+    assert "--force: resuming with changed models" in forced.output and "model.safetensors changed" in forced.output
+    event = next(r for r in read_metrics(run) if r.get("event") == "model_changed")
+    assert event["key"] == "model.name_or_path" and event["step"] == 4 and "model.safetensors changed" in event["change"]
+    final = json.loads((run / "final" / "manifest.json").read_text())["models"]["model.name_or_path"]
+    assert final["files"]["model.safetensors"]["sha256"] == sha256_file(base / "model.safetensors")
+
+
+def test_a_checkpoint_without_model_identities_still_resumes(straight, tmp_path, monkeypatch):
+    recipe, reference = straight()
+    run = tmp_path / "older"
+    assert invoke("train", recipe, "--output-dir", run, fault="sigterm@3", monkeypatch=monkeypatch).exit_code == 75
+    checkpoint = run / "checkpoints" / "step-000003"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    del manifest["models"]  # as written before the record existed
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0
+    assert_same_run(reference, run)
+
+
+def test_model_identity_reuses_hashes_of_unchanged_files_and_names_hub_commits(tiny_model, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    from gpupoor import identity
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    recipe = SimpleNamespace(model=SimpleNamespace(name_or_path=str(base), revision=None),
+                             distill=SimpleNamespace(teacher="owner/teacher", revision=None))
+    first = identity.model_identities(recipe)
+    assert sorted(first["model.name_or_path"]["files"]) == ["config.json", "model.safetensors"]
+    assert first["distill.teacher"] == {"hub": "owner/teacher", "commit": None, "config": None}  # not cached
+    assert first["model.name_or_path"]["config"] == {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32}
+    hashed = []
+    monkeypatch.setattr(identity, "sha256_file", lambda path: hashed.append(path.name) or "rehashed")
+    (tmp_path / "cache" / identity.CACHE_FILE).unlink()  # from the previous checkpoint's record alone
+    assert identity.model_identities(recipe, first) == first and hashed == []
+    assert identity.model_identities(recipe) == first and hashed == []  # from the cache file
+    (base / "model.safetensors").write_bytes((base / "model.safetensors").read_bytes())  # rewritten: hashed again
+    again = identity.model_identities(recipe, first)
+    assert hashed == ["model.safetensors"]
+    assert identity.model_changes(first, again) == {"model.name_or_path": f"{base}: model.safetensors changed"}
+    # A hub model is the commit its cached snapshot resolves to; an unknown commit is never a change.
+    hub = tmp_path / "hub"
+    for commit in ("a" * 40, "b" * 40):
+        (hub / "models--owner--teacher" / "snapshots" / commit).mkdir(parents=True)
+        (hub / "models--owner--teacher" / "snapshots" / commit / "config.json").write_text("{}")
+    (hub / "models--owner--teacher" / "refs").mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    (hub / "models--owner--teacher" / "refs" / "main").write_text("a" * 40)
+    before = identity.model_identities(recipe)
+    assert before["distill.teacher"]["commit"] == "a" * 40
+    assert identity.model_changes({"distill.teacher": first["distill.teacher"]}, before) == {}
+    (hub / "models--owner--teacher" / "refs" / "main").write_text("b" * 40)
+    assert identity.model_changes(before, identity.model_identities(recipe)) == \
+        {"distill.teacher": f"hub owner/teacher: commit {'a' * 40} -> {'b' * 40}"}
+
+
 def test_a_moved_run_dir_still_resumes(straight, tmp_path, monkeypatch):
     recipe, reference = straight()
     run = tmp_path / "before-move"

@@ -349,7 +349,7 @@ def test_training_from_a_tokenized_directory_equals_training_from_the_rows(make_
     raw = invoke("train", mixture_recipe, "--output-dir", tmp_path / "raw")
     assert raw.exit_code == 0, raw.output
     recipe = yaml.safe_load(mixture_recipe.read_text())
-    recipe["data"] = {"tokenized_path": str(out), "max_length": 128, "sampler": "random"}
+    recipe["data"] = {"tokenized_path": str(out), "format": "alpaca", "max_length": 128, "sampler": "random"}
     (tmp_path / "from-dir.yaml").write_text(yaml.safe_dump(recipe))
     tokenized = invoke("train", tmp_path / "from-dir.yaml", "--output-dir", tmp_path / "dir")
     assert tokenized.exit_code == 0, tokenized.output
@@ -360,3 +360,21 @@ def test_training_from_a_tokenized_directory_equals_training_from_the_rows(make_
     (out / "train.safetensors").write_bytes(bytes(flipped))
     damaged = invoke("train", tmp_path / "from-dir.yaml", "--output-dir", tmp_path / "damaged")
     assert damaged.exit_code == 2 and "train.safetensors does not match" in damaged.output
+
+
+def test_a_tokenized_directory_made_with_other_max_length_or_format_is_refused(make_recipe, tmp_path):
+    # The recipe's data.max_length and data.format are not applied to tokens already cut and labelled: a recipe
+    # that says otherwise is refused by validate and train, naming both values (issue #25).
+    out = tmp_path / "tokenized"
+    assert invoke("tokenize", make_recipe(), "--output", out).exit_code == 0  # alpaca, max_length 128
+    other = make_recipe("other.yaml", data={"path": None, "tokenized_path": str(out), "max_length": 32,
+                                            "format": "text"})
+    for verb, extra in (("validate", []), ("train", ["--output-dir", tmp_path / "run"])):
+        result = invoke(verb, other, *extra)
+        assert result.exit_code == 2, result.output
+        assert "data.max_length is 32 in the recipe but 128 in its manifest" in result.output
+        assert "data.format is 'text' in the recipe but 'alpaca'" in result.output
+        assert "data.max_length: 128 and data.format: alpaca" in result.output
+    assert not (tmp_path / "run").exists()
+    same = make_recipe("same.yaml", data={"path": None, "tokenized_path": str(out)})
+    assert invoke("validate", same).exit_code == 0

@@ -410,6 +410,44 @@ def test_generate_with_a_base_of_another_architecture(finished_run, tokenizer, t
     assert result.exit_code == 2 and "does not fit the base" in result.output and "--base" in result.output
 
 
+def _tiny_qwen2(path, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["generate", "merge-lora"])
+@pytest.mark.parametrize("base, said", [
+    ("deeper", "(2 decoder layers; the base has 4: layers 2-3 would run without it)"),
+    ("shallower", "(it has weights for decoder layer 1; the base has 1 decoder layer)"),
+    ("qwen2", "it was trained on another architecture (llama; the base is qwen2)"),
+])
+def test_a_base_of_another_shape_is_refused_before_loading(finished_run, tokenizer, tmp_path, command, base, said):
+    # generate --base with a base of another depth or family applied part of the adapter silently (issue #25):
+    # the adapter's layers and the run's recorded base are checked against the base's config.json first.
+    from gpupoor.tiny import build_tiny_llama
+
+    layers = {"deeper": 4, "shallower": 1}
+    other = _tiny_qwen2(tmp_path / base, tokenizer) if base == "qwen2" else \
+        build_tiny_llama(tmp_path / base, tokenizer, hidden=32, layers=layers[base], heads=4, kv_heads=2)
+    extra = ["--output", tmp_path / "m"] if command == "merge-lora" else ["--prompt", "hi"]
+    result = invoke(command, finished_run, *extra, "--base", other)
+    assert result.exit_code == 2, result.output
+    assert f"does not fit the base {other}: " in result.output and said in result.output, result.output
+    assert "--base with the model the run trained on" in result.output
+    assert not (tmp_path / "m").exists()
+    # A run written before the record (no "models" in final/'s manifest): the base it names is read instead.
+    if base == "qwen2":
+        manifest = json.loads((finished_run / "final" / "manifest.json").read_text())
+        del manifest["models"]
+        (finished_run / "final" / "manifest.json").write_text(json.dumps(manifest))
+        result = invoke(command, finished_run, *extra, "--base", other)
+        assert result.exit_code == 2 and said in result.output, result.output
+
+
 @pytest.mark.parametrize("command", ["merge-lora", "generate"])
 def test_a_base_directory_without_config(finished_run, tmp_path, command):
     (tmp_path / "empty").mkdir()

@@ -15,7 +15,7 @@ from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
 from gpupoor.data.tokenize import load_tokenized_dir, manifest_mixture, manifest_source_stats, tokenize_source
 from gpupoor.errors import UserError
 from gpupoor.files import default_cache_dir
-from gpupoor.recipe import DataSection, SourceSection
+from gpupoor.recipe import DataSection, SourceSection, check_rows, check_tokenized_settings
 
 
 @dataclass
@@ -154,7 +154,9 @@ def _from_tokenized_dir(data: DataSection, tokenizer, micro_batch_size: int, see
     """Data `gpupoor tokenize` wrote (verified against its manifest and this tokenizer), with its mixture. Its
     held-out eval rows were chosen when it was written; this run's seed orders the epochs."""
     path = Path(data.tokenized_path).expanduser()
-    train, evaluation, manifest = load_tokenized_dir(path if path.is_absolute() else base_dir / path, tokenizer)
+    path = path if path.is_absolute() else base_dir / path
+    train, evaluation, manifest = load_tokenized_dir(path, tokenizer)
+    check_tokenized_settings(manifest, data, path)
     mixture = manifest_mixture(manifest, seed)
     kind = sampler or (data.sampler if data.sampler != "auto" else "random")
     plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, manifest["max_length"], mixture)
@@ -164,6 +166,9 @@ def _from_tokenized_dir(data: DataSection, tokenizer, micro_batch_size: int, see
 
 def _mixture(sources: list[SourceSection], parts: list[_SourceData], seed: int) -> Mixture:
     sizes = [len(part.train) for part in parts]
+    for number, (source, size) in enumerate(zip(sources, sizes)):
+        if source.rows is not None:  # only data.datasets sources have rows
+            check_rows(f"data.datasets[{number}].rows", source.rows, size)
     counts = source_counts(sizes, [s.weight for s in sources], [s.rows for s in sources], [s.epochs for s in sources])
     placed, start, eval_start = [], 0, 0
     for source, part, count in zip(sources, parts, counts):
