@@ -157,11 +157,10 @@ def check_tokenized_path(value: str, base_dir: Path, data: DataSection | None = 
                         "directory")
     if not path.is_dir():
         raise UserError(f"data.tokenized_path: {path} is not a directory (it is what `gpupoor tokenize` writes)")
-    try:
-        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []  # not one `gpupoor tokenize` wrote, or damaged: training names what is wrong with it
-    if data is not None and isinstance(manifest, dict):
+    from gpupoor.data.tokenized_manifest import read_manifest
+
+    manifest = read_manifest(path)  # none, or a damaged one, is refused here as training would refuse it
+    if data is not None:
         check_tokenized_settings(manifest, data, path)
     return []
 

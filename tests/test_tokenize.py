@@ -378,3 +378,18 @@ def test_a_tokenized_directory_made_with_other_max_length_or_format_is_refused(m
     assert not (tmp_path / "run").exists()
     same = make_recipe("same.yaml", data={"path": None, "tokenized_path": str(out)})
     assert invoke("validate", same).exit_code == 0
+
+
+def test_a_tokenized_path_without_a_valid_manifest_is_refused_by_validate_as_by_train(make_recipe, tmp_path):
+    # validate accepted a directory with no manifest (or a damaged one) that training then refused (issue #25).
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "manifest.json").write_text("{\"kind\": \"something else\"}")
+    for directory, said in ((empty, "no manifest.json"), (damaged, "is not a gpupoor tokenize manifest")):
+        recipe = make_recipe(f"{directory.name}.yaml", data={"path": None, "tokenized_path": str(directory)})
+        for verb, extra in (("validate", []), ("train", ["--output-dir", tmp_path / f"run-{directory.name}"])):
+            result = invoke(verb, recipe, *extra)
+            assert result.exit_code == 2, result.output
+            assert said in result.output and "data.tokenized_path" in result.output

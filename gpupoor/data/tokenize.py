@@ -33,6 +33,7 @@ from gpupoor.data.dataset import (CacheEntryInvalid, Chunk, DatasetWriter, Token
 from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
 from gpupoor.data.loading import DataSource, Row, iter_rows
 from gpupoor.data.mixture import Mixture, Source
+from gpupoor.data.tokenized_manifest import DIR_KIND, DIR_VERSION, MANIFEST, REDO_HINT, read_manifest
 from gpupoor.errors import UserError
 from gpupoor.files import atomic_dir, blocking_file, sha256_file
 
@@ -42,10 +43,7 @@ PROGRESS_AFTER_ROWS = 50_000  # a progress line for sources at least this long
 # other (e.g. `tokenized`, rows that bring their own ids) is encoded row by row with Encoder.encode.
 BATCHED_FORMATS = ("text", "alpaca", "completion", "chat", "sharegpt")
 
-MANIFEST = "manifest.json"
 TRAIN_FILE, EVAL_FILE = "train.safetensors", "eval.safetensors"
-DIR_KIND, DIR_VERSION = "gpupoor-tokenized", 1
-REDO_HINT = "write it again with `gpupoor tokenize RECIPE --output DIR`"
 
 
 def tokenize_source(location: DataSource, limit: int | None, encoder: Encoder, tokenizer, cache_path: Path | None,
@@ -298,7 +296,7 @@ def load_tokenized_dir(path: Path, tokenizer) -> tuple[TokenizedDataset, Tokeniz
     is the one it was tokenized with and that every file matches the size and sha256 the manifest lists (each file
     is read once, in blocks; the datasets are then memory-mapped, read-only on disk: several runs and nodes can
     share the directory). A difference is a UserError that names it."""
-    manifest = _read_manifest(path)
+    manifest = read_manifest(path)
     _check_tokenizer(manifest["tokenizer"], tokenizer, path)
     datasets: dict[str, TokenizedDataset] = {}
     for name, entry in manifest["files"].items():
@@ -318,30 +316,6 @@ def load_tokenized_dir(path: Path, tokenizer) -> tuple[TokenizedDataset, Tokeniz
         raise UserError(f"data.tokenized_path: {path} has no training examples as its manifest lists them",
                         hint=REDO_HINT)
     return train, evaluation, manifest
-
-
-def _read_manifest(path: Path) -> dict:
-    file = path / MANIFEST
-    if not file.is_file():
-        raise UserError(f"data.tokenized_path: {path} is not a directory `gpupoor tokenize` wrote (no {MANIFEST})",
-                        hint="run `gpupoor tokenize RECIPE --output DIR` and point data.tokenized_path at DIR")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-        if manifest.get("kind") != DIR_KIND:
-            raise ValueError(f"kind {manifest.get('kind')!r}")
-        if manifest.get("version") != DIR_VERSION:
-            raise ValueError(f"version {manifest.get('version')!r}; this gpupoor reads version {DIR_VERSION}")
-        missing = [key for key in ("tokenizer", "files", "train") if not isinstance(manifest.get(key), dict)]
-        missing += [key for key in ("max_length", "data_fingerprint") if key not in manifest]
-        if missing:
-            raise ValueError(f"no {', '.join(missing)}")
-        if not all(isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
-                   for entry in manifest["files"].values()):
-            raise ValueError("a file entry without size and sha256")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise UserError(f"data.tokenized_path: {file} is not a gpupoor tokenize manifest ({exc})",
-                        hint=REDO_HINT) from None
-    return manifest
 
 
 def _check_tokenizer(recorded: dict, tokenizer, path: Path) -> None:
