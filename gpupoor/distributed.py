@@ -103,8 +103,8 @@ def _adapter_names(model) -> dict[str, str]:
 def save_optimizer(model, optimizer, directory: Path, main: bool, before_write=None) -> None:
     """DCP: each process writes its own shard of the optimizer's tensors; the first also writes DCP's .metadata
     and the hyperparameters of each parameter group as JSON. Collective; an error in DCP on any process raises
-    on all (as the first process's error: DCP's own CheckpointException is a BaseException). `before_write()`: called
-    on each process just before it writes its shard (fault injection).
+    on all, as that process's error (`dcp_error`). `before_write()`: called on each process just before it
+    writes its shard (fault injection).
     Only tensors go through DCP: DCP would pickle anything else, and gpupoor unpickles nothing it reads back."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
