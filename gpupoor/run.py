@@ -852,11 +852,10 @@ class RunHooks:
             staged = self._stage_optimizer(name)
         except Exception as exc:  # DCP raises on every process (distributed.dcp_error); other writes fail alone
             own = exc
-        error, _ = self._agree(own)  # before any further collective: every process stops here
-        if error is not None:
+        if self._anywhere(own is not None):  # before any further collective: every process stops here
             if session.main:
                 shutil.rmtree(self._staging(name), ignore_errors=True)  # every process is done writing into it
-            raise self._save_failed(session.checkpoints_dir / name, error)
+            raise self._failed(session.checkpoints_dir / name, own)
         seconds = size = None
         if session.main:
             try:
@@ -871,46 +870,45 @@ class RunHooks:
             finally:
                 if staged is not None:
                     shutil.rmtree(staged, ignore_errors=True)  # moved into the checkpoint, or abandoned
-        # Whether it landed, and its size from the first process: every process estimates the next one alike.
-        error, size = self._agree(own, size or 0)
-        if error is not None:
+        # Whether it landed, and its size from the first process: every process estimates the next save alike.
+        failed, size = self._summed(float(own is not None), float(size or 0))
+        if failed:
+            failure = self._failed(session.checkpoints_dir / name, own)  # collective: every process, first
             if own is not None and not isinstance(own, (CheckpointError, OSError)):
                 raise own  # a bug, not the disk: the first process reports it as it is (--debug: the traceback)
-            raise self._save_failed(session.checkpoints_dir / name, error)
-        self.policy.saved(step, seconds, size)
+            raise failure
+        self.policy.saved(step, seconds, int(size))
         self.write({"step": step, "checkpoint": name, "save_s": round(self.policy.save_s, 3)})
         return name
 
-    def _agree(self, error: Exception | None, size: int = 0) -> tuple[Exception | None, int]:
-        """Whether a save failed on any process (one all-reduce): this process's error, or on a process that saw
-        none what failed elsewhere (a full disk, so every process names it alike); and the first process's `size`."""
-        import errno
+    def _failed(self, target: Path, error: Exception | None) -> RunFailed:
+        """Writing `target` (a checkpoint, final/) failed on some process, as every process agreed: the same
+        one-line error for all, the first failing process's (gathered), after which none enters a collective."""
+        text = self._failure_text(target, error) if error is not None else None
+        processes = self.session.accelerator.num_processes
+        if processes > 1:
+            import torch.distributed as dist
 
-        from gpupoor.checkpoint import CheckpointError, is_disk_full
+            texts: list = [None] * processes
+            dist.all_gather_object(texts, text)
+            text = next(text for text in texts if text is not None)
+        # Like a finished run, each process exits with its own code (1) instead of dying of the SIGTERM a launcher
+        # sends the others when the first one exits.
+        self.stop.finished = True
+        return RunFailed(text)
 
-        disk = is_disk_full(error) or isinstance(error, CheckpointError)
-        failed, disks, size = self._summed(float(error is not None), float(disk), float(size))
-        if failed and error is None:
-            error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if disks else \
-                RuntimeError("another process failed to write its part")
-        return (error if failed else None), int(size)
-
-    def _save_failed(self, target: Path, error: Exception) -> RunFailed:
-        """The one line each process prints when a save (of checkpoint or final/ `target`) failed on any: a full
-        disk with where, what the checkpoint needs and what is free; another error as it was (an OSError names its
-        path)."""
+    def _failure_text(self, target: Path, error: Exception) -> str:
+        """A failed save in one line: a full disk with where, what the checkpoint needs and what is free; another
+        error as it was (an OSError names its path)."""
         from gpupoor.checkpoint import CheckpointError, disk_full, is_disk_full
 
-        session = self.session
-        # Every process agreed, after its last collective: like a finished run, each exits with its own code (1)
-        # instead of dying of the SIGTERM a launcher sends the others when the first one exits.
-        self.stop.finished = True
+        run_dir = self.session.run_dir
         if is_disk_full(error):
             error = disk_full(target, int(self.policy.expected_bytes * 1.1))
         if isinstance(error, CheckpointError):  # the disk: its text says what was needed and that nothing was lost
-            return RunFailed(f"{error}\n  free some space, then continue with: gpupoor resume {session.run_dir}")
-        return RunFailed(f"could not write {target.relative_to(session.run_dir)}: {error}\n  the previous "
-                         f"checkpoint is intact; continue with: gpupoor resume {session.run_dir}")
+            return f"{error}\n  free some space, then continue with: gpupoor resume {run_dir}"
+        return (f"could not write {target.relative_to(run_dir)}: {error}\n  the previous checkpoint is intact; "
+                f"continue with: gpupoor resume {run_dir}")
 
     def _gather_rngs(self) -> list | None:
         """Several processes: every process's RNG state, by rank (each draws its own dropout masks, so each
@@ -1255,9 +1253,8 @@ def _write_final(session: Session, hooks: RunHooks, reason: str, best: str | Non
             write_checkpoint(final, save, step, manifest, session.saved_weight_bytes())
         except (CheckpointError, OSError) as exc:  # the others must learn of it, or they would wait for it forever
             error = exc
-    error, _ = hooks._agree(error)
-    if error is not None:
-        raise hooks._save_failed(final, error)
+    if hooks._anywhere(error is not None):
+        raise hooks._failed(final, error)
 
 
 def _copy_weights(checkpoint: Path, tmp: Path) -> None:
