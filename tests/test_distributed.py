@@ -215,6 +215,22 @@ def test_a_full_disk_on_one_process_stops_every_process_with_one_line(recipe, tm
     assert verify(run / "checkpoints" / "step-000002") is None
 
 
+@pytest.mark.slow
+def test_a_full_disk_while_writing_final_stops_every_process_with_one_line(straight, tmp_path):
+    """final/ is written by the first process alone: the others learn that it failed instead of waiting for it
+    in the last barrier (and dying in gloo, or of the launcher's SIGTERM)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(straight("ddp"), run)
+    shutil.rmtree(run / "final")  # the last checkpoint is there: the resume only writes final/
+    failed = torchrun("resume", run, fault="enospc@start:4")
+    assert exit_codes(failed) == [1, 1], failed.stderr[-4000:]
+    assert failed.stderr.count(f"error: disk full while writing checkpoint final: it needs about ") == 2
+    assert f"on {run} (" in failed.stderr and "/gpupoor/" not in failed.stderr
+    assert not (run / "final").exists() and not [p for p in run.iterdir() if p.name.startswith(".tmp")]
+
+
 def _rewrite(checkpoint: Path, name: str, content: bytes) -> None:
     """Replace a checkpoint's file and its manifest entry alike: the hashes match, only the content is wrong."""
     import hashlib
