@@ -72,12 +72,26 @@ def write_checkpoint(target: Path, save_files, step: int, manifest_extra: dict, 
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: its presence means complete
             faults.at_stage("rename", step)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CheckpointError(f"disk full while writing checkpoint {target.name}: it needs about "
-                                  f"{_mb(expected_bytes)} on {target.parent}; the partial checkpoint was removed "
-                                  "and the previous one is intact") from None
+        if is_disk_full(exc):
+            raise disk_full(target, expected_bytes) from None
         raise
     return time.perf_counter() - started
+
+
+def is_disk_full(error: BaseException | None) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(target: Path, expected_bytes: int) -> CheckpointError:
+    """The error of a checkpoint write that ran out of space (its partial files already removed): where, what the
+    whole checkpoint needs, what is free now."""
+    try:
+        free = f"{_mb(shutil.disk_usage(target.parent).free)} free"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointError(f"disk full while writing checkpoint {target.name}: it needs about {_mb(expected_bytes)} "
+                           f"on {target.parent} ({free}); the partial checkpoint was removed and the previous one "
+                           "is intact")
 
 
 def _mb(size: int) -> str:
@@ -167,10 +181,13 @@ def _manifest_problem(path: Path) -> str | None:
     return None
 
 
-def latest_valid(checkpoints_dir: Path, warn=print) -> Checkpoint | None:
-    """The verified checkpoint with the highest manifest step; invalid ones are skipped with a warning."""
+def latest_valid(checkpoints_dir: Path, warn=print, check=None) -> Checkpoint | None:
+    """The verified checkpoint with the highest manifest step; invalid ones are skipped with a warning.
+    `check(path)`: a further problem of an intact checkpoint, or None (resume: can its optimizer state load?)."""
     best = None
     for path, step, problem in scan(checkpoints_dir):
+        if problem is None and check is not None:
+            problem = check(path)
         if problem is not None:
             warn(f"warning: skipping checkpoint {path.name}: {problem}")
         elif best is None or step > best.step:

@@ -100,18 +100,19 @@ def _adapter_names(model) -> dict[str, str]:
     return {key: by_identity[id(value)] for key, value in saved.items() if id(value) in by_identity}
 
 
-def save_optimizer(model, optimizer, directory: Path, main: bool) -> None:
+def save_optimizer(model, optimizer, directory: Path, main: bool, before_write=None) -> None:
     """DCP: each process writes its own shard of the optimizer's tensors; the first also writes DCP's .metadata
-    and the hyperparameters of each parameter group as JSON. Collective; an error on any process raises on all.
+    and the hyperparameters of each parameter group as JSON. Collective; an error in DCP on any process raises
+    on all, as that process's error (`dcp_error`). `before_write()`: called on each process just before it
+    writes its shard (fault injection).
     Only tensors go through DCP: DCP would pickle anything else, and gpupoor unpickles nothing it reads back."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     if not optimizer.state:
         # No step yet (a checkpoint at step 0): get_optimizer_state_dict would create the state with a fake
         # step (AdamW's step count 1, zero moments), and a resumed run would not be the run that never stopped.
         # An empty DCP checkpoint and the groups' hyperparameters say "no state yet".
-        dcp.save({"state": {}}, checkpoint_id=str(directory))
+        _dcp_save({"state": {}}, directory, before_write)
         groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
         state = {"param_groups": groups, "empty": True}
     else:
@@ -120,10 +121,38 @@ def save_optimizer(model, optimizer, directory: Path, main: bool) -> None:
                if not torch.is_tensor(value)]
         if odd:
             raise RuntimeError(f"optimizer state that is not a tensor cannot be saved sharded: {odd[:3]}")
-        dcp.save({"state": state["state"]}, checkpoint_id=str(directory))
+        _dcp_save({"state": state["state"]}, directory, before_write)
     if main:
         (directory / PARAM_GROUPS).write_text(json.dumps(state["param_groups"] if "empty" not in state else state,
                                                          indent=1))
+
+
+def _dcp_save(state: dict, directory: Path, before_write) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, *args, **kwargs):
+            if before_write is not None:
+                before_write()
+            return super().write_data(*args, **kwargs)
+
+    try:
+        dcp.save(state, storage_writer=Writer(str(directory)))
+    except CheckpointException as exc:
+        raise dcp_error(exc) from None
+
+
+def dcp_error(exc: BaseException) -> Exception:
+    """The error under DCP's CheckpointException, which every process raises when any failed: it derives from
+    BaseException (no `except Exception` stops it) and its text is every process's traceback. An OSError (a full
+    disk) comes first, as it was raised, with its errno and path."""
+    failures = [failure[0] for failure in getattr(exc, "failures", {}).values()]  # (exception, traceback) by rank
+    for error in sorted(failures, key=lambda error: not isinstance(error, OSError)):
+        if isinstance(error, Exception):
+            return error
+    return RuntimeError(f"torch.distributed.checkpoint failed: {type(exc).__name__} on ranks "
+                        f"{sorted(getattr(exc, 'failures', {}))}")
 
 
 def load_optimizer(model, optimizer, checkpoint: Path) -> None:
@@ -141,7 +170,10 @@ def load_optimizer(model, optimizer, checkpoint: Path) -> None:
                 group.update({key: tuple(value) if key == "betas" else value for key, value in values.items()})
             return
         state = get_optimizer_state_dict(model, optimizer)  # the layout (and this process's shards) to fill
-        dcp.load({"state": state["state"]}, storage_reader=_SafeReader(checkpoint / DCP_OPTIMIZER))
+        try:
+            dcp.load({"state": state["state"]}, storage_reader=_SafeReader(checkpoint / DCP_OPTIMIZER))
+        except dcp.CheckpointException as exc:
+            raise dcp_error(exc) from None
         state["param_groups"] = [{**group, **({"betas": tuple(group["betas"])} if "betas" in group else {})}
                                  for group in saved]
         set_optimizer_state_dict(model, optimizer, state)
@@ -154,10 +186,16 @@ def load_optimizer(model, optimizer, checkpoint: Path) -> None:
     # optimizer.pt numbers the parameters in the order the optimizer was built with: the model's trainable
     # parameters in registration order, which sharding keeps. Name them for DCP's full-state loader.
     names = [name for name, p in model.named_parameters() if p.requires_grad]
+    # DCP's full-state loader takes only the hyperparameters this optimizer's groups already have: one that a
+    # schedule added before the save (LambdaLR's initial_lr) fails in it (KeyError in torch 2.13). They are
+    # set afterwards, as the DCP path sets its param_groups.json.
     by_name = {"state": {names[index]: value for index, value in saved["state"].items()},
-               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                                for group in saved["param_groups"]]}
+               "param_groups": [{**{key: value for key, value in group.items() if key in live},
+                                 "params": [names[i] for i in group["params"]]}
+                                for group, live in zip(saved["param_groups"], optimizer.param_groups)]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    for group, values in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update({key: value for key, value in values.items() if key != "params"})
 
 
 def _safe_unpickler():
@@ -183,14 +221,47 @@ _METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), 
                      ("pathlib", "Path")}
 
 
+def optimizer_problem(checkpoint: Path) -> str | None:
+    """Why a checkpoint's DCP optimizer state cannot be loaded, read before a resume chooses the checkpoint (so it
+    is skipped like a corrupt one): its .metadata refused by the restricted unpickler or not DCP's metadata, or
+    param_groups.json not parameter groups. None when it can be (or the checkpoint has an optimizer.pt)."""
+    folder = checkpoint / DCP_OPTIMIZER
+    if not folder.is_dir():
+        return None
+    try:
+        _read_metadata(folder)
+    except Exception as exc:  # a malformed pickle raises nearly anything: each one means "not loadable"
+        return f"{DCP_OPTIMIZER}/.metadata is refused ({type(exc).__name__}: {exc})"
+    try:
+        groups = json.loads((folder / PARAM_GROUPS).read_text())
+        groups = groups["param_groups"] if isinstance(groups, dict) else groups
+        if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+            raise TypeError("not a list of parameter groups")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{DCP_OPTIMIZER}/{PARAM_GROUPS} cannot be read ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _read_metadata(folder: Path):
+    """DCP's .metadata through the restricted unpickler; anything but DCP's Metadata record is refused."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with open(folder / ".metadata", "rb") as handle:
+        metadata = _safe_unpickler()(handle).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
 def _SafeReader(path: Path):  # noqa: N802 -- a reader object, built where torch is imported
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            with open(Path(self.path) / ".metadata", "rb") as handle:
-                metadata = _safe_unpickler()(handle).load()
+            metadata = _read_metadata(Path(self.path))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

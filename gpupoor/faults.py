@@ -9,8 +9,8 @@ where only a real crash would, so tests can prove that nothing is lost.
 - `sigterm@startup`: SIGTERM once the model is built, before the first step; `sigterm@stopped`: SIGTERM after the
   stop checkpoint is committed, while the process winds down (a scheduler's repeated signal).
 - `timeout@STEP`: this process finds its time limit reached after optimizer step STEP.
-- `kill@gathered[:STEP]`: in the middle of a save's collective part (FSDP: the weights are gathered, this
-  process's optimizer shard is not written yet).
+- `kill@gathered[:STEP]` (or `enospc@gathered[:STEP]`): in the middle of a save's collective part (the weights
+  are gathered; FSDP: inside DCP, where this process starts writing its optimizer shard).
 - `rankN/ACTION@WHERE`: only in the process of rank N (a signal that reaches one rank, one rank that dies).
 
 Unset in normal use; reading one environment variable costs nothing.

@@ -126,7 +126,9 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
         say(f"applying recipe changes:\n{format_changes(safe)}")
     for name in sweep_temporary(run_dir / "checkpoints") if lock is not None else ():
         say(f"removed an incomplete checkpoint write: {name}")
-    checkpoint = latest_valid(run_dir / "checkpoints", warn=say)
+    from gpupoor.distributed import optimizer_problem
+
+    checkpoint = latest_valid(run_dir / "checkpoints", warn=say, check=optimizer_problem)
     problem = final_problem(run_dir)
     finished = problem is None
     if (run_dir / "final").exists() and problem is not None:
@@ -326,6 +328,10 @@ class Session:
     def full(self) -> bool:
         """`full` fine-tuning: checkpoints and final/ hold the whole model, not an adapter."""
         return self.recipe.peft.method == "full"
+
+    def saved_weight_bytes(self) -> int:
+        """About what save_weights writes: the trainable weights (an adapter), or for `full` every weight."""
+        return sum(p.numel() * p.element_size() for p in self.unwrapped.parameters() if self.full or p.requires_grad)
 
     def gather_weights(self) -> dict | None:
         """Under FSDP, the trained weights gathered whole onto the first process (collective); else None: the
@@ -868,7 +874,6 @@ class RunHooks:
         weights to the first and writes its own shard of the optimizer state into a staging folder), then the
         first process alone commits the checkpoint (weights, optimizer, progress, manifest last, one rename), and
         all processes learn whether it landed: a failure stops every process, not only the one that saw it."""
-        from gpupoor import faults
         from gpupoor.checkpoint import CheckpointError, rotate, write_checkpoint
         from gpupoor.distributed import local_values
         from gpupoor.files import dir_size
@@ -880,15 +885,15 @@ class RunHooks:
             raise RunFailed(f"refusing to save {name}: the trainable weights are not finite")
         gathered = session.gather_weights()
         self._rngs = self._gather_rngs()
-        faults.at_stage("gathered", step)
-        staged = error = None
+        staged = own = None  # own: this process's error
         try:
             staged = self._stage_optimizer(name)
-        except Exception as exc:  # DCP raises on every process; the first one's own writes may fail alone
-            error = exc
-        if self._anywhere(error is not None):
-            raise RunFailed(f"could not write checkpoint {name}: {error or 'another process failed to'}\n  the "
-                            f"previous checkpoint is intact; continue with: gpupoor resume {session.run_dir}")
+        except Exception as exc:  # DCP raises on every process (distributed.dcp_error); other writes fail alone
+            own = exc
+        if self._anywhere(own is not None):  # before any further collective: every process stops here
+            if session.main:
+                shutil.rmtree(self._staging(name), ignore_errors=True)  # every process is done writing into it
+            raise self._failed(session.checkpoints_dir / name, own)
         seconds = size = None
         if session.main:
             try:
@@ -896,22 +901,52 @@ class RunHooks:
                                            functools.partial(self._save_files, gathered=gathered, staged=staged),
                                            step, {**self.manifest_base, "loss": self.last_loss},
                                            int(self.policy.expected_bytes * 1.1) - (dir_size(staged) if staged else 0))
+                size = dir_size(session.checkpoints_dir / name)
+                rotate(session.checkpoints_dir, session.recipe.checkpoint.keep_last, step, keep=self.best_checkpoint())
             except Exception as exc:  # the others must learn of it below, or they would wait for it forever
-                error = exc
+                own = exc
             finally:
                 if staged is not None:
                     shutil.rmtree(staged, ignore_errors=True)  # moved into the checkpoint, or abandoned
-            if error is None:
-                size = dir_size(session.checkpoints_dir / name)
-                rotate(session.checkpoints_dir, session.recipe.checkpoint.keep_last, step, keep=self.best_checkpoint())
-        if self._anywhere(error is not None):
-            if error is not None and not isinstance(error, CheckpointError):
-                raise error  # not a full disk: the first process reports it as it is (--debug: the traceback)
-            reason = str(error) if error is not None else f"the first process could not write checkpoint {name}"
-            raise RunFailed(f"{reason}\n  free some space, then continue with: gpupoor resume {session.run_dir}")
-        self.policy.saved(step, seconds, size)
+        # Whether it landed, and its size from the first process: every process estimates the next save alike.
+        failed, size = self._summed(float(own is not None), float(size or 0))
+        if failed:
+            failure = self._failed(session.checkpoints_dir / name, own)  # collective: every process, first
+            if own is not None and not isinstance(own, (CheckpointError, OSError)):
+                raise own  # a bug, not the disk: the first process reports it as it is (--debug: the traceback)
+            raise failure
+        self.policy.saved(step, seconds, int(size))
         self.write({"step": step, "checkpoint": name, "save_s": round(self.policy.save_s, 3)})
         return name
+
+    def _failed(self, target: Path, error: Exception | None) -> RunFailed:
+        """Writing `target` (a checkpoint, final/) failed on some process, as every process agreed: the same
+        one-line error for all, the first failing process's (gathered), after which none enters a collective."""
+        text = self._failure_text(target, error) if error is not None else None
+        processes = self.session.accelerator.num_processes
+        if processes > 1:
+            import torch.distributed as dist
+
+            texts: list = [None] * processes
+            dist.all_gather_object(texts, text)
+            text = next(text for text in texts if text is not None)
+        # Like a finished run, each process exits with its own code (1) instead of dying of the SIGTERM a launcher
+        # sends the others when the first one exits.
+        self.stop.finished = True
+        return RunFailed(text)
+
+    def _failure_text(self, target: Path, error: Exception) -> str:
+        """A failed save in one line: a full disk with where, what the checkpoint needs and what is free; another
+        error as it was (an OSError names its path)."""
+        from gpupoor.checkpoint import CheckpointError, disk_full, is_disk_full
+
+        run_dir = self.session.run_dir
+        if is_disk_full(error):
+            error = disk_full(target, int(self.policy.expected_bytes * 1.1))
+        if isinstance(error, CheckpointError):  # the disk: its text says what was needed and that nothing was lost
+            return f"{error}\n  free some space, then continue with: gpupoor resume {run_dir}"
+        return (f"could not write {target.relative_to(run_dir)}: {error}\n  the previous checkpoint is intact; "
+                f"continue with: gpupoor resume {run_dir}")
 
     def _gather_rngs(self) -> list | None:
         """Several processes: every process's RNG state, by rank (each draws its own dropout masks, so each
@@ -929,26 +964,39 @@ class RunHooks:
 
     def _anywhere(self, flag: bool) -> bool:
         """True on every process when `flag` is true on any (one all-reduce: a sync point); one process: flag."""
+        return self._summed(float(flag))[0] > 0
+
+    def _summed(self, *values: float) -> list[float]:
+        """Each value summed over the processes (one all-reduce: a sync point); one process: the values."""
         accelerator = self.session.accelerator
         if accelerator.num_processes == 1:
-            return flag
+            return list(values)
         import torch
 
-        return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum").item())
+        summed = accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=accelerator.device), "sum")
+        return summed.tolist()
 
     def _stage_optimizer(self, name: str) -> Path | None:
         """FSDP: every process writes its shard of the optimizer state into a staging folder beside the
         checkpoints (removed by the next resume's sweep if a crash leaves it). None otherwise."""
-        from gpupoor.checkpoint import TMP_PREFIX
+        from gpupoor import faults
 
-        session = self.session
+        session, step = self.session, self.session.state.step
         if not session.sharded:
+            faults.at_stage("gathered", step)
             return None
         from gpupoor.distributed import save_optimizer
 
-        staged = session.checkpoints_dir / f"{TMP_PREFIX}{name}-optimizer-shards"
-        save_optimizer(session.model, session.raw_optimizer, staged, session.main)
+        staged = self._staging(name)
+        # The fault point is where a process's own write begins, inside DCP, which agrees on failures itself.
+        save_optimizer(session.model, session.raw_optimizer, staged, session.main,
+                       before_write=lambda: faults.at_stage("gathered", step))
         return staged
+
+    def _staging(self, name: str) -> Path:
+        from gpupoor.checkpoint import TMP_PREFIX
+
+        return self.session.checkpoints_dir / f"{TMP_PREFIX}{name}-optimizer-shards"
 
     def _save_files(self, tmp: Path, gathered: dict | None = None, staged: Path | None = None) -> None:
         import torch
@@ -1117,7 +1165,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, starte
     # the optimizer's two moments of what trains.
     params = list(session.unwrapped.parameters())
     trainable_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    weight_bytes = sum(p.numel() * p.element_size() for p in params) if session.full else trainable_bytes
+    weight_bytes = session.saved_weight_bytes()
     policy = CheckpointPolicy(recipe.checkpoint.every_steps, recipe.checkpoint.interval_minutes,
                               recipe.checkpoint.time_limit_s, started, weight_bytes + 2 * trainable_bytes + 2**20,
                               last_step=session.state.step)
@@ -1253,21 +1301,26 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
 
 
 def _write_final(session: Session, hooks: RunHooks, reason: str, best: str | None) -> None:
-    """final/: the last step's weights (gathered under FSDP), or a copy of the best checkpoint's weights."""
-    from gpupoor.checkpoint import write_checkpoint
+    """final/: the last step's weights (gathered under FSDP), or a copy of the best checkpoint's weights. A failure
+    (a full disk) is every process's: all exit with the same error."""
+    from gpupoor.checkpoint import CheckpointError, write_checkpoint
 
     state, final = session.state, session.run_dir / "final"
-    extra = {"loss": hooks.last_loss, "stop": reason}
+    manifest = {**hooks.manifest_base, "loss": hooks.last_loss, "stop": reason}
     if best is not None:
-        if session.main:
-            write_checkpoint(final, functools.partial(_copy_weights, session.checkpoints_dir / best), state.best_step,
-                             {**hooks.manifest_base, **extra, "from_checkpoint": best,
-                              "eval_loss": state.best_eval_loss}, 0)
-        return
-    gathered = session.gather_weights()  # collective under FSDP
+        save = functools.partial(_copy_weights, session.checkpoints_dir / best)
+        step, manifest = state.best_step, {**manifest, "from_checkpoint": best, "eval_loss": state.best_eval_loss}
+    else:
+        gathered = session.gather_weights()  # collective under FSDP
+        save, step = functools.partial(session.save_weights, gathered=gathered), state.step
+    error = None
     if session.main:
-        write_checkpoint(final, functools.partial(session.save_weights, gathered=gathered), state.step,
-                         {**hooks.manifest_base, **extra}, 0)
+        try:
+            write_checkpoint(final, save, step, manifest, session.saved_weight_bytes())
+        except (CheckpointError, OSError) as exc:  # the others must learn of it, or they would wait for it forever
+            error = exc
+    if hooks._anywhere(error is not None):
+        raise hooks._failed(final, error)
 
 
 def _copy_weights(checkpoint: Path, tmp: Path) -> None:

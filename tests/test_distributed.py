@@ -272,6 +272,124 @@ def test_launch_exit_codes_and_options_without_nproc_per_node(make_recipe):
     assert "--nnodes, --master-port without --nproc-per-node" in result.output
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_full_disk_on_one_process_stops_every_process_with_one_line(recipe, tmp_path, strategy):
+    """The disk fills for rank 1 alone in the middle of step 4's save (under FSDP inside DCP's write of its
+    optimizer shard). Every process learns of it in one collective: each exits 1 with the same one-line error
+    naming the checkpoint, what it needs and what is free; no traceback, no process dies in gloo; the staging
+    directory is gone and the previous checkpoint is intact."""
+    from gpupoor.checkpoint import verify
+
+    run = tmp_path / "run"
+    failed = torchrun("train", recipe, "--output-dir", run, "--set", f"distributed.strategy={strategy}",
+                      fault="rank1/enospc@gathered:4")
+    assert exit_codes(failed) == [1, 1], failed.stderr[-4000:]
+    line = f"error: disk full while writing checkpoint step-000004: it needs about "
+    assert failed.stderr.count(line) == 2, failed.stderr[-4000:]
+    assert f"on {run / 'checkpoints'} (" in failed.stderr and " MiB free)" in failed.stderr
+    assert failed.stderr.count(f"free some space, then continue with: gpupoor resume {run}") == 2
+    # torchrun's own report is the only traceback: none from gpupoor's processes (DCP's CheckpointException
+    # is a BaseException), none from gloo
+    assert "/gpupoor/" not in failed.stderr and "CheckpointException" not in failed.stderr
+    assert "Connection closed" not in failed.stderr and "OSError" not in failed.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    assert verify(run / "checkpoints" / "step-000002") is None
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_writing_final_stops_every_process_with_one_line(straight, tmp_path):
+    """final/ is written by the first process alone: the others learn that it failed instead of waiting for it
+    in the last barrier (and dying in gloo, or of the launcher's SIGTERM)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(straight("ddp"), run)
+    shutil.rmtree(run / "final")  # the last checkpoint is there: the resume only writes final/
+    failed = torchrun("resume", run, fault="enospc@start:4")
+    assert exit_codes(failed) == [1, 1], failed.stderr[-4000:]
+    assert failed.stderr.count(f"error: disk full while writing checkpoint final: it needs about ") == 2
+    assert f"on {run} (" in failed.stderr and "/gpupoor/" not in failed.stderr
+    assert not (run / "final").exists() and not [p for p in run.iterdir() if p.name.startswith(".tmp")]
+
+
+def _rewrite(checkpoint: Path, name: str, content: bytes) -> None:
+    """Replace a checkpoint's file and its manifest entry alike: the hashes match, only the content is wrong."""
+    import hashlib
+
+    (checkpoint / name).write_bytes(content)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = {"size": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _Hostile:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content", ["hostile", "truncated", "not-metadata"])
+def test_a_refused_optimizer_metadata_falls_back_to_the_previous_checkpoint(straight, tmp_path, content):
+    """DCP's .metadata is a pickle: one that would run code, a truncated one, or one that is not DCP's Metadata
+    makes its checkpoint invalid like a corrupt file, even with a manifest rewritten to match: resume warns,
+    resumes from the previous checkpoint (no code ran, no traceback) and ends where the straight run ended."""
+    import pickle
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(straight("fsdp"), run)
+    shutil.rmtree(run / "final")  # unfinished: resume continues from the newest valid checkpoint
+    newest, marker = run / "checkpoints" / "step-000004", tmp_path / "code-ran"
+    metadata = (newest / "optimizer" / ".metadata").read_bytes()
+    _rewrite(newest, "optimizer/.metadata", {"hostile": pickle.dumps(_Hostile(marker)), "truncated": metadata[:40],
+                                             "not-metadata": pickle.dumps(torch.Size([3]))}[content])
+    resumed = torchrun("resume", run)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "warning: skipping checkpoint step-000004: optimizer/.metadata is refused (" in resumed.stdout
+    assert "resuming from step-000002" in resumed.stdout
+    assert not marker.exists() and "Traceback" not in resumed.stderr
+    a, b = adapter(straight("fsdp")), adapter(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["one", "ddp"])
+def test_a_whole_optimizer_pt_resumes_under_fsdp_with_force(recipe, straight, tmp_path, layout):
+    """A checkpoint of one process (or DDP) holds the whole optimizer.pt: resumed on two FSDP processes with
+    --force, it is sharded into them with every hyperparameter (LambdaLR's initial_lr included), and the run ends
+    where the run that never stopped ends; AdamW's step count carried over."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run = tmp_path / "run"
+    if layout == "one":  # accumulating two micro-batches: two processes with one each take the same ones
+        stopped = one_process("train", recipe, "--output-dir", run, "--set", "training.gradient_accumulation_steps=2",
+                              *FSDP, fault="sigterm@2")
+        assert stopped.returncode == 75, stopped.stderr[-2000:]
+        changes = ["--set", "training.gradient_accumulation_steps=1"]
+    else:
+        stopped = torchrun("train", recipe, "--output-dir", run, "--set", "distributed.strategy=ddp",
+                           fault="sigterm@2")
+        assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+        changes = FSDP
+    assert (run / "checkpoints" / "step-000002" / "optimizer.pt").is_file()
+    resumed = torchrun("resume", run, "--force", *changes)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "FSDP, gloo" in resumed.stdout
+    reference = straight(layout)
+    for (step, loss, eval_loss), (step_b, loss_b, eval_b) in zip(losses(reference), losses(run), strict=True):
+        assert step == step_b
+        assert loss == pytest.approx(loss_b, rel=1e-5) if loss is not None else loss_b is None
+        assert eval_loss == pytest.approx(eval_b, rel=1e-5) if eval_loss is not None else eval_b is None
+    assert close(adapter(reference), adapter(run))
+    dcp_to_torch_save(run / "checkpoints" / "step-000004" / "optimizer", tmp_path / "optimizer.pt")
+    state = torch.load(tmp_path / "optimizer.pt", weights_only=True)["state"]
+    assert state and all(int(values["step"]) == 4 for values in state.values())
+
+
 def test_resume_if_present_trains_then_resumes_then_says_done(make_recipe, tmp_path, monkeypatch):
     """The same command line, repeated by a requeued batch job."""
     recipe = make_recipe(training={"max_steps": 4})
