@@ -130,9 +130,18 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
     def guarded() -> int | None:
         from gpupoor.signals import StopRequest
 
+        from gpupoor.run import RunFailed
+
         stop = StopRequest().install()
         try:
             code = action(stop)
+        except RunFailed as exc:
+            if not (stop.finished and from_command_line() and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+                raise
+            # A failure every process agreed on (a full disk during a save): said, then ended like a finished
+            # process, without the interpreter's teardown of gloo (see _leave_now).
+            typer.echo(f"error: {exc}", err=True)
+            code = 1
         finally:
             # The outcome is decided (a checkpoint or final/ committed, or the error said): a signal while the process
             # exits must not turn it into a bare 143 -- the launcher's SIGTERM to a finished process, or a scheduler's
@@ -141,6 +150,9 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
                 stop.ignore_from_now()
             else:
                 stop.uninstall()  # a program or test calling the command keeps its own handlers
+        from gpupoor import faults
+
+        faults.at_stage("exiting")  # tests: a scheduler's signal once the outcome is decided
         if stop.finished and from_command_line() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             _leave_now(code or 0)
         return code
@@ -193,8 +205,9 @@ def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
 
 # A path that cannot be used as named is bad input (exit 2); a full disk or quota, an I/O error, is the
 # environment's (exit 1). Either way: the path, what the system said, what to do.
-_PATH_ERRNOS = {errno.EACCES: "this user may not write there: choose a location you can write to, or fix its "
-                "permissions", errno.EPERM: "this user may not write there: choose a location you can write to",
+_PATH_ERRNOS = {errno.EACCES: "this user may not use that path as the command needs (read, write or enter it): "
+                "choose one you can, or fix its permissions", errno.EPERM: "the operation is not permitted on that "
+                "path for this user: choose another location, or fix its permissions",
                 errno.EROFS: "the file system is read-only: choose a location on a writable one"}
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 

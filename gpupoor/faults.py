@@ -7,7 +7,8 @@ where only a real crash would, so tests can prove that nothing is lost.
 - `nan@STEP`: make the loss of optimizer step STEP non-finite.
 - `sigterm@STEP`: send this process SIGTERM right after optimizer step STEP (a preemption at a known step).
 - `sigterm@startup`: SIGTERM once the model is built, before the first step; `sigterm@stopped`: SIGTERM after the
-  stop checkpoint is committed, while the process winds down (a scheduler's repeated signal).
+  stop checkpoint is committed, while the process winds down (a scheduler's repeated signal); `sigterm@exiting`:
+  SIGTERM once `train`/`resume` has decided its outcome (a checkpoint or final/ committed), as the process exits.
 - `timeout@STEP`: this process finds its time limit reached after optimizer step STEP.
 - `kill@gathered[:STEP]` (or `enospc@gathered[:STEP]`): in the middle of a save's collective part (the weights
   are gathered; FSDP: inside DCP, where this process starts writing its optimizer shard).

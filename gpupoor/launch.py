@@ -23,6 +23,14 @@ from gpupoor.startup import from_command_line
 
 # The launcher's own shutdown handling stays on for these (the workers are stopped, as torchrun does).
 LAUNCHER_SIGNALS = "SIGHUP,SIGQUIT"
+# torchrun's --signals-to-handle, and exit codes read again after the processes are closed, came in torch 2.9.
+LAUNCHER_TORCH = (2, 9)
+
+
+def _version(text: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as '2.13.0+cpu'."""
+    major, minor = (text.split("+")[0].split(".") + ["0", "0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def torchrun_args(nproc_per_node: int, nnodes: str, node_rank: int, master_addr: str, master_port: int | None,
@@ -96,6 +104,13 @@ def launch(torchrun: list[str], command: list[str], debug: bool = False, say=pri
         raise UserError("--nproc-per-node starts the processes itself, but this process is one of several "
                         "already (WORLD_SIZE is set: a launcher such as torchrun started it)",
                         hint="drop --nproc-per-node and the other launch options, or run gpupoor without torchrun")
+    import torch
+
+    if _version(torch.__version__) < LAUNCHER_TORCH:
+        raise UserError(f"--nproc-per-node needs torch {'.'.join(map(str, LAUNCHER_TORCH))} or newer (this is "
+                        f"{torch.__version__}): older launchers cannot hand their signals on or report each "
+                        "process's exit code", hint="upgrade torch, or launch with torchrun (which exits 1 when "
+                        "the processes stop with 75: requeue on the run's checkpoint, not the exit code)")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

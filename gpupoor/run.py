@@ -395,7 +395,7 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
     clock.mark("accelerator and tokenizer")
     sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code)
     data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, Path.cwd(),
-                      sampler=sampler.value)
+                      sampler=sampler.value, resuming=resuming)
     clock.mark("data")
     for warning in data.warnings:
         say(f"warning: {warning}")
@@ -487,17 +487,27 @@ def check_checkpoint_matches(session: Session, checkpoint) -> None:
 
 
 def _check_models(session: Session, checkpoint, force: bool, say) -> tuple[dict, dict[str, str]]:
-    """The identity of each model the run loads (gpupoor.identity), on the first process (it writes the
-    checkpoints; the others stop when it does), and what changed since the checkpoint recorded them: refused
-    unless --force, which accepts them. Returns (identities, changes by recipe key)."""
-    if not session.main or session.smoke:
+    """The identity of each model the run loads (gpupoor.identity), taken by the first process (it writes the
+    checkpoints) and sent to the others, and what changed since the checkpoint recorded them: refused unless
+    --force, which accepts them. Every process gets the same verdict, so a refusal ends them all with exit 2
+    (the others would otherwise go on into the next collective alone). Returns (identities, changes by key)."""
+    if session.smoke:
         return {}, {}
-    from gpupoor.identity import model_changes, model_identities
+    verdict: object = None
+    if session.main:
+        try:
+            verdict = _model_verdict(session, checkpoint)
+        except Exception as exc:  # a file that cannot be read: said by every process, not only the first
+            verdict = exc
+    if session.accelerator.num_processes > 1:
+        import torch.distributed as dist
 
-    recorded = checkpoint.manifest.get("models") if checkpoint is not None else None
-    models = model_identities(session.recipe, recorded)
-    session.startup.mark("model")  # identifying the model's files counts as loading them
-    changes = model_changes(recorded, models)
+        sent = [verdict if not isinstance(verdict, Exception) else RunFailed(str(verdict))]
+        dist.broadcast_object_list(sent, src=0)  # a sync point: the others wait while the first hashes
+        verdict = verdict if session.main else sent[0]
+    if isinstance(verdict, Exception):
+        raise verdict
+    models, changes = verdict
     listed = "\n".join(f"  {key}: {change}" for key, change in changes.items())
     if changes and not force:
         raise UserError(f"the model{'s' if len(changes) > 1 else ''} this run trained with changed at the same path "
@@ -507,6 +517,16 @@ def _check_models(session: Session, checkpoint, force: bool, say) -> tuple[dict,
     if changes:
         say(f"warning: --force: resuming with changed models (recorded from now on):\n{listed}")
     return models, changes
+
+
+def _model_verdict(session: Session, checkpoint) -> tuple[dict, dict[str, str]]:
+    """(identities, changes since the checkpoint's record) of the models the recipe names."""
+    from gpupoor.identity import model_changes, model_identities
+
+    recorded = checkpoint.manifest.get("models") if checkpoint is not None else None
+    models = model_identities(session.recipe, recorded)
+    session.startup.mark("model")  # identifying the model's files counts as loading them
+    return models, model_changes(recorded, models)
 
 
 def restore(session: Session, checkpoint, force: bool) -> None:
@@ -874,7 +894,7 @@ class RunHooks:
         weights to the first and writes its own shard of the optimizer state into a staging folder), then the
         first process alone commits the checkpoint (weights, optimizer, progress, manifest last, one rename), and
         all processes learn whether it landed: a failure stops every process, not only the one that saw it."""
-        from gpupoor.checkpoint import CheckpointError, rotate, write_checkpoint
+        from gpupoor.checkpoint import CheckpointError, write_checkpoint
         from gpupoor.distributed import local_values
         from gpupoor.files import dir_size
 
@@ -902,9 +922,10 @@ class RunHooks:
                                            step, {**self.manifest_base, "loss": self.last_loss},
                                            int(self.policy.expected_bytes * 1.1) - (dir_size(staged) if staged else 0))
                 size = dir_size(session.checkpoints_dir / name)
-                rotate(session.checkpoints_dir, session.recipe.checkpoint.keep_last, step, keep=self.best_checkpoint())
             except Exception as exc:  # the others must learn of it below, or they would wait for it forever
                 own = exc
+            else:
+                self._rotate(step)
             finally:
                 if staged is not None:
                     shutil.rmtree(staged, ignore_errors=True)  # moved into the checkpoint, or abandoned
@@ -918,6 +939,18 @@ class RunHooks:
         self.policy.saved(step, seconds, int(size))
         self.write({"step": step, "checkpoint": name, "save_s": round(self.policy.save_s, 3)})
         return name
+
+    def _rotate(self, step: int) -> None:
+        """Remove checkpoints beyond keep_last. The new one has landed, so a failure here (a file that cannot be
+        removed) costs disk space, not work: a warning, never a failed save."""
+        from gpupoor.checkpoint import rotate
+
+        try:
+            rotate(self.session.checkpoints_dir, self.session.recipe.checkpoint.keep_last, step,
+                   keep=self.best_checkpoint())
+        except OSError as exc:
+            self.progress.message(f"warning: could not remove an old checkpoint ({exc}); the new one landed: "
+                                  "remove the old one by hand to free its space", always=True)
 
     def _failed(self, target: Path, error: Exception | None) -> RunFailed:
         """Writing `target` (a checkpoint, final/) failed on some process, as every process agreed: the same

@@ -119,7 +119,7 @@ def wandb_offline_history(run_dir: Path, run_id: str) -> list[tuple[int, dict]]:
     from wandb.proto import wandb_internal_pb2
 
     rows = []
-    for path in sorted(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+    for path in _wandb_logs(run_dir, run_id):
         for raw in wandb_log_records(path):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(raw)
@@ -127,6 +127,18 @@ def wandb_offline_history(run_dir: Path, run_id: str) -> list[tuple[int, dict]]:
                 rows.append((record.history.step.num, {item.key or "/".join(item.nested_key): _wandb_value(item)
                                                        for item in record.history.item}))
     return rows
+
+
+def _wandb_logs(run_dir: Path, run_id: str) -> list[Path]:
+    """The transaction logs of `run_id`'s offline sessions, oldest first: RUN_DIR/wandb/offline-run-TIME-ID, and
+    offline-run-TIME-ID-N when a session started within the same second as an earlier one."""
+    pattern = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    sessions = []
+    for folder in (run_dir / "wandb").glob(f"offline-run-*-{run_id}*"):
+        match = pattern.fullmatch(folder.name)
+        if match and (folder / f"run-{run_id}.wandb").is_file():
+            sessions.append(((match.group(1), int(match.group(2) or 0)), folder / f"run-{run_id}.wandb"))
+    return [path for _, path in sorted(sessions)]
 
 
 def _wandb_value(item):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -216,6 +217,28 @@ def launched(*args, fault: str = "") -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+def test_a_changed_base_is_refused_by_every_process(recipe, tiny_model, tmp_path):
+    """The first process identifies the models; the others must get its verdict: alone, they went on into the
+    next collective and died there (or of the launcher's SIGTERM) while it exited 2."""
+    from safetensors.torch import save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    run = tmp_path / "run"
+    stopped = torchrun("train", recipe, "--output-dir", run, "--set", f"model.name_or_path={base}", "--set",
+                       "distributed.strategy=ddp", fault="timeout@2")
+    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+    weights = load_file(base / "model.safetensors")  # same shapes, other values, at the same path
+    save_file({name: tensor + 0.01 for name, tensor in weights.items()}, base / "model.safetensors",
+              metadata={"format": "pt"})
+    refused = launched("resume", run)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-3000:]
+    assert "error: 2 of 2 processes failed (rank 0: exit 2, rank 1: exit 2)" in refused.stderr
+    assert refused.stderr.count("model.safetensors changed") == 2, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.slow
 def test_one_launch_exits_75_when_every_process_stopped_and_resumes_exactly(recipe, straight, tmp_path):
     """torchrun exits 1 (and prints a ChildFailedError traceback) when its processes stop with exit 75, so a
     script that requeues on 75 never requeued: `--nproc-per-node` keeps gpupoor's codes."""
@@ -231,8 +254,10 @@ def test_one_launch_exits_75_when_every_process_stopped_and_resumes_exactly(reci
     a, b = adapter(straight("ddp")), adapter(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
     bad = launched("resume", run, "--set", "training.learning_rate=0.5")  # refused by every process: exit 2
-    assert bad.returncode == 2 and "training.learning_rate" in bad.stdout + bad.stderr, bad.stderr[-3000:]
-    assert "error: 2 of 2 processes failed (rank 0: exit 2, rank 1: exit 2)" in bad.stderr
+    assert bad.returncode == 2 and "training.learning_rate" in bad.stdout + bad.stderr, \
+        (bad.returncode, bad.stdout[-2000:], bad.stderr[-3000:])
+    # (the other process may be stopped by the launcher before it says so itself: a 2 anywhere is exit 2)
+    assert "error: 2 of 2 processes failed (rank 0: exit 2, rank 1: " in bad.stderr
     assert "Traceback" not in bad.stderr
 
 
@@ -270,6 +295,17 @@ def test_launch_exit_codes_and_options_without_nproc_per_node(make_recipe):
     result = invoke("train", make_recipe(), "--nnodes", "2", "--master-port", "29511")
     assert result.exit_code == 2, result.output
     assert "--nnodes, --master-port without --nproc-per-node" in result.output
+
+
+def test_the_launcher_refuses_a_torch_too_old_for_it(make_recipe, monkeypatch):
+    from gpupoor.launch import _version
+
+    assert [_version(v) for v in ("2.13.0+cpu", "2.9.0", "2.8.1", "3.0.0a0", "2.10.0.dev20250101")] == \
+        [(2, 13), (2, 9), (2, 8), (3, 0), (2, 10)]
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    result = invoke("train", make_recipe(), "--nproc-per-node", "2")
+    assert result.exit_code == 2, result.output
+    assert "--nproc-per-node needs torch 2.9 or newer (this is 2.8.0)" in result.output
 
 
 @pytest.mark.slow

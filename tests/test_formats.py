@@ -355,9 +355,9 @@ def test_tokenized_path_must_be_a_directory(make_recipe, tmp_path):
     code, output = validate(make_recipe(data=data))
     assert code == 2 and "is not a directory" in output, output
     (tmp_path / "tokens").unlink()
-    (tmp_path / "tokens").mkdir()
+    (tmp_path / "tokens").mkdir()  # a directory, but not one `gpupoor tokenize` wrote: training refuses it too
     code, output = validate(make_recipe(data=data))
-    assert code == 0, output
+    assert code == 2 and "no manifest.json" in output, output
 
 
 # validate --show ----------------------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ def test_a_run_with_no_step_logged_has_nothing_to_plot(runs, tmp_path, metrics):
 
 # Lines of metrics.jsonl that are not records: what a hand edit or a disk error leaves (#25).
 BAD_LINES = {"null": b"null", "list": b"[1, 2]", "string": b'"a string"', "binary": b"\xff\xfe\x00garbage",
-             "no step": b'{"loss": 1.5}'}
+             "no step": b'{"loss": 1.5}', "by source": b'{"step": 2, "examples_by_source": 3}'}
 
 
 def insert_bad_line(run: Path, line: bytes, at: int = 3) -> None:
@@ -230,6 +230,16 @@ def test_a_bad_line_in_metrics_is_skipped_with_one_warning_by_status_and_report(
     report = invoke("report", run, "--output", tmp_path / "r.html")
     assert report.exit_code == 0, report.output
     assert report.output.count(warning) == 1 and (tmp_path / "r.html").stat().st_size > 0
+
+
+def test_a_last_line_cut_short_by_a_kill_is_no_warning_whatever_it_reads_as(runs, tmp_path):
+    # A SIGKILL can cut the last record inside a multi-byte character: that is a kill, not a damaged file.
+    run = tmp_path / "cut"
+    shutil.copytree(runs / "resumed", run)
+    with open(run / "metrics.jsonl", "ab") as metrics:
+        metrics.write('{"step": 7, "note": "é'.encode()[:-1])
+    status = invoke("status", run)
+    assert status.exit_code == 0 and "warning" not in status.output, status.output
 
 
 def test_an_output_that_is_neither_png_nor_html_is_exit_2(runs, tmp_path):

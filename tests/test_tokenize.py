@@ -393,3 +393,24 @@ def test_a_tokenized_path_without_a_valid_manifest_is_refused_by_validate_as_by_
             result = invoke(verb, recipe, *extra)
             assert result.exit_code == 2, result.output
             assert said in result.output and "data.tokenized_path" in result.output
+
+
+def test_a_run_started_before_the_settings_check_still_resumes_with_a_warning(make_recipe, tmp_path, monkeypatch):
+    # Runs started before validate/train compared data.max_length and data.format with the tokenized directory's
+    # (the recipe's values were ignored) must stay resumable: their data fingerprint is checked as always.
+    import gpupoor.data.build
+    import gpupoor.preflight
+
+    out = tmp_path / "tokenized"
+    assert invoke("tokenize", make_recipe(), "--output", out).exit_code == 0  # alpaca, max_length 128
+    recipe = make_recipe("older.yaml", data={"path": None, "tokenized_path": str(out), "max_length": 32},
+                         checkpoint={"every_steps": 2})
+    with monkeypatch.context() as older:  # the gpupoor that started it did not compare them
+        older.setattr(gpupoor.data.build, "check_tokenized_settings", lambda *args: None)
+        older.setattr(gpupoor.preflight, "check_tokenized_settings", lambda *args: None)
+        started = invoke("train", recipe, "--output-dir", tmp_path / "run", fault="sigterm@2", monkeypatch=monkeypatch)
+        assert started.exit_code == 75, started.output
+    resumed = invoke("resume", tmp_path / "run", monkeypatch=monkeypatch)
+    assert resumed.exit_code == 0, resumed.output
+    assert "data.max_length is 32 in the recipe but 128 in its manifest" in resumed.output
+    assert "resuming as the run started" in resumed.output

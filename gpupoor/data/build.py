@@ -125,10 +125,12 @@ def _split_stats(whole: TokenStats, held_out: TokenizedDataset) -> tuple[TokenSt
 
 
 def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
-               use_cache: bool = True, sampler: str | None = None) -> DataBundle:
-    """`sampler`: the concrete sampler when data.sampler is `auto` (the run resolves it from the model)."""
+               use_cache: bool = True, sampler: str | None = None, resuming: bool = False) -> DataBundle:
+    """`sampler`: the concrete sampler when data.sampler is `auto` (the run resolves it from the model).
+    `resuming`: a run that started before its recipe's settings were checked against a tokenized directory's
+    continues (a warning), its data fingerprint checked as always."""
     if data.tokenized_path:
-        return _from_tokenized_dir(data, tokenizer, micro_batch_size, seed, base_dir, sampler)
+        return _from_tokenized_dir(data, tokenizer, micro_batch_size, seed, base_dir, sampler, resuming)
     cache_dir = (Path(data.cache_dir) if data.cache_dir else default_cache_dir()) if use_cache else None
     if cache_dir is not None and not cache_dir.is_absolute():
         cache_dir = base_dir / cache_dir
@@ -150,17 +152,23 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
 
 
 def _from_tokenized_dir(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
-                        sampler: str | None) -> DataBundle:
+                        sampler: str | None, resuming: bool = False) -> DataBundle:
     """Data `gpupoor tokenize` wrote (verified against its manifest and this tokenizer), with its mixture. Its
     held-out eval rows were chosen when it was written; this run's seed orders the epochs."""
     path = Path(data.tokenized_path).expanduser()
     path = path if path.is_absolute() else base_dir / path
     train, evaluation, manifest = load_tokenized_dir(path, tokenizer)
-    check_tokenized_settings(manifest, data, path)
+    warnings = []
+    try:
+        check_tokenized_settings(manifest, data, path)
+    except UserError as exc:
+        if not resuming:
+            raise
+        warnings.append(f"{exc.message}; resuming as the run started (the directory's settings apply)")
     mixture = manifest_mixture(manifest, seed)
     kind = sampler or (data.sampler if data.sampler != "auto" else "random")
     plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, manifest["max_length"], mixture)
-    return DataBundle(train, evaluation, plan, True, manifest["data_fingerprint"], [], mixture,
+    return DataBundle(train, evaluation, plan, True, manifest["data_fingerprint"], warnings, mixture,
                       manifest_source_stats(manifest))
 
 

@@ -41,6 +41,7 @@ class NullWriter:
 # Keys whose values the readers (status, report, the trackers) compute with: a number, or null for a non-finite one.
 NUMBERS = ("loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s", "peak_mem_mb", "step_s", "elapsed_s",
            "epoch", "eval_loss", "eval_accuracy", "save_s", "predicted_peak_mb", "optimizer_state_mb", "best_eval_loss")
+BY_SOURCE = ("examples_by_source", "eval_loss_by_source", "eval_accuracy_by_source")  # {source name: number}
 
 
 def _record_problem(line: bytes) -> tuple[dict | None, str | None]:
@@ -62,7 +63,15 @@ def _record_problem(line: bytes) -> tuple[dict | None, str | None]:
         record[key] is None or isinstance(record[key], (int, float))))), None)
     if wrong is not None:
         return None, f"{wrong} is not a number"
+    wrong = next((key for key in BY_SOURCE if key in record and not _numbers_by_name(record[key])), None)
+    if wrong is not None:
+        return None, f"{wrong} is not numbers by source name"
     return record, None
+
+
+def _numbers_by_name(value) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(number, (int, float)) and not isinstance(number, bool) for number in value.values())
 
 
 def parse_metrics(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
@@ -77,7 +86,7 @@ def parse_metrics(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
         record, problem = _record_problem(line)
         if record is not None:
             records.append(record)
-        elif not (number == len(lines) and problem == "not JSON"):
+        elif number < len(lines):  # the last piece has no newline after it: cut short by a kill, whatever it reads as
             bad.append((number, problem))
     return records, bad
 
