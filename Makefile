@@ -21,7 +21,7 @@ demo: install
 	$(PY) -m gpupoor.demo
 
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 docs: install
 	$(PY) -m gpupoor.docs
