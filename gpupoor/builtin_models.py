@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.files import blocking_file, default_cache_dir
+from gpupoor.files import blocking_file, default_cache_dir, why_not_written
 from gpupoor.recipe import resolve_local_path
 
 PREFIX = "gpupoor:"
@@ -51,10 +51,9 @@ def builtin_model(name: str) -> Path:
         # The checkpoint commit protocol: built in a temporary folder, manifest last, renamed into place.
         write_checkpoint(target, build, 0, {"builtin": name}, 0)
     except OSError as exc:
-        blocker = blocking_file(target.parent)
-        why = f"{blocker} is a file, not a directory" if blocker else exc.strerror or exc
-        raise UserError(f"cannot build {PREFIX}{name} into {target}: {why}",
-                        hint=f"{'remove it, or ' if blocker else ''}set $GPUPOOR_CACHE to a writable folder") from None
+        raise UserError(f"cannot build {PREFIX}{name} into {target}: {why_not_written(exc, target.parent)}",
+                        hint=f"{'remove it, or ' if blocking_file(target.parent) else ''}set $GPUPOOR_CACHE to a "
+                        "writable folder") from None
     _VERIFIED.add(target)
     return target
 

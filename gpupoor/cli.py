@@ -81,14 +81,13 @@ RDZV_ENDPOINT_OPTION = typer.Option(None, "--rdzv-endpoint", rich_help_panel=LAU
 LAUNCH_PARAMS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint")
 
 
-def _launch_if_asked(context: typer.Context, debug: bool, nproc_per_node: int | None, nnodes: str, node_rank: int, master_addr: str,
-                     master_port: int | None, rdzv_endpoint: str | None) -> None:
+def _launch_if_asked(context: typer.Context, debug: bool) -> None:
     """With --nproc-per-node: run this command in the processes torchrun's launcher starts, and exit with their
     code (gpupoor.launch). Launch options without it are refused. Otherwise return: train here."""
-    given = [name for name, value, default in (("--nnodes", nnodes, "1"), ("--node-rank", node_rank, 0),
-                                               ("--master-addr", master_addr, "127.0.0.1"),
-                                               ("--master-port", master_port, None),
-                                               ("--rdzv-endpoint", rdzv_endpoint, None)) if value != default]
+    # (by name: typer carries its own copy of click, whose ParameterSource is not click's)
+    given = [f"--{name.replace('_', '-')}" for name in LAUNCH_PARAMS[1:]
+             if getattr(context.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"]
+    nproc_per_node = context.params["nproc_per_node"]
     if nproc_per_node is None and not given:
         return
 
@@ -96,13 +95,12 @@ def _launch_if_asked(context: typer.Context, debug: bool, nproc_per_node: int | 
         if nproc_per_node is None:
             raise UserError(f"{', '.join(given)} without --nproc-per-node: they say how to launch processes",
                             hint="add --nproc-per-node N (the processes on each machine)")
-        return _launch(context, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, debug)
+        return _launch(context, debug)
 
     _guarded(debug, action)  # exits
 
 
-def _launch(context: typer.Context, nproc_per_node: int, nnodes: str, node_rank: int, master_addr: str,
-            master_port: int | None, rdzv_endpoint: str | None, debug: bool) -> int:
+def _launch(context: typer.Context, debug: bool) -> int:
     from gpupoor.launch import launch, torchrun_args
 
     command = [context.info_name]
@@ -116,8 +114,8 @@ def _launch(context: typer.Context, nproc_per_node: int, nnodes: str, node_rank:
             command.append(param.opts[0])
         else:
             command += [item for v in (value if param.multiple else [value]) for item in (param.opts[0], str(v))]
-    return launch(torchrun_args(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint),
-                  command, debug, say=lambda text: typer.echo(text, err=True))
+    return launch(torchrun_args(*(context.params[name] for name in LAUNCH_PARAMS)), command, debug,
+                  say=lambda text: typer.echo(text, err=True))
 
 
 FINISHED = ("done", "already_done", "early_stop")  # exit 0; any other reason stopped with a checkpoint: exit 75
@@ -132,11 +130,12 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
 
         from gpupoor.run import RunFailed
 
+        several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # this process is one of several a launcher started
         stop = StopRequest().install()
         try:
             code = action(stop)
         except RunFailed as exc:
-            if not (stop.finished and from_command_line() and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            if not (stop.finished and from_command_line() and several):
                 raise
             # A failure every process agreed on (a full disk during a save): said, then ended like a finished
             # process, without the interpreter's teardown of gloo (see _leave_now).
@@ -146,14 +145,14 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
             # The outcome is decided (a checkpoint or final/ committed, or the error said): a signal while the process
             # exits must not turn it into a bare 143 -- the launcher's SIGTERM to a finished process, or a scheduler's
             # second one during interpreter shutdown (torch's teardown takes a while).
-            if from_command_line() or (stop.finished and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            if from_command_line() or (stop.finished and several):
                 stop.ignore_from_now()
             else:
                 stop.uninstall()  # a program or test calling the command keeps its own handlers
         from gpupoor import faults
 
         faults.at_stage("exiting")  # tests: a scheduler's signal once the outcome is decided
-        if stop.finished and from_command_line() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if stop.finished and from_command_line() and several:
             _leave_now(code or 0)
         return code
 
@@ -260,7 +259,7 @@ def train(
     """Train from a recipe into a new run directory (or, with --resume-if-present, continue the run there)."""
 
     started = time.monotonic()  # a time limit counts from here
-    _launch_if_asked(context, debug, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
+    _launch_if_asked(context, debug)
 
     def action(stop) -> int:
         from gpupoor.preflight import preflight
@@ -318,7 +317,7 @@ def resume(
 ) -> None:
     """Continue a run exactly from its newest valid checkpoint."""
     started = time.monotonic()
-    _launch_if_asked(context, debug, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
+    _launch_if_asked(context, debug)
 
     def action(stop) -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

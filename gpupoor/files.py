@@ -138,6 +138,13 @@ def blocking_file(directory: Path) -> Path | None:
     return None
 
 
+def why_not_written(exc: OSError, directory: Path) -> str:
+    """Why a folder could not be made or written, in words: a file standing where it (or a parent) should be,
+    named, or else what the system said."""
+    blocker = blocking_file(directory)
+    return f"{blocker} is a file, not a directory" if blocker else str(exc.strerror or exc)
+
+
 def default_cache_dir() -> Path:
     """Where gpupoor caches tokenized data and built-in models: $GPUPOOR_CACHE, else ~/.cache/gpupoor."""
     return Path(os.environ.get("GPUPOOR_CACHE") or Path.home() / ".cache" / "gpupoor")

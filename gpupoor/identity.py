@@ -62,11 +62,18 @@ def model_identity(value: str, revision: str | None, base_dir: Path, known: dict
     return {"path": str(local), "files": files, "config": _facts(local / "config.json")}
 
 
+# What says which model an adapter fits: its family, depth and width (config key, and the GPT-2 style name).
+SHAPE_KEYS = (("model_type", "model_type"), ("num_hidden_layers", "n_layer"), ("hidden_size", "n_embd"))
+
+
+def config_facts(config: dict) -> dict:
+    """A model config's family, decoder layer count and hidden size (None where it does not say)."""
+    return {key: config.get(key, config.get(other)) for key, other in SHAPE_KEYS}
+
+
 def _facts(config: Path | None) -> dict | None:
     """What generate and merge-lora check a base against (gpupoor.merge.check_base_fits): the architecture,
     decoder layer count and hidden size the run trained on."""
-    from gpupoor.merge import config_facts
-
     try:
         return config_facts(json.loads(config.read_text())) if config is not None else None
     except (OSError, ValueError, AttributeError):

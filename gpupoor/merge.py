@@ -25,6 +25,7 @@ from gpupoor.checkpoint import read_manifest, verify_adapter_dir
 from gpupoor.errors import UserError
 from gpupoor.files import atomic_dir
 from gpupoor.hardware import DTYPES
+from gpupoor.identity import config_facts
 from gpupoor.train.report import read_metrics
 
 PEFT_PREFIX = "base_model.model."
@@ -116,15 +117,6 @@ def weight_shards(base_dir: Path) -> list[Path]:
 
 # The decoder layer a tensor name belongs to (model.layers.3..., transformer.h.3..., blocks.3...).
 LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
-# What says which model an adapter fits: its family, depth and width.
-SHAPE_KEYS = (("model_type", "model_type"), ("num_hidden_layers", "n_layer"), ("hidden_size", "n_embd"))
-
-
-def config_facts(config: dict) -> dict:
-    """A model config's family, decoder layer count and hidden size (None where it does not say)."""
-    return {key: config.get(key, config.get(other)) for key, other in SHAPE_KEYS}
-
-
 def base_config(base: str, revision: str | None = None) -> dict | None:
     """The config.json of a base (a local directory, or a hub id's cached or downloadable config), or None when
     it cannot be read here (loading the base then says why)."""

@@ -77,9 +77,7 @@ def check_training_data(loaded: LoadedRecipe) -> list[str]:
     warnings: list[str] = []
     for prefix, source in data_sources(data):
         warnings += check_data(source.path, f"{prefix}.path", loaded, source.split, source)
-        if source.eval_rows:
-            check_eval_rows(prefix, source, loaded.base_dir)
-        check_source_rows(prefix, source, loaded.base_dir)
+        check_source_amounts(prefix, source, loaded.base_dir)
         if source.eval_path:
             warnings += check_data(source.eval_path, f"{prefix}.eval_path", loaded, "train", source)
     return warnings + eval_is_training_data(loaded)
@@ -118,32 +116,26 @@ def _same_data(one, other) -> bool:
         return False
 
 
-def check_eval_rows(prefix: str, source: SourceSection, base_dir: Path) -> None:
-    """The rows `eval_rows` holds out leave some to train on (a local source's rows are counted, up to one past
-    eval_rows; training counts its usable examples with the same rule)."""
-    location = resolve_source(source.path, base_dir, source.split, f"{prefix}.path")
-    if location.kind == "hub":
-        return
-    limit = min(source.eval_rows + 1, source.max_rows or source.eval_rows + 1)
-    rows = sum(1 for _ in iter_rows(location, limit))
-    counted = (f"{prefix}.max_rows = {rows} keeps {rows} rows of {location.location}" if source.max_rows == rows
-               else f"{location.location} has {rows} rows")
-    check_held_out(prefix, source.eval_rows, rows, counted)
-
-
-def check_source_rows(prefix: str, source: SourceSection, base_dir: Path) -> None:
-    """A source's `rows` per epoch against its own rows (a hub dataset's are counted when training starts). Reads
-    only as many rows as `rows` needs (1 per MAX_PASSES), plus those held out."""
-    if source.rows is None:
+def check_source_amounts(prefix: str, source: SourceSection, base_dir: Path) -> None:
+    """A local source's rows against what the recipe takes of them, as training checks its usable examples: the
+    rows `eval_rows` holds out leave some to train on (check_held_out), and `rows` per epoch is at most MAX_PASSES
+    passes over the rest (check_rows). One read, of only as many rows as the checks need (a hub dataset's are
+    counted when training starts)."""
+    if not source.eval_rows and source.rows is None:
         return
     location = resolve_source(source.path, base_dir, source.split, f"{prefix}.path")
     if location.kind == "hub":
         return
-    needed = -(-source.rows // MAX_PASSES) + source.eval_rows
+    needed = source.eval_rows + max(1, -(-(source.rows or 0) // MAX_PASSES))
     limit = min(needed, source.max_rows) if source.max_rows else needed
-    have = sum(1 for _ in iter_rows(location, limit)) - source.eval_rows
-    what = "rows left after eval_rows" if source.eval_rows else "rows"
-    check_rows(f"{prefix}.rows", source.rows, max(have, 0), what)
+    rows = sum(1 for _ in iter_rows(location, limit))
+    if source.eval_rows:
+        counted = (f"{prefix}.max_rows = {rows} keeps {rows} rows of {location.location}" if source.max_rows == rows
+                   else f"{location.location} has {rows} rows")
+        check_held_out(prefix, source.eval_rows, rows, counted)
+    if source.rows is not None:
+        what = "rows left after eval_rows" if source.eval_rows else "rows"
+        check_rows(f"{prefix}.rows", source.rows, max(rows - source.eval_rows, 0), what)
 
 
 def check_tokenized_path(value: str, base_dir: Path, data: DataSection | None = None) -> list[str]:

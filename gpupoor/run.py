@@ -1265,10 +1265,7 @@ def nonfinite_advice(recipe: Recipe) -> str:
 
 
 def _nonfinite_warning(state, recipe: Recipe) -> str:
-    """The end-of-session line when steps were skipped as non-finite (empty when none were): they did not update
-    the weights."""
-    if not state.nonfinite_steps:
-        return ""
+    """The end-of-session line when steps were skipped as non-finite: they did not update the weights."""
     return (f"warning: {state.nonfinite_steps} of {state.step} optimizer steps were skipped (a non-finite loss or "
             f"gradient norm; no update), so the run learned from {state.step - state.nonfinite_steps}. "
             + nonfinite_advice(recipe))

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.files import blocking_file, write_text_atomic
+from gpupoor.files import why_not_written, write_text_atomic
 from gpupoor.recipe import DATA_SUFFIXES, LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
 
 RECIPE = "recipe.yaml"
@@ -95,9 +95,8 @@ def check_writable(run_dir: Path, what: str | None = None,
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise
-        blocker = blocking_file(run_dir)
-        why = f"{blocker} is a file, not a directory" if blocker else exc.strerror or exc
-        raise UserError(f"cannot create {what or f'the run directory {run_dir}'}: {why}", hint=hint) from None
+        raise UserError(f"cannot create {what or f'the run directory {run_dir}'}: {why_not_written(exc, run_dir)}",
+                        hint=hint) from None
     finally:
         for path in missing:  # deepest first; leave nothing behind
             with contextlib.suppress(OSError):

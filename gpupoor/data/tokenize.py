@@ -35,7 +35,7 @@ from gpupoor.data.loading import DataSource, Row, iter_rows
 from gpupoor.data.mixture import Mixture, Source
 from gpupoor.data.tokenized_manifest import DIR_KIND, DIR_VERSION, MANIFEST, REDO_HINT, read_manifest
 from gpupoor.errors import UserError
-from gpupoor.files import atomic_dir, blocking_file, sha256_file
+from gpupoor.files import atomic_dir, blocking_file, sha256_file, why_not_written
 
 CHUNK_ROWS = 1000  # rows encoded together: one tokenizer call, one task for a worker
 PROGRESS_AFTER_ROWS = 50_000  # a progress line for sources at least this long
@@ -60,10 +60,9 @@ def tokenize_source(location: DataSource, limit: int | None, encoder: Encoder, t
         try:
             return stream_tokenize(iter_rows(location, limit), encoder, cache_path, _label(location)), False
         except OSError as exc:  # a cache that cannot be written costs time next run, never this run
-            blocker = blocking_file(cache_path.parent)
-            why = f"{blocker} is a file, not a directory: remove it, or" if blocker else f"{exc.strerror or exc};"
-            warnings.append(f"could not write the tokenized cache {cache_path} ({why} set data.cache_dir or "
-                            "$GPUPOOR_CACHE to a writable folder)")
+            remove = ": remove it, or" if blocking_file(cache_path.parent) else ";"
+            warnings.append(f"could not write the tokenized cache {cache_path} ({why_not_written(exc, cache_path.parent)}"
+                            f"{remove} set data.cache_dir or $GPUPOOR_CACHE to a writable folder)")
     return stream_tokenize(iter_rows(location, limit), encoder, None, _label(location)), False
 
 
