@@ -18,13 +18,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m gpupoor.demo
+	$(PY) -m gpupoor.commands.demo
 
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 docs: install
-	$(PY) -m gpupoor.docs
+	$(PY) -m gpupoor.commands.docs
 
 clean:
 	rm -rf build runs .pytest_cache

@@ -19,7 +19,7 @@ cores for tokenization (reading and encoding only): worker processes (gpupoor's)
 tokenizer's own threads on each chunk's batched call, and one process on one thread.
 
 No download: the tokenizer is trained here (as tests/conftest.py trains it) and the model is a tiny random
-Llama (gpupoor.tiny). Run it on a quiet machine; nothing is written to docs/. The table is printed; the raw
+Llama (gpupoor.model.tiny). Run it on a quiet machine; nothing is written to docs/. The table is printed; the raw
 figures go to WORK/results.json (default build/bench/data_scaling).
 
     python bench/data_scaling.py [--rows 10000,100000,1000000] [--cores 1,2] [--strategies] [--work DIR]
@@ -114,7 +114,7 @@ def breakdown(recipe_path: Path, cache: Path, result: Path) -> None:
     from gpupoor.data.dataset import TokenizedDataset
     from gpupoor.data.loading import resolve_source
     from gpupoor.data.sampler import BatchPlan
-    from gpupoor.recipe import load_recipe
+    from gpupoor.recipe.schema import load_recipe
 
     loaded = load_recipe(recipe_path)
     data = loaded.recipe.data
@@ -170,7 +170,7 @@ def fixture(work: Path) -> Path:
     if (model / "config.json").is_file():
         return model
     from gpupoor.data.formats import alpaca_prompt
-    from gpupoor.tiny import build_tiny_llama, train_tokenizer
+    from gpupoor.model.tiny import build_tiny_llama, train_tokenizer
 
     rng = random.Random(1)
     texts = [alpaca_prompt(_sentence(rng, 2, 9), _sentence(rng, 0, 5)) + _sentence(rng, 1, 9) for _ in range(300)]

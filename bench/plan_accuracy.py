@@ -1,7 +1,7 @@
 """How close `gpupoor plan` comes to the real peak: predicted peak vs the measured peak RSS of `gpupoor train`
 on this CPU, for recipes that each stress a different term of the plan.
 
-Builds its own random-weight models and data (gpupoor.tiny, Python's own documentation as text), so it needs
+Builds its own random-weight models and data (gpupoor.model.tiny, Python's own documentation as text), so it needs
 neither the network nor the peer kit. Each recipe trains a few steps in a fresh process; the measured peak is
 the process's peak RSS as metrics.jsonl records it (the whole run: imports, loading, training). Every run is
 bracketed by bench/machine.py's matmul probe (2048 x 2048 fp32, GFLOP/s): a peak is memory, not time, but a busy
@@ -58,7 +58,7 @@ RECIPES = {
     "padded-batch": case("h512-v32k", "padded micro-batches (length-grouped)", 1024, 8, False, "length_grouped"),
     "packed-batch": case("h512-v32k", "packed micro-batches", 1024, 8, False, "packed"),
 }
-# Used once to set gpupoor.plan.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table. One layer's
+# Used once to set gpupoor.plan.core.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table. One layer's
 # forward allocations from ~60 MiB to ~1 GiB, with and without checkpointing.
 CALIBRATION = {
     "calib-ckpt-small": case("h512-v32k", "calibration", 256, 2, True, "length_grouped"),
@@ -77,7 +77,7 @@ CALIBRATION = {
 def build_fixtures() -> None:
     from pydoc_data.topics import topics
 
-    from gpupoor.tiny import build_tiny_llama, train_tokenizer
+    from gpupoor.model.tiny import build_tiny_llama, train_tokenizer
 
     WORK.mkdir(parents=True, exist_ok=True)
     texts = [" ".join(text.split()) for _, text in sorted(topics.items())]
@@ -168,9 +168,9 @@ def measure_rounds(names: list[str], rounds: int,
 
 def calibrate(rounds: int, only: list[str]) -> None:
     """The heap retention ratio each calibration recipe implies: (median measured - plan without retention) /
-    the step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan defines it."""
-    from gpupoor import plan as planning
-    from gpupoor.recipe import load_recipe
+    the step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan.core defines it."""
+    import gpupoor.plan.core as planning
+    from gpupoor.recipe.schema import load_recipe
 
     steady = Steady()
     steady.warm_up()

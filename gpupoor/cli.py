@@ -15,7 +15,7 @@ import typer
 
 from gpupoor import __version__
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_RESUMABLE, UserError
-from gpupoor.startup import from_command_line, started_by_command_line
+from gpupoor.run.startup import from_command_line, started_by_command_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs on the hardware you have, from a YAML recipe.")
@@ -83,7 +83,7 @@ LAUNCH_PARAMS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master
 
 def _launch_if_asked(context: typer.Context, debug: bool) -> None:
     """With --nproc-per-node: run this command in the processes torchrun's launcher starts, and exit with their
-    code (gpupoor.launch). Launch options without it are refused. Otherwise return: train here."""
+    code (gpupoor.run.launch). Launch options without it are refused. Otherwise return: train here."""
     # (by name: typer carries its own copy of click, whose ParameterSource is not click's)
     given = [f"--{name.replace('_', '-')}" for name in LAUNCH_PARAMS[1:]
              if getattr(context.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"]
@@ -101,7 +101,7 @@ def _launch_if_asked(context: typer.Context, debug: bool) -> None:
 
 
 def _launch(context: typer.Context, debug: bool) -> int:
-    from gpupoor.launch import launch, torchrun_args
+    from gpupoor.run.launch import launch, torchrun_args
 
     command = [context.info_name]
     for param in context.command.params:  # the command line of each process: this one without launch options
@@ -126,9 +126,9 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
     start-up or after the stop checkpoint still ends in a checkpoint and exit 75, never a bare 143."""
 
     def guarded() -> int | None:
-        from gpupoor.signals import StopRequest
+        from gpupoor.run.signals import StopRequest
 
-        from gpupoor.run import RunFailed
+        from gpupoor.run.orchestrate import RunFailed
 
         several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # this process is one of several a launcher started
         stop = StopRequest().install()
@@ -186,7 +186,7 @@ def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as exc:
-        from gpupoor.run import RunFailed
+        from gpupoor.run.orchestrate import RunFailed
 
         if debug:
             raise
@@ -214,7 +214,7 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 def _file_system_error(exc: OSError) -> tuple[str, int]:
     """The one-line message and exit code for an OSError that reached the command: its path, its meaning, what
     to do."""
-    from gpupoor.files import blocking_file
+    from gpupoor.storage.files import blocking_file
 
     path = Path(exc.filename) if exc.filename else None
     where = f"{path}: " if path else ""
@@ -262,14 +262,14 @@ def train(
     _launch_if_asked(context, debug)
 
     def action(stop) -> int:
-        from gpupoor.preflight import preflight
-        from gpupoor.recipe import load_recipe
+        from gpupoor.commands.validate import preflight
+        from gpupoor.recipe.schema import load_recipe
 
         overrides = (set_ or []) + _time_limit_override(time_limit) + _profile_override(profile)
         loaded = load_recipe(recipe, overrides)
         existing = _existing_run(loaded, output_dir) if resume_if_present and not smoke else None
         if existing is not None:
-            from gpupoor.run import resume_run
+            from gpupoor.run.orchestrate import resume_run
 
             result = resume_run(existing, [], started=started, stop=stop, recipe=loaded)
             return 0 if result.reason in FINISHED else EXIT_RESUMABLE
@@ -277,11 +277,11 @@ def train(
             typer.echo(f"warning: {warning}", err=True)
         plan = None
         if not smoke:  # a smoke test runs a shrunken model on the CPU: the full-size plan does not apply
-            from gpupoor.plan import preflight_plan
+            from gpupoor.plan.core import preflight_plan
 
             plan = preflight_plan(loaded, force, lambda text: typer.echo(f"warning: {text}", err=True))
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from gpupoor.run import train_from_recipe
+        from gpupoor.run.orchestrate import train_from_recipe
 
         result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started, plan=plan, stop=stop)
         return 0 if result.reason in FINISHED else EXIT_RESUMABLE
@@ -291,7 +291,7 @@ def train(
 
 def _existing_run(loaded, output_dir: str | None) -> Path | None:
     """The run directory train would write into, when a run is already there."""
-    from gpupoor.rundir import is_run_dir, resolve_run_dir
+    from gpupoor.storage.rundir import is_run_dir, resolve_run_dir
 
     run_dir = resolve_run_dir(loaded, output_dir, loaded.source.stem if loaded.source else "run")
     return run_dir if is_run_dir(run_dir) else None
@@ -321,7 +321,7 @@ def resume(
 
     def action(stop) -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from gpupoor.run import resume_run
+        from gpupoor.run.orchestrate import resume_run
 
         overrides = (set_ or []) + _time_limit_override(time_limit) + _profile_override(profile)
         result = resume_run(run_dir, overrides, force=force, started=started, stop=stop)
@@ -338,8 +338,8 @@ def status(
     """Show a run's progress, its checkpoints (valid or why not) and how to continue."""
 
     def action() -> int:
-        from gpupoor.rundir import require_run_dir
-        from gpupoor.status import status_report
+        from gpupoor.storage.rundir import require_run_dir
+        from gpupoor.commands.status import status_report
 
         require_run_dir(run_dir)
         report, problem = status_report(run_dir.resolve())  # final/ is hashed once
@@ -367,7 +367,7 @@ def report(
     learning rate, tokens/s and peak memory of one or more runs. Needs matplotlib (the `report` extra of gpupoor)."""
 
     def action() -> int:
-        from gpupoor.run_report import write_report
+        from gpupoor.commands.report import write_report
 
         written = write_report(run_dirs, output, log_scale)
         typer.echo(f"wrote {written} ({written.stat().st_size / 1024:.0f} KiB)")
@@ -399,7 +399,7 @@ def merge_lora(
 
     def action() -> int:
         from gpupoor.hardware import DTYPES
-        from gpupoor.merge import merge_lora as merge, resolve_adapter, verify_merge
+        from gpupoor.commands.merge import merge_lora as merge, resolve_adapter, verify_merge
         from gpupoor.units import parse_size
 
         if dtype != "auto" and dtype not in DTYPES:
@@ -447,7 +447,7 @@ def generate(
             raise UserError("give exactly one of --prompt TEXT or --file PROMPTS.jsonl")
         if fmt is not None and fmt not in ("text", "alpaca", "chat", "completion"):
             raise UserError(f"--format {fmt!r}: use text, alpaca, chat or completion")
-        from gpupoor.generate import cap_new_tokens, complete, load_generator, prompt_row, rows_from_file
+        from gpupoor.commands.generate import cap_new_tokens, complete, load_generator, prompt_row, rows_from_file
         from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
@@ -488,9 +488,9 @@ def validate(
 
     def check(path: Path) -> str:
         """Raise on a bad recipe; return what to print on success."""
-        from gpupoor.plan import preflight_plan
-        from gpupoor.preflight import preflight, show_rows
-        from gpupoor.recipe import load_recipe
+        from gpupoor.plan.core import preflight_plan
+        from gpupoor.commands.validate import preflight, show_rows
+        from gpupoor.recipe.schema import load_recipe
         from gpupoor.units import format_bytes
 
         loaded = load_recipe(path, set_ or [])
@@ -546,8 +546,8 @@ def plan(
     def action() -> int:
         import json
 
-        from gpupoor.plan import make_plan, render, write_fit
-        from gpupoor.recipe import load_recipe
+        from gpupoor.plan.core import make_plan, render, write_fit
+        from gpupoor.recipe.schema import load_recipe
         from gpupoor.units import parse_size
 
         if device is not None and device not in ("cpu", "cuda"):
@@ -588,9 +588,9 @@ def tokenize(
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # worker processes are the parallelism
         from gpupoor.data.build import build_data
         from gpupoor.data.tokenize import write_tokenized_dir
-        from gpupoor.model import load_tokenizer, model_location
-        from gpupoor.recipe import load_recipe
-        from gpupoor.rundir import check_writable
+        from gpupoor.model.build import load_tokenizer, model_location
+        from gpupoor.recipe.schema import load_recipe
+        from gpupoor.storage.rundir import check_writable
 
         loaded = load_recipe(recipe, set_ or [])
         settings = loaded.recipe
@@ -620,7 +620,7 @@ def schema() -> None:
     """Print the recipe JSON schema (for yaml-language-server / editor autocompletion)."""
     import json
 
-    from gpupoor.recipe import recipe_json_schema
+    from gpupoor.recipe.schema import recipe_json_schema
 
     typer.echo(json.dumps(recipe_json_schema(), indent=2))
 

@@ -47,7 +47,7 @@ def _isolated_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def tokenizer():
     from gpupoor.data.formats import alpaca_prompt
-    from gpupoor.tiny import train_tokenizer
+    from gpupoor.model.tiny import train_tokenizer
 
     rng = random.Random(1)
     texts = [alpaca_prompt(_sentence(rng, 2, 9), _sentence(rng, 0, 5)) + _sentence(rng, 1, 9) for _ in range(300)]
@@ -57,7 +57,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, tokenizer) -> Path:
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny", tokenizer, hidden=32, layers=2,
                             heads=4, kv_heads=2, seed=0)
@@ -65,7 +65,7 @@ def tiny_model(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tied_model(tmp_path_factory, tokenizer) -> Path:
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tied", tokenizer, hidden=32, layers=2,
                             heads=4, kv_heads=2, seed=1, tie_embeddings=True)

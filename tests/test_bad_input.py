@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from gpupoor.cli import app
 from gpupoor.data.formats import Encoder
 from gpupoor.errors import UserError
-from gpupoor.preflight import PREFLIGHT_ROWS
-from gpupoor.recipe import load_recipe
+from gpupoor.commands.validate import PREFLIGHT_ROWS
+from gpupoor.recipe.schema import load_recipe
 
 runner = CliRunner()
 
@@ -89,16 +89,16 @@ def test_validate_checks_the_next_recipe_after_a_non_utf8_one(make_recipe, tmp_p
 
 
 def test_validate_checks_the_next_recipe_after_a_crash(make_recipe, monkeypatch):
-    import gpupoor.preflight
+    import gpupoor.commands.validate
 
-    real = gpupoor.preflight.preflight
+    real = gpupoor.commands.validate.preflight
 
     def crash_on_a(loaded):
         if loaded.source.name == "a.yaml":
             raise RuntimeError("boom")
         return real(loaded)
 
-    monkeypatch.setattr(gpupoor.preflight, "preflight", crash_on_a)
+    monkeypatch.setattr(gpupoor.commands.validate, "preflight", crash_on_a)
     code, output = validate(make_recipe("a.yaml"), make_recipe("b.yaml"))
     assert code == 1 and "a.yaml: error: RuntimeError: boom" in output and "b.yaml: ok" in output
 

@@ -12,7 +12,7 @@ from gpupoor.data.formats import IGNORE_INDEX, Encoder, alpaca_prompt
 from gpupoor.data.loading import read_rows, resolve_source
 from gpupoor.data.sampler import BatchPlan
 from gpupoor.errors import UserError
-from gpupoor.recipe import DataSection
+from gpupoor.recipe.schema import DataSection
 
 
 def encoder(tokenizer, fmt="alpaca", max_length=256, **kw):

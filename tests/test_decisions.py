@@ -11,9 +11,9 @@ import json
 import pytest
 
 from gpupoor import decisions, hardware
-from gpupoor import plan as planning
+import gpupoor.plan.core as planning
 from gpupoor.errors import UserError
-from gpupoor.recipe import Recipe
+from gpupoor.recipe.schema import Recipe
 from gpupoor.units import format_bytes, format_duration, parse_duration, parse_size
 
 
@@ -157,7 +157,7 @@ def test_plan_resolves_what_training_resolves(machine, device, major, flash):
             (False, True)):
         recipe = _recipe(precision=precision, attention=attention, sampler=sampler, trust=trust)
 
-        def training():  # in the order gpupoor.run decides: a recipe wrong twice fails on its precision
+        def training():  # in the order gpupoor.run.orchestrate decides: a recipe wrong twice fails on its precision
             chosen_precision = hardware.resolve_precision(precision, device).value
             chosen_attention = hardware.resolve_attention(attention, device).value
             return chosen_precision, chosen_attention, hardware.resolve_sampler(sampler, chosen_attention, trust).value
@@ -174,7 +174,7 @@ def test_plan_takes_the_loss_path_training_takes(case, tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from gpupoor.loss import find_fused_head
+    from gpupoor.objectives.cross_entropy import find_fused_head
 
     targets = ["q_proj", "v_proj", "lm_head"] if case == "adapted_head" else "all-linear"
     save = ["lm_head"] if case == "trained_head" else []

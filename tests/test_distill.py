@@ -21,7 +21,7 @@ def teacher(tmp_path_factory, tokenizer):
     import yaml
 
     from conftest import alpaca_rows, write_jsonl
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     root = tmp_path_factory.mktemp("teacher")
     base = build_tiny_llama(root / "base", tokenizer, hidden=48, layers=2, heads=4, kv_heads=2, seed=3)
@@ -43,8 +43,8 @@ def _kl_to_teacher(student_dir, adapter_dir, teacher_dir, rows) -> float:
     from transformers import AutoModelForCausalLM
 
     from gpupoor.data.formats import Encoder
-    from gpupoor.model import load_tokenizer
-    from gpupoor.recipe import ModelSection
+    from gpupoor.model.build import load_tokenizer
+    from gpupoor.recipe.schema import ModelSection
 
     tokenizer = load_tokenizer(str(teacher_dir), ModelSection(name_or_path=str(teacher_dir)))
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float64)
@@ -104,7 +104,7 @@ def test_a_distillation_run_resumes_bitwise(make_recipe, teacher, tmp_path, monk
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(make_recipe, tmp_path):
-    from gpupoor.tiny import build_tiny_llama, train_tokenizer
+    from gpupoor.model.tiny import build_tiny_llama, train_tokenizer
 
     other = train_tokenizer(["completely different words for another vocabulary"] * 20, vocab_size=300)
     foreign = build_tiny_llama(tmp_path / "foreign", other, hidden=32, layers=2)

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 import gpupoor.decisions as decisions
 from conftest import masked_batch
-from gpupoor.distill import (check_vocabularies, distill_loss_sum, linear_distill_sum, plain_distill_loss_sum)
+from gpupoor.objectives.distill import (check_vocabularies, distill_loss_sum, linear_distill_sum, plain_distill_loss_sum)
 from gpupoor.errors import UserError
-from gpupoor.loss import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
+from gpupoor.objectives.cross_entropy import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
 
 WEIGHTS = [0.0, 0.5, 1.0]
 TEMPERATURES = [1.0, 2.0]
@@ -136,7 +136,7 @@ def test_a_bf16_teacher_gets_fp32_logits():
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory, tokenizer):
     """A teacher of another width, with its head padded beyond the tokenizer like Qwen's 152,064 rows."""
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "teacher", tokenizer, hidden=48, layers=2, heads=4,
                             kv_heads=2, seed=3, vocab_size=len(tokenizer) + 24)
@@ -144,7 +144,7 @@ def teacher_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def same_size_teacher_dir(tmp_path_factory, tokenizer):
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "teacher_same", tokenizer, hidden=48, layers=2,
                             heads=4, kv_heads=2, seed=4)
@@ -295,7 +295,7 @@ def test_the_fused_loss_never_allocates_the_full_logits(monkeypatch):
 
 def test_the_fused_loss_on_models_never_allocates_the_full_logits(monkeypatch, tmp_path, tokenizer):
     """Through the models' own forwards too: the heads are asked for one position's logits only."""
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     vocab = 16384
     monkeypatch.setattr(decisions, "CHUNK_ELEMENTS", 8 * vocab)  # 8 tokens per chunk
@@ -333,7 +333,7 @@ def test_the_fused_loss_on_models_never_allocates_the_full_logits(monkeypatch, t
 def test_check_vocabularies(tokenizer, tiny_model):
     from transformers import AutoTokenizer
 
-    from gpupoor.tiny import train_tokenizer
+    from gpupoor.model.tiny import train_tokenizer
 
     check_vocabularies(tokenizer, AutoTokenizer.from_pretrained(tiny_model))  # the same tokenizer, saved and loaded
     other = train_tokenizer(["a different corpus gives different merges and ids " * 3] * 50, vocab_size=300)

@@ -288,7 +288,7 @@ def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(recipe, 
 
 
 def test_launch_exit_codes_and_options_without_nproc_per_node(make_recipe):
-    from gpupoor.launch import exit_code
+    from gpupoor.run.launch import exit_code
 
     assert [exit_code(codes) for codes in ([0, 0], [75, 75], [75, 2], [130, 130], [75, 0], [75, -9], [1, 0])] == \
         [0, 75, 2, 130, 1, 1, 1]
@@ -298,7 +298,7 @@ def test_launch_exit_codes_and_options_without_nproc_per_node(make_recipe):
 
 
 def test_the_launcher_refuses_a_torch_too_old_for_it(make_recipe, monkeypatch):
-    from gpupoor.launch import _version
+    from gpupoor.run.launch import _version
 
     assert [_version(v) for v in ("2.13.0+cpu", "2.9.0", "2.8.1", "3.0.0a0", "2.10.0.dev20250101")] == \
         [(2, 13), (2, 9), (2, 8), (3, 0), (2, 10)]
@@ -315,7 +315,7 @@ def test_a_full_disk_on_one_process_stops_every_process_with_one_line(recipe, tm
     optimizer shard). Every process learns of it in one collective: each exits 1 with the same one-line error
     naming the checkpoint, what it needs and what is free; no traceback, no process dies in gloo; the staging
     directory is gone and the previous checkpoint is intact."""
-    from gpupoor.checkpoint import verify
+    from gpupoor.storage.checkpoint import verify
 
     run = tmp_path / "run"
     failed = torchrun("train", recipe, "--output-dir", run, "--set", f"distributed.strategy={strategy}",

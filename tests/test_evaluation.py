@@ -78,7 +78,7 @@ def test_fused_eval_accuracy_equals_the_full_logits_one(tiny_model, tokenizer):
     in float64 so no near-tie can fall differently on another CPU; the loss too."""
     from transformers import AutoModelForCausalLM
 
-    from gpupoor.loss import find_fused_head, fused_eval_sums, plain_eval_sums
+    from gpupoor.objectives.cross_entropy import find_fused_head, fused_eval_sums, plain_eval_sums
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64).eval()
     fused, _ = find_fused_head(model)

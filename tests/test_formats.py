@@ -171,7 +171,7 @@ def fake_hub_cache(root, config: dict, jinja: str | None, jinja_known_missing: b
 def test_hub_tokenizer_template_from_the_cache(tmp_path, monkeypatch, config, jinja, missing, expected):
     import huggingface_hub.constants
 
-    from gpupoor.preflight import tokenizer_has_chat_template
+    from gpupoor.commands.validate import tokenizer_has_chat_template
 
     fake_hub_cache(tmp_path / "hub", config, jinja, missing)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -396,7 +396,7 @@ def test_mixture_amounts_beyond_a_hundred_passes_are_refused(make_recipe, tmp_pa
     # at most 100 passes over a source per epoch, checked by validate against its rows and by training's build.
     from gpupoor.data.build import build_data
     from gpupoor.errors import UserError
-    from gpupoor.recipe import load_recipe
+    from gpupoor.recipe.schema import load_recipe
 
     code, output = validate(make_recipe(data=mixture(alpaca_file, {"path": str(alpaca_file), "rows": 10**12})))
     assert code == 2, output

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import gpupoor.decisions as decisions
 from conftest import masked_batch, read_metrics
 from gpupoor.cli import app
-from gpupoor.loss import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
+from gpupoor.objectives.cross_entropy import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
 
 runner = CliRunner()
 
@@ -112,8 +112,8 @@ def test_fused_and_plain_training_agree_with_accumulation(make_recipe, tmp_path)
 
 @pytest.mark.parametrize("mode", [True, "offload"])
 def test_activation_checkpointing_gives_bitwise_equal_lora_gradients(tiny_model, tokenizer, mode):
-    from gpupoor.model import build_model
-    from gpupoor.recipe import ModelSection, PeftSection, QuantizationSection
+    from gpupoor.model.build import build_model
+    from gpupoor.recipe.schema import ModelSection, PeftSection, QuantizationSection
 
     def grads(checkpointing):
         model = build_model(str(tiny_model), ModelSection(name_or_path=str(tiny_model)), PeftSection(rank=4),

@@ -145,7 +145,7 @@ def assert_merges_as_trained_only_into_the_dequantized_base(run: Path, tmp_path:
 
 def test_streaming_merge_peak_memory_stays_near_one_shard(tmp_path, tokenizer):
     """A 64 MB model in 4 MB shards: merging must grow the process by a few shards, not by the model."""
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     base = build_tiny_llama(tmp_path / "big", tokenizer, hidden=256, layers=16, heads=4, kv_heads=4,
                             intermediate=1024)
@@ -165,7 +165,7 @@ def test_streaming_merge_peak_memory_stays_near_one_shard(tmp_path, tokenizer):
     code = f"""
 import re, shutil
 from pathlib import Path
-from gpupoor.merge import AdapterSource, merge_lora
+from gpupoor.commands.merge import AdapterSource, merge_lora
 def kib(field): return int(re.search(field + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))
 for out in ('warmup', 'out'):
     open('/proc/self/clear_refs', 'w').write('5')
@@ -220,7 +220,7 @@ def test_checkpoint_with_an_adapter_directory_is_refused(lora_run, tmp_path):
 
 
 def test_base_with_other_shapes_is_refused(lora_run, tokenizer, tmp_path):
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     wider = build_tiny_llama(tmp_path / "wider", tokenizer, hidden=48, layers=2, heads=4, kv_heads=2)
     result = merge(lora_run, "--output", tmp_path / "m", "--base", wider)
@@ -244,7 +244,7 @@ def test_existing_output_is_refused(lora_run, tmp_path):
 
 
 def test_interrupted_merge_leaves_no_output(lora_run, tmp_path, monkeypatch):
-    import gpupoor.merge as merge_module
+    import gpupoor.commands.merge as merge_module
 
     calls = []
 

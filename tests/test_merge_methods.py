@@ -152,7 +152,7 @@ def test_dora_magnitudes_are_what_the_merge_uses(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("case", ["dora", "ia3"])
 def test_adapter_of_another_model_is_refused(case, tiny_model, tokenizer, tmp_path):
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     adapter = build_adapter(tiny_model, case, tmp_path / "adapter")
     wider = build_tiny_llama(tmp_path / "wider", tokenizer, hidden=48, layers=2, heads=4, kv_heads=2)

@@ -102,7 +102,7 @@ def test_packing_keeps_examples_of_different_sources_apart(tiny_model, tokenizer
 
     from gpupoor.data.build import build_data, collate_packed
     from gpupoor.data.formats import IGNORE_INDEX
-    from gpupoor.recipe import DataSection
+    from gpupoor.recipe.schema import DataSection
 
     main, extra = two_sources
     data = DataSection(datasets=[{"path": str(main), "rows": 6}, {"path": str(extra), "rows": 6}], format="alpaca",
@@ -164,7 +164,7 @@ def test_held_out_rows_are_not_counted_as_training_examples(tokenizer, two_sourc
     """The start-up summary's counts (each source's and the whole data's) are the training examples alone: the
     rows eval_rows holds out are eval's (#25)."""
     from gpupoor.data.build import build_data
-    from gpupoor.recipe import DataSection
+    from gpupoor.recipe.schema import DataSection
 
     main, extra = two_sources
     data = DataSection(datasets=[{"path": str(main), "eval_rows": 6}, {"path": str(extra), "eval_rows": 4}],

@@ -30,8 +30,8 @@ def _type_cells(reference: str) -> dict[str, str]:
 
 
 def test_recipe_reference_renders_types_as_yaml_values():
-    from gpupoor.docs import render_recipe_reference
-    from gpupoor.recipe import Recipe
+    from gpupoor.commands.docs import render_recipe_reference
+    from gpupoor.recipe.schema import Recipe
 
     cells = _type_cells(render_recipe_reference())
     assert "peft.target_modules" in cells and "output_dir" in cells and len(cells) > len(Recipe.model_fields)

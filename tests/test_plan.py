@@ -11,9 +11,9 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from gpupoor import plan as planning
+import gpupoor.plan.core as planning
 from gpupoor.cli import app
-from gpupoor.recipe import LoadedRecipe, Recipe, load_recipe
+from gpupoor.recipe.schema import LoadedRecipe, Recipe, load_recipe
 
 from conftest import PEFT_METHODS, read_metrics
 
@@ -62,7 +62,7 @@ def tiny_llama_with(method="lora", layers=2, rank=8, dropout=0.0, attention="sdp
 
 def apply_method_like_peft(model, method, rank=4, dropout=0.0, targets="all-linear", last_layers=None,
                            modules_to_save=()):
-    """`method` on a transformers Llama as the libraries do it, independently of gpupoor.model."""
+    """`method` on a transformers Llama as the libraries do it, independently of gpupoor.model.build."""
     from peft import IA3Config, LoraConfig, get_peft_model
 
     layers = model.config.num_hidden_layers
@@ -526,7 +526,7 @@ def test_dora_weight_norm_working_set_is_measured():
 
 @pytest.fixture
 def teacher_model(tmp_path_factory, tokenizer) -> Path:
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "teacher", tokenizer, hidden=64, layers=3,
                             heads=4, kv_heads=2, seed=3)

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-import gpupoor.preference as preference
+import gpupoor.objectives.preference as preference
 from conftest import WORDS, invoke, read_metrics, write_jsonl
 from gpupoor.data.build import collate_pairs, count_pairs
 from gpupoor.data.dataset import encoded_chunk, tokenize_rows
 from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
 from gpupoor.data.loading import Row
-from gpupoor.loss import find_fused_head
-from gpupoor.preference import PreferenceLoss, Reference, frozen_head
+from gpupoor.objectives.cross_entropy import find_fused_head
+from gpupoor.objectives.preference import PreferenceLoss, Reference, frozen_head
 
 
 @pytest.fixture(autouse=True)
@@ -433,8 +433,8 @@ def test_pairs_are_encoded_whole(tokenizer, tmp_path):
 def test_plan_counts_two_sequences_and_the_reference_copy(make_recipe, pairs_file):
     """A pair is two sequences: DPO's activations are those of twice the examples; a reference copy adds a
     second set of base weights (quantized with reference_bits), adapter_off adds none."""
-    from gpupoor.plan import make_plan
-    from gpupoor.recipe import load_recipe
+    from gpupoor.plan.core import make_plan
+    from gpupoor.recipe.schema import load_recipe
 
     def plan(**sections):
         return {t.key: t.bytes for t in make_plan(load_recipe(make_recipe("p.yaml", **sections)), "cpu").terms}
@@ -449,7 +449,7 @@ def test_plan_counts_two_sequences_and_the_reference_copy(make_recipe, pairs_fil
 
 
 def test_trackers_get_the_reward_metrics():
-    from gpupoor.trackers import PREFERENCE_METRICS, tracker_values
+    from gpupoor.train.trackers import PREFERENCE_METRICS, tracker_values
 
     assert set(preference.METRICS["orpo"]) <= set(PREFERENCE_METRICS)
     values = tracker_values({"step": 3, "loss": 0.6, "rewards/margins": 0.2, "eval_rewards/accuracies": 0.75})
@@ -465,8 +465,8 @@ def test_dpo_on_the_demo_task_raises_reward_and_greedy_accuracy(tmp_path, monkey
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpupoor.demo_task import preference_split
-    from gpupoor.generate import complete
+    from gpupoor.model.demo_task import preference_split
+    from gpupoor.commands.generate import complete
 
     train, held_out = preference_split(2400, 100, prompt=lambda letters: f"{letters} = ")  # short prompts: fast
     write_jsonl(tmp_path / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in train])

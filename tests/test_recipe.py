@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpupoor.errors import UserError
-from gpupoor.recipe import Recipe, apply_overrides, load_recipe
+from gpupoor.recipe.schema import Recipe, apply_overrides, load_recipe
 from gpupoor.units import parse_duration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,10 +132,10 @@ def test_every_shipped_recipe_validates_against_the_schema():
 
 
 def test_recipe_reference_doc_is_generated_from_the_schema():
-    from gpupoor.docs import render_recipe_reference
+    from gpupoor.commands.docs import render_recipe_reference
 
     assert (ROOT / "docs" / "recipe.md").read_text() == render_recipe_reference(), \
-        "docs/recipe.md is stale: run `python -m gpupoor.docs`"
+        "docs/recipe.md is stale: run `python -m gpupoor.commands.docs`"
 
 
 def test_json_schema_lists_every_section():

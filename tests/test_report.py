@@ -145,7 +145,7 @@ def test_html_of_an_unfinished_run_says_how_to_continue(runs, tmp_path):
 # ---- what the loss panel marks, and overlays ---------------------------------------------------------------------
 
 def test_loss_panel_marks_checkpoints_sessions_skips_and_the_best(marked):
-    from gpupoor.run_report import load_runs, loss_panel
+    from gpupoor.commands.report import load_runs, loss_panel
 
     ax = loss_panel(load_runs([marked]), log_scale=True).axes[0]
     assert ax.get_yscale() == "log"
@@ -165,7 +165,7 @@ def test_loss_panel_marks_checkpoints_sessions_skips_and_the_best(marked):
 
 
 def test_two_runs_are_overlaid_and_both_named(runs, tmp_path):
-    from gpupoor.run_report import load_runs, loss_panel, other_panels
+    from gpupoor.commands.report import load_runs, loss_panel, other_panels
 
     loaded = load_runs([runs / "resumed", runs / "faster"])
     loss_labels = loss_panel(loaded, log_scale=False).axes[0].get_legend_handles_labels()[1]
@@ -182,7 +182,7 @@ def test_two_runs_are_overlaid_and_both_named(runs, tmp_path):
 
 
 def test_labels_tell_same_named_runs_apart(tmp_path):
-    from gpupoor.run_report import run_labels
+    from gpupoor.commands.report import run_labels
 
     assert run_labels([tmp_path / "a" / "out", tmp_path / "b" / "out"]) == ["a/out", "b/out"]
     assert run_labels([tmp_path / "x", tmp_path / "y"]) == ["x", "y"]
@@ -256,14 +256,14 @@ def test_without_matplotlib_says_what_to_install(runs, tmp_path, monkeypatch):
 
 
 def test_the_cli_does_not_import_matplotlib_until_report_runs():
-    code = "import sys, gpupoor.cli, gpupoor.run_report, gpupoor.status; assert 'matplotlib' not in sys.modules"
+    code = "import sys, gpupoor.cli, gpupoor.commands.report, gpupoor.commands.status; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 # ---- the sparkline in `gpupoor status` ---------------------------------------------------------------------------
 
 def test_sparkline_averages_into_at_most_40_marks_and_skips_non_finite():
-    from gpupoor.status import loss_sparkline
+    from gpupoor.commands.status import loss_sparkline
 
     line = loss_sparkline([{"step": s, "loss": 10.0 / s} for s in range(1, 1201)])
     marks = line.split()[1]

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import invoke, read_metrics
-from gpupoor.checkpoint import STAGES
+from gpupoor.storage.checkpoint import STAGES
 
 
 # 48 rows, micro batch 4, accumulation 2: 12 micro-batches and 6 optimizer steps per epoch, 9 steps in all.
@@ -146,7 +146,7 @@ def test_forced_learning_rate_change_takes_effect(straight, tmp_path, monkeypatc
     result = invoke("resume", run, "--set", "training.learning_rate=0.001", "--force", monkeypatch=monkeypatch)
     assert result.exit_code == 0, result.output
     after = {r["step"]: r["lr"] for r in read_metrics(run) if "lr" in r}
-    from gpupoor.optim import lr_factor
+    from gpupoor.train.optim import lr_factor
 
     # the same schedule position (cosine over 9 steps, no warmup), scaled from the new peak learning rate
     assert after[5] == pytest.approx(0.001 * lr_factor(4, 0, 9, "cosine"))
@@ -166,8 +166,8 @@ def test_base_weights_replaced_at_the_same_path_are_refused_and_forced(make_reci
                                                                        monkeypatch):
     # Resume fingerprinted the data but not the model: other base weights at the same path gave exit 0 and another
     # adapter (issue #25). Each checkpoint records the model's files by sha256; a change is exit 2 unless --force.
-    from gpupoor.files import sha256_file
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.storage.files import sha256_file
+    from gpupoor.model.tiny import build_tiny_llama
 
     base = build_tiny_llama(tmp_path / "base", tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, seed=0)
     recipe = make_recipe("exact.yaml", model={"name_or_path": str(base)}, **EXACT)
@@ -212,7 +212,7 @@ def test_model_identity_reuses_hashes_of_unchanged_files_and_names_hub_commits(t
 
     import huggingface_hub
 
-    from gpupoor import identity
+    import gpupoor.model.identity as identity
 
     base = tmp_path / "base"
     shutil.copytree(tiny_model, base)

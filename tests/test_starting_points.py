@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from gpupoor.errors import UserError
-from gpupoor.recipe import load_recipe
+from gpupoor.recipe.schema import load_recipe
 
 from conftest import invoke, read_metrics
 
@@ -210,7 +210,7 @@ def test_targets_that_differ_are_an_error_naming_both(foreign_adapter, make_reci
 
 
 def test_settings_that_differ_are_found_without_loading_weights(foreign_adapter, make_recipe):
-    from gpupoor.model import check_init_adapter
+    from gpupoor.model.build import check_init_adapter
 
     def problem(**peft) -> str:
         with pytest.raises(UserError) as info:
@@ -246,7 +246,7 @@ def test_settings_that_differ_are_found_without_loading_weights(foreign_adapter,
 
 def test_an_adapter_that_is_not_intact_or_not_safetensors_is_refused(foreign_adapter, make_recipe, tmp_path,
                                                                      monkeypatch):
-    from gpupoor.model import check_init_adapter
+    from gpupoor.model.build import check_init_adapter
 
     first = train(make_recipe("first.yaml"), tmp_path / "first", monkeypatch)
     weights = first / "final" / "adapter_model.safetensors"
@@ -264,7 +264,7 @@ def test_an_adapter_of_another_base_model_is_a_clear_error(tmp_path, tokenizer, 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     wider = build_tiny_llama(tmp_path / "wider", tokenizer, hidden=64, layers=2, heads=4, kv_heads=2, seed=0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(wider),

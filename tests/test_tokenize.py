@@ -277,7 +277,7 @@ def mixture_recipe(make_recipe, tmp_path):
 def test_tokenize_writes_a_verified_directory_with_the_examples_of_the_raw_data(make_recipe, mixture_recipe,
                                                                                 tmp_path, tokenizer, kind):
     from gpupoor.data.build import build_data
-    from gpupoor.recipe import load_recipe
+    from gpupoor.recipe.schema import load_recipe
 
     recipe = make_recipe("single.yaml", data={"eval_rows": 8}) if kind == "single" else mixture_recipe
     out = tmp_path / "tokenized"
@@ -286,7 +286,7 @@ def test_tokenize_writes_a_verified_directory_with_the_examples_of_the_raw_data(
     assert "training examples" in result.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(manifest["files"]) == ["eval.safetensors", "train.safetensors"]
-    from gpupoor.files import sha256_file
+    from gpupoor.storage.files import sha256_file
 
     for name, entry in manifest["files"].items():
         assert entry == {"size": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
@@ -306,7 +306,7 @@ def test_tokenize_writes_a_verified_directory_with_the_examples_of_the_raw_data(
 
 
 def test_load_tokenized_dir_rejects_a_flipped_byte_and_another_tokenizer(make_recipe, tmp_path, tokenizer):
-    from gpupoor.tiny import train_tokenizer
+    from gpupoor.model.tiny import train_tokenizer
 
     out = tmp_path / "tokenized"
     assert invoke("tokenize", make_recipe(), "--output", out).exit_code == 0
@@ -399,7 +399,7 @@ def test_a_run_started_before_the_settings_check_still_resumes_with_a_warning(ma
     # Runs started before validate/train compared data.max_length and data.format with the tokenized directory's
     # (the recipe's values were ignored) must stay resumable: their data fingerprint is checked as always.
     import gpupoor.data.build
-    import gpupoor.preflight
+    import gpupoor.commands.validate
 
     out = tmp_path / "tokenized"
     assert invoke("tokenize", make_recipe(), "--output", out).exit_code == 0  # alpaca, max_length 128
@@ -407,7 +407,7 @@ def test_a_run_started_before_the_settings_check_still_resumes_with_a_warning(ma
                          checkpoint={"every_steps": 2})
     with monkeypatch.context() as older:  # the gpupoor that started it did not compare them
         older.setattr(gpupoor.data.build, "check_tokenized_settings", lambda *args: None)
-        older.setattr(gpupoor.preflight, "check_tokenized_settings", lambda *args: None)
+        older.setattr(gpupoor.commands.validate, "check_tokenized_settings", lambda *args: None)
         started = invoke("train", recipe, "--output-dir", tmp_path / "run", fault="sigterm@2", monkeypatch=monkeypatch)
         assert started.exit_code == 75, started.output
     resumed = invoke("resume", tmp_path / "run", monkeypatch=monkeypatch)

@@ -76,7 +76,7 @@ def test_every_tracker_gets_every_record_offline_and_a_resume_continues_the_same
     # W&B: one offline run (resumed, not a second one: a session directory each, with the same id) that holds
     # every step once. The killed session's log lacks what W&B had not written when the kill came (here every
     # step): the resumed session sends what it lacks of metrics.jsonl, then of the steps it trains again.
-    from gpupoor.trackers import wandb_offline_history
+    from gpupoor.train.trackers import wandb_offline_history
 
     offline = sorted((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(ids["wandb"] in path.name for path in offline)
@@ -89,7 +89,7 @@ def test_every_tracker_gets_every_record_offline_and_a_resume_continues_the_same
 
 
 def test_a_w_and_b_offline_run_stopped_cleanly_is_not_sent_its_steps_again(make_recipe, tmp_path, monkeypatch):
-    from gpupoor.trackers import wandb_offline_history
+    from gpupoor.train.trackers import wandb_offline_history
 
     recipe = make_recipe(training={"max_steps": 5}, logging={"report_to": ["wandb"], "offline": True,
                                                              "progress": "none"})
@@ -139,7 +139,7 @@ def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(make_recipe,
     import socket
     import time
 
-    from gpupoor.trackers import MLFLOW_PATIENCE
+    from gpupoor.train.trackers import MLFLOW_PATIENCE
 
     # refusing: a port nothing listens on, every request is refused at once. silent: the connection is made (the
     # kernel's backlog) and no answer ever comes, as from a server that hangs: each request times out.
@@ -182,7 +182,7 @@ def test_unknown_tracker_names_are_schema_errors(make_recipe):
 def test_w_and_b_sessions_started_within_one_second_are_all_read_in_order(tmp_path):
     # W&B names a second session that starts in the same second as the first offline-run-TIME-ID-1: the read-back
     # missed it, so a resumed run's own steps were sent again on the next resume.
-    from gpupoor.trackers import _wandb_logs
+    from gpupoor.train.trackers import _wandb_logs
 
     names = ["offline-run-20261125_174459-abc", "offline-run-20261125_174459-abc-1", "offline-run-20261125_174500-abc",
              "offline-run-20261125_174459-abcd", "offline-run-20261125_174459-xyz"]

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import invoke, read_metrics
-from gpupoor.optim import lr_factor
+from gpupoor.train.optim import lr_factor
 
 
 
@@ -261,16 +261,16 @@ def full_disk_on(monkeypatch, name_prefix: str) -> None:
     """fsync of a file whose name starts with `name_prefix` fails as on a full disk (naming no file, as it does)."""
     import errno
 
-    import gpupoor.files
+    import gpupoor.storage.files
 
-    real = gpupoor.files.fsync_file
+    real = gpupoor.storage.files.fsync_file
 
     def fsync_file(path: Path) -> None:
         if path.name.startswith(name_prefix):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(path)
 
-    monkeypatch.setattr(gpupoor.files, "fsync_file", fsync_file)
+    monkeypatch.setattr(gpupoor.storage.files, "fsync_file", fsync_file)
 
 
 def test_a_full_disk_at_start_names_the_file_and_exits_1(make_recipe, tmp_path, monkeypatch):
@@ -363,7 +363,7 @@ def test_a_start_that_ended_before_storing_its_recipe_leaves_a_fresh_start(make_
 
 
 def test_a_start_still_loading_in_the_run_dir_is_not_trained_over(make_recipe, tmp_path):
-    from gpupoor.rundir import RunLock
+    from gpupoor.storage.rundir import RunLock
 
     run = tmp_path / "run"
     run.mkdir()
@@ -425,7 +425,7 @@ def _tiny_qwen2(path, tokenizer):
 def test_a_base_of_another_shape_is_refused_before_loading(finished_run, tokenizer, tmp_path, command, base, said):
     # generate --base with a base of another depth or family applied part of the adapter silently (issue #25):
     # the adapter's layers and the run's recorded base are checked against the base's config.json first.
-    from gpupoor.tiny import build_tiny_llama
+    from gpupoor.model.tiny import build_tiny_llama
 
     layers = {"deeper": 4, "shallower": 1}
     other = _tiny_qwen2(tmp_path / base, tokenizer) if base == "qwen2" else \
@@ -505,7 +505,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_demo_recipe_validates_and_trains_on_a_fresh_clone(tmp_path):
-    from gpupoor.files import default_cache_dir
+    from gpupoor.storage.files import default_cache_dir
 
     built = default_cache_dir() / "models" / "demo-v1"  # the test's own empty cache: a fresh machine
     assert not built.exists()
@@ -519,7 +519,7 @@ def test_the_demo_recipe_validates_and_trains_on_a_fresh_clone(tmp_path):
 def test_a_damaged_builtin_model_is_built_again(tmp_path):
     from safetensors.torch import load_file as load
 
-    from gpupoor.builtin_models import _VERIFIED, builtin_model
+    from gpupoor.model.builtin import _VERIFIED, builtin_model
 
     first = builtin_model("demo")
     reference = {k: v.clone() for k, v in load(first / "model.safetensors").items()}
@@ -575,12 +575,12 @@ def test_extending_a_finished_run_keeps_its_final_eval(make_recipe, tmp_path):
 def test_an_old_checkpoint_that_cannot_be_removed_is_a_warning_not_a_failed_save(make_recipe, tmp_path, monkeypatch):
     # Rotation runs after the new checkpoint has landed: a failure there costs disk space, not work, so it must
     # not stop the run as a failed save would (exit 1, "could not write ...").
-    import gpupoor.checkpoint
+    import gpupoor.storage.checkpoint
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied", "checkpoints/step-000001")
 
-    monkeypatch.setattr(gpupoor.checkpoint, "rotate", refuse)
+    monkeypatch.setattr(gpupoor.storage.checkpoint, "rotate", refuse)
     run = tmp_path / "run"
     result = invoke("train", make_recipe(checkpoint={"every_steps": 1, "keep_last": 1}), "--output-dir", run,
                     monkeypatch=monkeypatch)

@@ -14,8 +14,8 @@ from gpupoor.data.mixture import Mixture, Source, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
 from gpupoor.data.tokenize import load_tokenized_dir, manifest_mixture, manifest_source_stats, tokenize_source
 from gpupoor.errors import UserError
-from gpupoor.files import default_cache_dir
-from gpupoor.recipe import DataSection, SourceSection, check_rows, check_tokenized_settings
+from gpupoor.storage.files import default_cache_dir
+from gpupoor.recipe.schema import DataSection, SourceSection, check_rows, check_tokenized_settings
 
 
 @dataclass

@@ -32,7 +32,7 @@ import torch
 
 from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
 from gpupoor.data.loading import Row
-from gpupoor.files import atomic_file
+from gpupoor.storage.files import atomic_file
 
 CACHE_VERSION = "2"  # bump when tokenization semantics or the file layout change (2: streamed, mapped files)
 

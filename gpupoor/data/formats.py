@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from gpupoor.data.templates import TEMPLATES, missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
-from gpupoor.recipe import SHAREGPT_ROLES
+from gpupoor.recipe.schema import SHAREGPT_ROLES
 
 IGNORE_INDEX = -100
 CHAT_FORMATS = ("chat", "sharegpt")  # rendered with a chat template

@@ -35,7 +35,7 @@ from gpupoor.data.loading import DataSource, Row, iter_rows
 from gpupoor.data.mixture import Mixture, Source
 from gpupoor.data.tokenized_manifest import DIR_KIND, DIR_VERSION, MANIFEST, REDO_HINT, read_manifest
 from gpupoor.errors import UserError
-from gpupoor.files import atomic_dir, blocking_file, sha256_file, why_not_written
+from gpupoor.storage.files import atomic_dir, blocking_file, sha256_file, why_not_written
 
 CHUNK_ROWS = 1000  # rows encoded together: one tokenizer call, one task for a worker
 PROGRESS_AFTER_ROWS = 50_000  # a progress line for sources at least this long

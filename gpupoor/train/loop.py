@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from gpupoor.data.build import DataBundle, count_targets, count_tokens
-from gpupoor.distributed import full_value
-from gpupoor.loss import plain_eval_sums, plain_loss_sum
+from gpupoor.train.distributed import full_value
+from gpupoor.objectives.cross_entropy import plain_eval_sums, plain_loss_sum
 from gpupoor.profiling import span
 from gpupoor.train.heap import heap_trimmer
 from gpupoor.train.state import TrainState

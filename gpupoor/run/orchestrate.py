@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.recipe import LoadedRecipe, Recipe
-from gpupoor.rundir import (RunLock, check_run_dir, check_writable, end_session, holds_something, portable_recipe,
+from gpupoor.recipe.schema import LoadedRecipe, Recipe
+from gpupoor.storage.rundir import (RunLock, check_run_dir, check_writable, end_session, holds_something, portable_recipe,
                             resolve_run_dir, store_recipe, stored_recipe, write_session)
 
 SMOKE_ROWS = 16
@@ -84,7 +84,7 @@ def resume_run(run_dir: Path, overrides: list[str], force: bool = False, say=pri
     """Continue a run from its newest valid checkpoint (or say it is already done). `recipe`: a recipe file to
     resume with instead of the stored one plus `overrides` (train --resume-if-present); its differences from
     the stored recipe are judged like --set changes."""
-    from gpupoor.rundir import require_run_dir
+    from gpupoor.storage.rundir import require_run_dir
 
     started = time.monotonic() if started is None else started
     run_dir = run_dir.expanduser().resolve()
@@ -109,8 +109,8 @@ def _first_process() -> bool:
 
 def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, started: float, lock, stop,
                    replacement: LoadedRecipe | None = None) -> RunResult:
-    from gpupoor.checkpoint import final_problem, latest_valid, sweep_temporary
-    from gpupoor.recipe_diff import diff_recipes, format_changes
+    from gpupoor.storage.checkpoint import final_problem, latest_valid, sweep_temporary
+    from gpupoor.recipe.diff import diff_recipes, format_changes
 
     stored = stored_recipe(run_dir)
     # Paths given with --set resolve against the current directory and are stored absolute, like train's.
@@ -126,7 +126,7 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
         say(f"applying recipe changes:\n{format_changes(safe)}")
     for name in sweep_temporary(run_dir / "checkpoints") if lock is not None else ():
         say(f"removed an incomplete checkpoint write: {name}")
-    from gpupoor.distributed import optimizer_problem
+    from gpupoor.train.distributed import optimizer_problem
 
     checkpoint = latest_valid(run_dir / "checkpoints", warn=say, check=optimizer_problem)
     problem = final_problem(run_dir)
@@ -151,7 +151,7 @@ def _resume_locked(run_dir: Path, overrides: list[str], force: bool, say, starte
 def _stopped_early(run_dir: Path, safe_changes: list) -> bool:
     """The finished run stopped early (final/'s manifest says so: it was verified) and nothing that decides
     stopping changed since."""
-    from gpupoor.checkpoint import read_manifest
+    from gpupoor.storage.checkpoint import read_manifest
 
     decisive = ("training.early_stopping",)  # more steps change nothing: the same evals would stop it again
     return read_manifest(run_dir / "final").get("stop") == "early_stop" and \
@@ -171,7 +171,7 @@ def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
     """The memory plan for the startup summary (one of the processes launched), or None when the model is not
     one it can describe."""
     from gpupoor.decisions import launch_layout
-    from gpupoor.plan import make_plan
+    from gpupoor.plan.core import make_plan
 
     try:
         return make_plan(loaded, device, None, *launch_layout(os.environ))
@@ -186,7 +186,7 @@ def _stop_requests(stop):
     if stop is not None:
         yield stop
         return
-    from gpupoor.signals import StopRequest
+    from gpupoor.run.signals import StopRequest
 
     stop = StopRequest().install()
     try:
@@ -257,7 +257,7 @@ def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> i
 
 def make_accelerator(device: str, precision: str, strategy: str = "single"):
     """The Accelerator: one process, or several under torchrun / accelerate launch. It prepares DDP itself;
-    FSDP is applied by gpupoor.distributed.shard_model (accelerate builds FSDP on accelerators only)."""
+    FSDP is applied by gpupoor.train.distributed.shard_model (accelerate builds FSDP on accelerators only)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -298,7 +298,7 @@ class Session:
     optimizer: object
     steps: int
     warmup: int
-    summary: object  # gpupoor.model.ModelSummary
+    summary: object  # gpupoor.model.build.ModelSummary
     nodes: int = 1
     logged: set = field(default_factory=set)  # (step, kind) of what earlier sessions logged (trackers.already_logged)
     scheduler: object = None
@@ -306,7 +306,7 @@ class Session:
     memory_plan: object = None
     teacher: object = None  # the frozen distillation teacher (recipe.distill)
     reference: object = None  # DPO's frozen reference copy (preference.reference: copy)
-    startup: object = None  # gpupoor.startup.StartupClock: where the seconds before the first step went
+    startup: object = None  # gpupoor.run.startup.StartupClock: where the seconds before the first step went
 
     @property
     def main(self) -> bool:
@@ -338,7 +338,7 @@ class Session:
         model holds them whole already."""
         if not self.sharded:
             return None
-        from gpupoor.distributed import gather_weights
+        from gpupoor.train.distributed import gather_weights
 
         return gather_weights(self.model, whole_model=self.full)
 
@@ -356,9 +356,9 @@ class Session:
 
 def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: bool = False, clock=None) -> Session:
     """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed.
-    `resuming`: a checkpoint's weights will replace the starting ones. `clock`: a gpupoor.startup.StartupClock
+    `resuming`: a checkpoint's weights will replace the starting ones. `clock`: a gpupoor.run.startup.StartupClock
     already running (a new one otherwise)."""
-    from gpupoor.startup import StartupClock
+    from gpupoor.run.startup import StartupClock
 
     clock = clock or StartupClock()
     import torch
@@ -368,8 +368,8 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
     from gpupoor.decisions import choose_strategy, launch_layout
     from gpupoor.hardware import (resolve_attention, resolve_device, resolve_precision, resolve_sampler,
                                   usable_cpu_count)
-    from gpupoor.model import build_model, load_tokenizer, model_location, summarize
-    from gpupoor.optim import build_optimizer, warmup_steps
+    from gpupoor.model.build import build_model, load_tokenizer, model_location, summarize
+    from gpupoor.train.optim import build_optimizer, warmup_steps
     from gpupoor.quiet import quiet_libraries
 
     quiet_libraries()
@@ -415,7 +415,7 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
     clock.mark("model")
     faults.at_stage("startup")  # tests: a signal while the model loads
     if strategy.value == "fsdp":  # before the optimizer: sharding replaces the parameters it must hold
-        from gpupoor.distributed import shard_model
+        from gpupoor.train.distributed import shard_model
 
         dist = recipe.distributed
         model = shard_model(model, precision.value, device.value, dist.shard_frozen, dist.reshard_after_forward,
@@ -439,8 +439,8 @@ def _build_teacher(recipe: Recipe, tokenizer, precision: str, attention: str, de
     """The frozen distillation teacher (recipe.distill), checked to share the student's vocabulary; or None."""
     if recipe.distill is None:
         return None
-    from gpupoor.distill import check_vocabularies
-    from gpupoor.model import build_teacher
+    from gpupoor.objectives.distill import check_vocabularies
+    from gpupoor.model.build import build_teacher
 
     teacher, teacher_tokenizer = build_teacher(recipe.distill, recipe.model, precision, attention, device,
                                                recipe.seed, smoke)
@@ -456,7 +456,7 @@ def _build_reference(recipe: Recipe, precision: str, attention: str, device: str
     preference = recipe.preference
     if choose_reference(recipe.training.objective, preference.reference, recipe.peft.method).value != "copy":
         return None
-    from gpupoor.model import build_reference
+    from gpupoor.model.build import build_reference
 
     return build_reference(recipe.model, preference.reference_bits, precision, attention, device, recipe.seed, smoke,
                            recipe.quantization)
@@ -464,7 +464,7 @@ def _build_reference(recipe: Recipe, precision: str, attention: str, device: str
 
 def check_checkpoint_matches(session: Session, checkpoint) -> None:
     """Refuse (unless --force) a checkpoint written for other data or other trajectory settings."""
-    from gpupoor.recipe_diff import trajectory_hash
+    from gpupoor.recipe.diff import trajectory_hash
 
     if checkpoint.manifest.get("data_fingerprint") not in (None, session.data.fingerprint):
         raise UserError("the training data (or tokenizer, format or max_length) is not what this run was "
@@ -487,7 +487,7 @@ def check_checkpoint_matches(session: Session, checkpoint) -> None:
 
 
 def _check_models(session: Session, checkpoint, force: bool, say) -> tuple[dict, dict[str, str]]:
-    """The identity of each model the run loads (gpupoor.identity), taken by the first process (it writes the
+    """The identity of each model the run loads (gpupoor.model.identity), taken by the first process (it writes the
     checkpoints) and sent to the others, and what changed since the checkpoint recorded them: refused unless
     --force, which accepts them. Every process gets the same verdict, so a refusal ends them all with exit 2
     (the others would otherwise go on into the next collective alone). Returns (identities, changes by key)."""
@@ -521,7 +521,7 @@ def _check_models(session: Session, checkpoint, force: bool, say) -> tuple[dict,
 
 def _model_verdict(session: Session, checkpoint) -> tuple[dict, dict[str, str]]:
     """(identities, changes since the checkpoint's record) of the models the recipe names."""
-    from gpupoor.identity import model_changes, model_identities
+    from gpupoor.model.identity import model_changes, model_identities
 
     recorded = checkpoint.manifest.get("models") if checkpoint is not None else None
     models = model_identities(session.recipe, recorded)
@@ -532,13 +532,13 @@ def _model_verdict(session: Session, checkpoint) -> tuple[dict, dict[str, str]]:
 def restore(session: Session, checkpoint, force: bool) -> None:
     """Load a checkpoint's adapter, optimizer (and GradScaler) state and progress; then build the schedule at
     the restored step. `checkpoint` None: a new run at step 0. (latest_valid verified every listed file.)"""
-    from gpupoor.optim import build_scheduler
+    from gpupoor.train.optim import build_scheduler
     from gpupoor.train.state import TrainState
 
     session.state = TrainState()
     if checkpoint is not None:
-        from gpupoor.checkpoint import STATE, load_torch
-        from gpupoor.distributed import load_optimizer
+        from gpupoor.storage.checkpoint import STATE, load_torch
+        from gpupoor.train.distributed import load_optimizer
 
         load_trained_weights(session, checkpoint.path)
         # Into the bare optimizer: accelerate's wrapper adds nothing to its state.
@@ -558,7 +558,7 @@ def restore(session: Session, checkpoint, force: bool) -> None:
 def _resumed_warmup(session: Session, checkpoint, force: bool) -> int:
     """The run's own warmup, which never restarts when a resume extends the run: as its manifest records it, or
     (older checkpoints; --force with new warmup settings) computed from the total the checkpoint was written for."""
-    from gpupoor.optim import warmup_steps
+    from gpupoor.train.optim import warmup_steps
 
     if "warmup_steps" in checkpoint.manifest and not force:
         return checkpoint.manifest["warmup_steps"]
@@ -570,7 +570,7 @@ def load_trained_weights(session: Session, directory: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from gpupoor.checkpoint import ADAPTER
+    from gpupoor.storage.checkpoint import ADAPTER
 
     device = session.accelerator.device
     device = "cpu" if device.type == "cpu" else str(device)  # safetensors refuses "cpu:0" (torchrun on CPUs)
@@ -579,7 +579,7 @@ def load_trained_weights(session: Session, directory: Path) -> None:
         return
     weights = load_file(directory / ADAPTER, device=device)
     if session.sharded:
-        from gpupoor.distributed import load_weights
+        from gpupoor.train.distributed import load_weights
 
         unexpected = load_weights(session.model, weights, adapter=True)
     else:
@@ -593,8 +593,8 @@ def load_model_weights(model, directory: Path, device: str, sharded: bool = Fals
     output head tied to the embeddings, which save_pretrained writes once) may be absent."""
     from safetensors.torch import load_file
 
-    from gpupoor.checkpoint import MODEL_INDEX
-    from gpupoor.distributed import load_weights
+    from gpupoor.storage.checkpoint import MODEL_INDEX
+    from gpupoor.train.distributed import load_weights
 
     index = directory / MODEL_INDEX
     shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
@@ -689,10 +689,10 @@ def print_summary(session: Session, say, checkpoint, loss_path: str) -> None:
 def open_run_dir(session: Session, lock: RunLock | None, started: float, say=print) -> RunLock | None:
     """Create and lock a new run's directory (a resume holds its lock already), then commit the recipe, trim
     metrics the resumed steps will write again, and record this session. Returns a lock this call took."""
-    from gpupoor.rundir import METRICS
+    from gpupoor.storage.rundir import METRICS
     from gpupoor.train.loop import eval_due
-    from gpupoor.train.report import read_metrics, truncate_metrics
-    from gpupoor.trackers import already_logged
+    from gpupoor.train.metrics import read_metrics, truncate_metrics
+    from gpupoor.train.trackers import already_logged
 
     owned = None
     if lock is None and session.main:  # a new run: create and lock it, then make sure no other run got there first
@@ -775,7 +775,7 @@ class RunHooks:
     def __init__(self, session: Session, policy: CheckpointPolicy, stop, manifest_base: dict, resumed: bool = False):
         import time as clock
 
-        from gpupoor.train.report import MetricsWriter, NullWriter, Progress
+        from gpupoor.train.metrics import MetricsWriter, NullWriter, Progress
 
         self.session, self.policy, self.stop, self.manifest_base = session, policy, stop, manifest_base
         self.first_step = session.state.step  # the step this process started from
@@ -789,7 +789,7 @@ class RunHooks:
                                  session.recipe.logging.every_steps)
         self.trackers = self.profiler = self._rngs = None
         if main and session.recipe.logging.report_to:
-            from gpupoor.trackers import Trackers
+            from gpupoor.train.trackers import Trackers
 
             self.trackers = Trackers(session.run_dir, session.recipe.logging, session.recipe.model_dump(mode="json"),
                                      session.logged, lambda text: self.progress.message(text, always=True))
@@ -825,7 +825,7 @@ class RunHooks:
 
     def _memory_line(self, record: dict, step: int) -> None:
         """After the first step (optimizer state now exists) and the third (the heap has settled)."""
-        from gpupoor.optim import optimizer_state_bytes
+        from gpupoor.train.optim import optimizer_state_bytes
 
         if step - self.first_step == 1:
             record["optimizer_state_mb"] = round(optimizer_state_bytes(self.session.optimizer) / 2**20, 2)
@@ -894,9 +894,9 @@ class RunHooks:
         weights to the first and writes its own shard of the optimizer state into a staging folder), then the
         first process alone commits the checkpoint (weights, optimizer, progress, manifest last, one rename), and
         all processes learn whether it landed: a failure stops every process, not only the one that saw it."""
-        from gpupoor.checkpoint import CheckpointError, write_checkpoint
-        from gpupoor.distributed import local_values
-        from gpupoor.files import dir_size
+        from gpupoor.storage.checkpoint import CheckpointError, write_checkpoint
+        from gpupoor.train.distributed import local_values
+        from gpupoor.storage.files import dir_size
 
         session, step = self.session, self.session.state.step
         name = f"step-{step:06d}"
@@ -943,7 +943,7 @@ class RunHooks:
     def _rotate(self, step: int) -> None:
         """Remove checkpoints beyond keep_last. The new one has landed, so a failure here (a file that cannot be
         removed) costs disk space, not work: a warning, never a failed save."""
-        from gpupoor.checkpoint import rotate
+        from gpupoor.storage.checkpoint import rotate
 
         try:
             rotate(self.session.checkpoints_dir, self.session.recipe.checkpoint.keep_last, step,
@@ -971,7 +971,7 @@ class RunHooks:
     def _failure_text(self, target: Path, error: Exception) -> str:
         """A failed save in one line: a full disk with where, what the checkpoint needs and what is free; another
         error as it was (an OSError names its path)."""
-        from gpupoor.checkpoint import CheckpointError, disk_full, is_disk_full
+        from gpupoor.storage.checkpoint import CheckpointError, disk_full, is_disk_full
 
         run_dir = self.session.run_dir
         if is_disk_full(error):
@@ -1018,7 +1018,7 @@ class RunHooks:
         if not session.sharded:
             faults.at_stage("gathered", step)
             return None
-        from gpupoor.distributed import save_optimizer
+        from gpupoor.train.distributed import save_optimizer
 
         staged = self._staging(name)
         # The fault point is where a process's own write begins, inside DCP, which agrees on failures itself.
@@ -1027,7 +1027,7 @@ class RunHooks:
         return staged
 
     def _staging(self, name: str) -> Path:
-        from gpupoor.checkpoint import TMP_PREFIX
+        from gpupoor.storage.checkpoint import TMP_PREFIX
 
         return self.session.checkpoints_dir / f"{TMP_PREFIX}{name}-optimizer-shards"
 
@@ -1035,8 +1035,8 @@ class RunHooks:
         import torch
 
         from gpupoor import faults
-        from gpupoor.checkpoint import STATE
-        from gpupoor.distributed import DCP_OPTIMIZER, TORCH_OPTIMIZER
+        from gpupoor.storage.checkpoint import STATE
+        from gpupoor.train.distributed import DCP_OPTIMIZER, TORCH_OPTIMIZER
         from gpupoor.train.state import capture_rng
 
         session, step = self.session, self.session.state.step
@@ -1065,7 +1065,7 @@ def loop_settings(session: Session, loss_fn, eval_fn=None):
     from gpupoor.train.loop import LoopSettings
 
     from gpupoor.data.build import count_pairs, count_targets
-    from gpupoor.preference import METRICS
+    from gpupoor.objectives.preference import METRICS
 
     training = session.recipe.training
     pairs = training.objective != "sft"  # the loss is a sum over pairs, normalized by pairs
@@ -1085,7 +1085,7 @@ def choose_loss(session: Session):
     Fault injection may make chosen steps non-finite. With distillation eval stays the cross-entropy,
     comparable across runs."""
     from gpupoor import faults
-    from gpupoor.loss import find_fused_head, fused_eval_sums, fused_loss_sum, plain_eval_sums, plain_loss_sum
+    from gpupoor.objectives.cross_entropy import find_fused_head, fused_eval_sums, fused_loss_sum, plain_eval_sums, plain_loss_sum
 
     fused, reason = find_fused_head(session.unwrapped, enabled=session.recipe.memory.fused_cross_entropy)
     cross_entropy = functools.partial(fused_loss_sum, fused=fused) if fused is not None else plain_loss_sum
@@ -1113,8 +1113,8 @@ def _preference_loss(session: Session, head, reason: str):
     """DPO or ORPO on pairs (training and eval), with DPO's reference: the model with its adapter switched off, or
     the frozen copy build_session loaded."""
     from gpupoor.decisions import choose_reference
-    from gpupoor.loss import find_fused_head
-    from gpupoor.preference import PreferenceLoss, Reference, frozen_head
+    from gpupoor.objectives.cross_entropy import find_fused_head
+    from gpupoor.objectives.preference import PreferenceLoss, Reference, frozen_head
 
     recipe, preference = session.recipe, session.recipe.preference
     objective = recipe.training.objective
@@ -1127,7 +1127,7 @@ def _preference_loss(session: Session, head, reason: str):
                               eval_mode=eval_mode)
     elif choice.value == "copy":
         reference_head, _ = find_fused_head(session.reference, enabled=recipe.memory.fused_cross_entropy)
-        # The copy stays in the mode gpupoor.model.build_reference chose (eval, but train for 4-bit on a CPU).
+        # The copy stays in the mode gpupoor.model.build.build_reference chose (eval, but train for 4-bit on a CPU).
         reference = Reference(session.reference, reference_head, adapter_off=False, eval_mode=False)
     loss = PreferenceLoss(objective, head, reference, preference.beta, preference.loss_type,
                           preference.label_smoothing, preference.orpo_lambda)
@@ -1143,8 +1143,8 @@ def _preference_loss(session: Session, head, reason: str):
 
 def _distill_loss(session: Session, student_head):
     """The distillation loss: fused through both output heads where both can be, else from full logits."""
-    from gpupoor.distill import distill_loss_sum, plain_distill_loss_sum
-    from gpupoor.loss import find_fused_head
+    from gpupoor.objectives.distill import distill_loss_sum, plain_distill_loss_sum
+    from gpupoor.objectives.cross_entropy import find_fused_head
 
     distill, teacher = session.recipe.distill, session.teacher
     teacher_head, reason = find_fused_head(teacher, enabled=session.recipe.memory.fused_cross_entropy)
@@ -1168,12 +1168,12 @@ def _distill_loss(session: Session, student_head):
 
 def _execute(recipe: Recipe, run_dir: Path, checkpoint, smoke: bool, say, started: float,
              force: bool = False, lock: RunLock | None = None, plan=None, stop=None) -> RunResult:
-    from gpupoor.startup import StartupClock
+    from gpupoor.run.startup import StartupClock
 
     clock = StartupClock()  # before the imports below: torch is among them
     from gpupoor import faults
-    from gpupoor.rundir import library_versions
-    from gpupoor.recipe_diff import trajectory_hash
+    from gpupoor.storage.rundir import library_versions
+    from gpupoor.recipe.diff import trajectory_hash
     from gpupoor.train.state import restore_rng
 
     session = build_session(recipe, run_dir, smoke, say, resuming=checkpoint is not None, clock=clock)
@@ -1306,7 +1306,7 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
         return RunResult(run_dir, reason, hooks.last_loss, state.step)
     best = hooks.best_checkpoint() if recipe.checkpoint.final == "best" else None
     if best is not None:
-        from gpupoor.checkpoint import verify
+        from gpupoor.storage.checkpoint import verify
 
         problem = verify(session.checkpoints_dir / best)  # it is copied, so it is checked first
         if hooks._anywhere(problem is not None):
@@ -1333,7 +1333,7 @@ def _finish(session: Session, hooks: RunHooks, reason: str, name: str, started: 
 def _write_final(session: Session, hooks: RunHooks, reason: str, best: str | None) -> None:
     """final/: the last step's weights (gathered under FSDP), or a copy of the best checkpoint's weights. A failure
     (a full disk) is every process's: all exit with the same error."""
-    from gpupoor.checkpoint import CheckpointError, write_checkpoint
+    from gpupoor.storage.checkpoint import CheckpointError, write_checkpoint
 
     state, final = session.state, session.run_dir / "final"
     manifest = {**hooks.manifest_base, "loss": hooks.last_loss, "stop": reason}
@@ -1355,8 +1355,8 @@ def _write_final(session: Session, hooks: RunHooks, reason: str, best: str | Non
 
 def _copy_weights(checkpoint: Path, tmp: Path) -> None:
     """A checkpoint's weights, config and tokenizer files, without what only training reads back."""
-    from gpupoor.checkpoint import MANIFEST, TRAINING_FILES
-    from gpupoor.distributed import DCP_OPTIMIZER
+    from gpupoor.storage.checkpoint import MANIFEST, TRAINING_FILES
+    from gpupoor.train.distributed import DCP_OPTIMIZER
 
     skip = {MANIFEST, "scaler.pt", *TRAINING_FILES}
     for path in checkpoint.rglob("*"):

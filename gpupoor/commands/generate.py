@@ -24,11 +24,11 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
 
     from gpupoor.data.build import make_encoder
     from gpupoor.hardware import dtype_of, resolve_device, resolve_inference_precision
-    from gpupoor.checkpoint import read_manifest, verify_adapter_dir
-    from gpupoor.merge import base_config, check_base_fits, refuse_checkpoint_outside_run, resolve_adapter, run_weights_dir
-    from gpupoor.model import load_tokenizer, quantization_config
-    from gpupoor.recipe import DataSection, ModelSection, QuantizationSection
-    from gpupoor.rundir import is_run_dir, stored_recipe
+    from gpupoor.storage.checkpoint import read_manifest, verify_adapter_dir
+    from gpupoor.commands.merge import base_config, check_base_fits, refuse_checkpoint_outside_run, resolve_adapter, run_weights_dir
+    from gpupoor.model.build import load_tokenizer, quantization_config
+    from gpupoor.recipe.schema import DataSection, ModelSection, QuantizationSection
+    from gpupoor.storage.rundir import is_run_dir, stored_recipe
 
     target = resolve_device(device).value
     weights = run_weights_dir(path, checkpoint) if is_run_dir(path) else None

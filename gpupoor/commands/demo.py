@@ -21,7 +21,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def accuracy(model, tokenizer, rows: list[dict]) -> tuple[float, list[str]]:
     from gpupoor.data.formats import Encoder
-    from gpupoor.generate import complete
+    from gpupoor.commands.generate import complete
 
     encoder = Encoder(tokenizer, "alpaca", max_length=128)  # the prompts exactly as training tokenized them
     prompts = [encoder.encode_prompt(row, f"eval[{i}]") for i, row in enumerate(rows)]
@@ -37,16 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from gpupoor.quiet import bitsandbytes_unless_loaded, quiet_libraries
-    from gpupoor.run import train_from_recipe
+    from gpupoor.run.orchestrate import train_from_recipe
 
     quiet_libraries()
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpupoor.recipe import load_recipe
+    from gpupoor.recipe.schema import load_recipe
 
-    from gpupoor.builtin_models import resolve_model_path
+    from gpupoor.model.builtin import resolve_model_path
 
     loaded = load_recipe(args.recipe)
     recipe = loaded.recipe

@@ -1,4 +1,4 @@
-"""Render docs/recipe.md and docs/recipe.schema.json from the schema: `python -m gpupoor.docs`."""
+"""Render docs/recipe.md and docs/recipe.schema.json from the schema: `python -m gpupoor.commands.docs`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from gpupoor.recipe import Recipe, is_resume_safe, recipe_json_schema, section_model
+from gpupoor.recipe.schema import Recipe, is_resume_safe, recipe_json_schema, section_model
 
 HEADER = """# Recipe reference
 
-A recipe is one YAML file. Generated from the schema in `gpupoor/recipe.py` by `python -m gpupoor.docs`; do not
+A recipe is one YAML file. Generated from the schema in `gpupoor/recipe/schema.py` by `python -m gpupoor.commands.docs`; do not
 edit by hand. Unknown keys are errors (with a "did you mean"). Relative paths resolve against the recipe file.
 Any key can be overridden on the command line: `--set training.max_steps=100` (values are parsed as YAML).
 Keys marked *May change on resume* can be changed with `gpupoor resume RUN --set KEY=VALUE`; any other change
@@ -106,7 +106,7 @@ def render_recipe_reference() -> str:
 
 
 def main() -> None:
-    docs = Path(__file__).resolve().parents[1] / "docs"
+    docs = Path(__file__).resolve().parents[2] / "docs"
     (docs / "recipe.md").write_text(render_recipe_reference())
     (docs / "recipe.schema.json").write_text(json.dumps(recipe_json_schema(), indent=2) + "\n")
     print(f"wrote {docs / 'recipe.md'} and {docs / 'recipe.schema.json'}")

@@ -24,7 +24,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from gpupoor.files import write_text_atomic
+from gpupoor.storage.files import write_text_atomic
 
 # name -> (module that must import, the pip extra that installs it)
 TRACKERS = {"tensorboard": ("tensorboard", "gpupoor[tensorboard]"), "wandb": ("wandb", "gpupoor[wandb]"),
@@ -41,7 +41,7 @@ KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", 
         "step_s": "train/step_s", "peak_mem_mb": "memory/peak_mb", "predicted_peak_mb": "memory/predicted_peak_mb",
         "optimizer_state_mb": "memory/optimizer_state_mb", "eval_loss": "eval/loss",
         "eval_accuracy": "eval/accuracy", "save_s": "checkpoint/save_s"}
-# Preference tuning's step and eval metrics (gpupoor.preference.METRICS, which imports torch): train/rewards/chosen,
+# Preference tuning's step and eval metrics (gpupoor.objectives.preference.METRICS, which imports torch): train/rewards/chosen,
 # eval/rewards/chosen...
 PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                       "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen")
@@ -169,7 +169,7 @@ class Trackers:
     start, those of metrics.jsonl (the records up to the checkpoint a resume continues from); then the new ones."""
 
     def __init__(self, run_dir: Path, logging, recipe_dump: dict, logged: set[tuple[int, str]], warn):
-        from gpupoor.train.report import read_metrics
+        from gpupoor.train.metrics import read_metrics
 
         self.run_dir, self.logging, self.logged, self.warn = run_dir, logging, logged, warn
         self.active: list = []

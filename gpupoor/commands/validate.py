@@ -12,13 +12,13 @@ import os
 import re
 from pathlib import Path
 
-from gpupoor.builtin_models import resolve_model_path
+from gpupoor.model.builtin import resolve_model_path
 from gpupoor.data.formats import (CHAT_FORMATS, IGNORE_INDEX, chat_messages, check_row, preference_parts,
                                   sharegpt_messages)
 from gpupoor.data.loading import DataSource, Row, check_held_out, iter_rows, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
-from gpupoor.recipe import MAX_PASSES, DataSection, LoadedRecipe, SourceSection, check_rows, check_tokenized_settings
+from gpupoor.recipe.schema import MAX_PASSES, DataSection, LoadedRecipe, SourceSection, check_rows, check_tokenized_settings
 
 PREFLIGHT_ROWS = 200  # rows parsed per data file: enough to catch a wrong format, fast on big files
 TEMPLATE_ROWS = 20  # rows rendered with a recipe's chat template
@@ -31,7 +31,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 def check_model(value: str, base_dir: Path, key: str = "model.name_or_path") -> list[str]:
     local = resolve_model_path(value, base_dir)
     if local is not None:
-        from gpupoor.plan import require_model_dir
+        from gpupoor.plan.core import require_model_dir
 
         require_model_dir(local, key)
         return []
@@ -367,7 +367,7 @@ LLAMA_MODULES = frozenset({
 
 def check_module_names(loaded: LoadedRecipe) -> list[str]:
     """peft.target_modules / modules_to_save names that no module of a Llama-family model has (exit 2)."""
-    from gpupoor.plan import find_config
+    from gpupoor.plan.core import find_config
 
     peft = loaded.recipe.peft
     wanted = {"peft.target_modules": peft.target_modules if isinstance(peft.target_modules, list) else [],
@@ -394,7 +394,7 @@ def check_last_layers(loaded: LoadedRecipe) -> list[str]:
     """peft.last_layers against the decoder layers the model's config says it has (the rule training applies,
     decisions.trained_layer_indices), so validate refuses what the model build would."""
     from gpupoor.decisions import trained_layer_indices
-    from gpupoor.plan import find_config
+    from gpupoor.plan.core import find_config
 
     recipe = loaded.recipe
     if recipe.peft.last_layers is None:
@@ -410,7 +410,7 @@ def check_last_layers(loaded: LoadedRecipe) -> list[str]:
 
 
 def check_trackers(report_to: list[str]) -> None:
-    from gpupoor.trackers import missing_trackers
+    from gpupoor.train.trackers import missing_trackers
 
     missing = missing_trackers(report_to)
     if missing:
@@ -431,7 +431,7 @@ def preflight(loaded: LoadedRecipe) -> list[str]:
     warnings += check_training_data(loaded)
     warnings += check_tokenizer_template(loaded)
     if recipe.peft.init_adapter:  # (imports torch: only when there is an adapter to check)
-        from gpupoor.model import check_init_adapter
+        from gpupoor.model.build import check_init_adapter
 
         check_init_adapter(loaded)
     return warnings
@@ -444,7 +444,7 @@ def show_rows(loaded: LoadedRecipe, count: int, colour: bool = False) -> list[st
     """`validate --show N`: the first N rows of each source exactly as training tokenizes them (the same
     Encoder), decoded back, trained tokens between « » (and in colour on a terminal), with token counts."""
     from gpupoor.data.build import make_encoder
-    from gpupoor.model import load_tokenizer, model_location
+    from gpupoor.model.build import load_tokenizer, model_location
     from gpupoor.quiet import quiet_libraries
 
     recipe = loaded.recipe

@@ -13,7 +13,7 @@ import torch
 from gpupoor.decisions import ia3_modules, trained_layer_indices
 from gpupoor.errors import UserError
 from gpupoor.hardware import dtype_of
-from gpupoor.recipe import DistillSection, ModelSection, PeftSection, QuantizationSection
+from gpupoor.recipe.schema import DistillSection, ModelSection, PeftSection, QuantizationSection
 from gpupoor.units import parse_size
 
 # Dimensions of the shrunken model `--smoke` builds from the real config: small enough to step in
@@ -34,7 +34,7 @@ class ModelSummary:
 
 def model_location(model: ModelSection, base_dir: Path) -> str:
     """A local directory (absolute) or the hub id, as transformers' from_pretrained takes it."""
-    from gpupoor.builtin_models import resolve_model_path
+    from gpupoor.model.builtin import resolve_model_path
 
     local = resolve_model_path(model.name_or_path, base_dir)
     return str(local) if local is not None else model.name_or_path
@@ -198,7 +198,7 @@ def build_teacher(distill: DistillSection, model_cfg: ModelSection, precision: s
                   seed: int, smoke: bool = False):
     """The frozen distillation teacher: loaded like a base (4/8-bit with distill.bits), in eval mode, no grads.
     Returns (teacher, its tokenizer)."""
-    from gpupoor.builtin_models import resolve_model_path
+    from gpupoor.model.builtin import resolve_model_path
 
     local = resolve_model_path(distill.teacher, Path.cwd())
     location = str(local) if local is not None else distill.teacher
@@ -300,8 +300,8 @@ class InitAdapter:
 def find_init_adapter(value: str, base_dir: Path) -> InitAdapter:
     """The adapter `peft.init_adapter` names (relative to `base_dir`; a run dir means its final/), verified
     against its manifest when gpupoor wrote it, with its config read. Reads no weights."""
-    from gpupoor.checkpoint import ADAPTER, ADAPTER_CONFIG, verify_adapter_dir
-    from gpupoor.rundir import is_run_dir
+    from gpupoor.storage.checkpoint import ADAPTER, ADAPTER_CONFIG, verify_adapter_dir
+    from gpupoor.storage.rundir import is_run_dir
 
     path = Path(value).expanduser()
     path = path if path.is_absolute() else base_dir / path
@@ -441,7 +441,7 @@ def _load_adapter_weights(model, adapter: InitAdapter) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from gpupoor.checkpoint import ADAPTER
+    from gpupoor.storage.checkpoint import ADAPTER
 
     try:
         state = load_file(adapter.path / ADAPTER)  # on the CPU: load_state_dict copies onto each parameter's device

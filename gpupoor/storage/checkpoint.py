@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gpupoor import faults
 from gpupoor.errors import UserError
-from gpupoor.files import atomic_dir, sha256_file
+from gpupoor.storage.files import atomic_dir, sha256_file
 
 MANIFEST = "manifest.json"
 STATE = "train_state.json"

@@ -21,12 +21,12 @@ from typing import Callable
 
 import torch
 
-from gpupoor.checkpoint import read_manifest, verify_adapter_dir
+from gpupoor.storage.checkpoint import read_manifest, verify_adapter_dir
 from gpupoor.errors import UserError
-from gpupoor.files import atomic_dir
+from gpupoor.storage.files import atomic_dir
 from gpupoor.hardware import DTYPES
-from gpupoor.identity import config_facts
-from gpupoor.train.report import read_metrics
+from gpupoor.model.identity import config_facts
+from gpupoor.train.metrics import read_metrics
 
 PEFT_PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -42,7 +42,7 @@ class AdapterSource:
 def resolve_adapter(path: Path, checkpoint: str, check_files: bool = True) -> AdapterSource:
     """A run dir (with --checkpoint final | step-N) or an adapter directory, verified against its manifest
     (unless `check_files` is off) before anything reads it."""
-    from gpupoor.rundir import is_run_dir
+    from gpupoor.storage.rundir import is_run_dir
 
     if is_run_dir(path):
         adapter = run_weights_dir(path, checkpoint)
@@ -381,7 +381,7 @@ def _run_summary(run_dir: Path | None) -> tuple[dict, dict]:
     """(recipe as a dict, last metrics) of the run that trained the adapter, when known."""
     if run_dir is None:
         return {}, {}
-    from gpupoor.rundir import stored_recipe
+    from gpupoor.storage.rundir import stored_recipe
 
     recipe = stored_recipe(run_dir).model_dump(mode="json")
     last: dict = {}
@@ -443,7 +443,7 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
     """Merge a LoRA, DoRA or IA3 adapter into its base: a new standard model directory at `output`."""
     from transformers import AutoConfig
 
-    from gpupoor.rundir import check_writable
+    from gpupoor.storage.rundir import check_writable
 
     output = output.expanduser().resolve()
     if output.exists():
@@ -544,9 +544,9 @@ def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpupoor.model import quantization_config
+    from gpupoor.model.build import quantization_config
     from gpupoor.quiet import bitsandbytes_unless_loaded
-    from gpupoor.recipe import QuantizationSection
+    from gpupoor.recipe.schema import QuantizationSection
 
     recipe, _ = _run_summary(source.run_dir)
     adapter = PeftConfig.from_pretrained(source.adapter_dir)  # LoraConfig (LoRA, DoRA) or IA3Config

@@ -10,7 +10,7 @@ import json
 
 from pydantic import BaseModel
 
-from gpupoor.recipe import SHAREGPT_ROLES, Recipe, is_resume_safe, section_model
+from gpupoor.recipe.schema import SHAREGPT_ROLES, Recipe, is_resume_safe, section_model
 
 
 

@@ -1,5 +1,5 @@
 """The knowledge-distillation loss as a sum over target tokens; the caller divides by the window's target
-count, exactly as for the cross-entropy (gpupoor.loss).
+count, exactly as for the cross-entropy (gpupoor.objectives.cross_entropy).
 
 For a target position with student logits z and teacher logits u (temperature T, weight a):
 
@@ -10,7 +10,7 @@ For a target position with student logits z and teacher logits u (temperature T,
 - `distill_loss_sum`: only the decoders' last hidden states of the target positions; the two heads run chunk
   by chunk over those tokens, and each chunk's logits give its loss and, in the same pass, the gradient
   with respect to the student's hidden states and head, so neither model's full logits ever exist and
-  backward needs no recomputation (as `gpupoor.loss.fused_loss_sum` does for the cross-entropy).
+  backward needs no recomputation (as `gpupoor.objectives.cross_entropy.fused_loss_sum` does for the cross-entropy).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from gpupoor.data.formats import IGNORE_INDEX
 from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.errors import UserError
-from gpupoor.loss import (FusedHead, accumulate_head_grads, head_logits, last_hidden_state, model_inputs,
+from gpupoor.objectives.cross_entropy import (FusedHead, accumulate_head_grads, head_logits, last_hidden_state, model_inputs,
                           precomputed_backward)
 from gpupoor.profiling import span
 
@@ -108,7 +108,7 @@ def linear_distill_sum(student_hidden: torch.Tensor, student_weight: torch.Tenso
 def distill_loss_sum(student_model: torch.nn.Module, teacher_model: torch.nn.Module, batch: dict[str, torch.Tensor],
                      student_head: FusedHead, teacher_head: FusedHead, temperature: float,
                      weight: float) -> torch.Tensor:
-    """The summed distillation loss of one micro-batch through both fused heads (gpupoor.loss.find_fused_head).
+    """The summed distillation loss of one micro-batch through both fused heads (gpupoor.objectives.cross_entropy.find_fused_head).
     The teacher runs under no_grad; putting it in eval mode is the caller's job. Its hidden states may be in
     another dtype (bf16, a 4-bit model's compute dtype): its logits are computed in fp32 per chunk."""
     student = last_hidden_state(student_model, batch, student_head.decoder)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor import __version__
-from gpupoor.checkpoint import read_manifest, scan
+from gpupoor.storage.checkpoint import read_manifest, scan
 from gpupoor.errors import UserError
-from gpupoor.files import atomic_file
-from gpupoor.recipe import Recipe
-from gpupoor.rundir import LIBRARIES, METRICS, RECIPE, require_run_dir, stored_recipe
-from gpupoor.train.report import read_metrics
+from gpupoor.storage.files import atomic_file
+from gpupoor.recipe.schema import Recipe
+from gpupoor.storage.rundir import LIBRARIES, METRICS, RECIPE, require_run_dir, stored_recipe
+from gpupoor.train.metrics import read_metrics
 from gpupoor.units import format_duration
 
 INSTALL_HINT = "pip install 'gpupoor[report]'"

@@ -5,8 +5,8 @@ this module imports only leaves (errors, files, recipe), never a verb.
 
     RUN_DIR/
       recipe.yaml          the resolved recipe, stored once everything is built (portable: absolute local paths)
-      metrics.jsonl        one JSON record per step, eval, checkpoint (gpupoor.train.report)
-      checkpoints/step-N/  adapter + optimizer + train_state.json + manifest.json (gpupoor.checkpoint)
+      metrics.jsonl        one JSON record per step, eval, checkpoint (gpupoor.train.metrics)
+      checkpoints/step-N/  adapter + optimizer + train_state.json + manifest.json (gpupoor.storage.checkpoint)
       final/               the adapter at the end, with its manifest
       session.json         pid, start and time limit of the process training now (gone when it stops)
       .lock                flock held by that process
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.files import why_not_written, write_text_atomic
-from gpupoor.recipe import DATA_SUFFIXES, LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
+from gpupoor.storage.files import why_not_written, write_text_atomic
+from gpupoor.recipe.schema import DATA_SUFFIXES, LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
 
 RECIPE = "recipe.yaml"
 METRICS = "metrics.jsonl"

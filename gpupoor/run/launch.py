@@ -18,8 +18,8 @@ import os
 import signal
 
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_RESUMABLE, UserError
-from gpupoor.signals import EXIT_ABORTED, STOP_SIGNALS
-from gpupoor.startup import from_command_line
+from gpupoor.run.signals import EXIT_ABORTED, STOP_SIGNALS
+from gpupoor.run.startup import from_command_line
 
 # The launcher's own shutdown handling stays on for these (the workers are stopped, as torchrun does).
 LAUNCHER_SIGNALS = "SIGHUP,SIGQUIT"

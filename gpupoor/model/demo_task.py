@@ -26,8 +26,8 @@ def reverse_split(train: int, evaluation: int, seed: int = 0, length: int = 4) -
 
 def build_demo_model(target: Path, train_rows: list[dict]) -> Path:
     """A byte-level BPE tokenizer trained on the demo data and a random-weight Llama, both seeded, saved into
-    `target` (gpupoor.builtin_models commits it atomically as `gpupoor:demo`)."""
-    from gpupoor.tiny import build_tiny_llama, train_tokenizer
+    `target` (gpupoor.model.builtin commits it atomically as `gpupoor:demo`)."""
+    from gpupoor.model.tiny import build_tiny_llama, train_tokenizer
 
     texts = [alpaca_prompt(r["instruction"], r["input"]) + r["output"] for r in train_rows]
     tokenizer = train_tokenizer(texts, vocab_size=1000)

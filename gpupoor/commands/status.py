@@ -7,9 +7,9 @@ import math
 import time
 from pathlib import Path
 
-from gpupoor.checkpoint import final_problem, read_manifest, scan
-from gpupoor.rundir import METRICS, RunLock, read_session, stored_recipe
-from gpupoor.train.report import read_metrics
+from gpupoor.storage.checkpoint import final_problem, read_manifest, scan
+from gpupoor.storage.rundir import METRICS, RunLock, read_session, stored_recipe
+from gpupoor.train.metrics import read_metrics
 from gpupoor.units import format_duration
 
 

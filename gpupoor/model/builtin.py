@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.files import blocking_file, default_cache_dir, why_not_written
-from gpupoor.recipe import resolve_local_path
+from gpupoor.storage.files import blocking_file, default_cache_dir, why_not_written
+from gpupoor.recipe.schema import resolve_local_path
 
 PREFIX = "gpupoor:"
 VERSION = "v1"  # bump when a builder's output changes
@@ -20,7 +20,7 @@ def _build_demo(target: Path) -> None:
     import contextlib
     import sys
 
-    from gpupoor.demo_task import build_demo_model, reverse_split
+    from gpupoor.model.demo_task import build_demo_model, reverse_split
     from gpupoor.quiet import quiet_libraries
 
     quiet_libraries()
@@ -35,7 +35,7 @@ BUILDERS = {"demo": (_build_demo, "the demo's 1.1M-parameter random-weight Llama
 
 def builtin_model(name: str) -> Path:
     """The directory of built-in model `name`, built on first use."""
-    from gpupoor.checkpoint import verify, write_checkpoint
+    from gpupoor.storage.checkpoint import verify, write_checkpoint
 
     if name not in BUILDERS:
         raise UserError(f"model.name_or_path: no built-in model {PREFIX}{name}",

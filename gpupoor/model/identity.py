@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpupoor.builtin_models import PREFIX, resolve_model_path
-from gpupoor.files import default_cache_dir, sha256_file, write_text_atomic
+from gpupoor.model.builtin import PREFIX, resolve_model_path
+from gpupoor.storage.files import default_cache_dir, sha256_file, write_text_atomic
 
 CACHE_FILE = "model-hashes.json"
 CACHE_ENTRIES = 2000  # the newest hashes kept in the cache file
@@ -72,7 +72,7 @@ def config_facts(config: dict) -> dict:
 
 
 def _facts(config: Path | None) -> dict | None:
-    """What generate and merge-lora check a base against (gpupoor.merge.check_base_fits): the architecture,
+    """What generate and merge-lora check a base against (gpupoor.commands.merge.check_base_fits): the architecture,
     decoder layer count and hidden size the run trained on."""
     try:
         return config_facts(json.loads(config.read_text())) if config is not None else None

@@ -10,7 +10,7 @@ each sequence's summed log-probability of its answer tokens:
   chunk; `_TargetLogProbs` keeps no logits, only each token's log-sum-exp, and its backward recomputes each
   chunk's logits for d log p / d logits = one_hot - softmax, scaled by the token's upstream gradient. (Unlike the
   cross-entropy, the gradient is not known in the forward: it depends on each pair's margin.)
-- plain: the model's full logits, when the head cannot be fused (gpupoor.loss.find_fused_head says why).
+- plain: the model's full logits, when the head cannot be fused (gpupoor.objectives.cross_entropy.find_fused_head says why).
 
 DPO's reference log-probabilities come from the same micro-batch, under no_grad, before the policy's forward (its
 working set is gone before the policy's activations exist): the trained model with its adapter switched off
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from gpupoor.data.formats import IGNORE_INDEX
 from gpupoor.decisions import loss_chunk_tokens
-from gpupoor.loss import FusedHead, accumulate_head_grads, head_logits, last_hidden_state, model_inputs
+from gpupoor.objectives.cross_entropy import FusedHead, accumulate_head_grads, head_logits, last_hidden_state, model_inputs
 from gpupoor.profiling import span
 
 # What each step and eval record gains, summed over pairs and divided by the pairs (TRL's names).

@@ -18,12 +18,12 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gpupoor.builtin_models import resolve_model_path
+from gpupoor.model.builtin import resolve_model_path
 from gpupoor.decisions import (choose_attention, choose_device, choose_fused_loss, choose_precision, choose_reference,
                                choose_sampler, choose_strategy, ia3_modules, launch_layout, logit_postprocessing,
                                loss_chunk_tokens, needs_bitsandbytes, trained_layer_indices)
 from gpupoor.errors import UserError
-from gpupoor.recipe import FSDP_OPTIMIZERS, LoadedRecipe, Recipe
+from gpupoor.recipe.schema import FSDP_OPTIMIZERS, LoadedRecipe, Recipe
 from gpupoor.units import MiB, format_bytes, parse_size
 
 # What a CPU process holds before the first tensor: Python, torch, transformers, peft, accelerate, the
@@ -54,7 +54,7 @@ CPU_DEQUANTIZED_RETENTION = 3.6
 # The fused loss: a chunk of logits (gpupoor.decisions.loss_chunk_tokens) in fp32, with their exponentials and
 # gradient alive together.
 FUSED_CHUNK_COPIES = 3
-# The fused distillation loss (gpupoor.distill): per chunk the student's logits, the teacher's, the scaled
+# The fused distillation loss (gpupoor.objectives.distill): per chunk the student's logits, the teacher's, the scaled
 # difference and logsumexp's temporaries, chunk x vocabulary in fp32 each. Measured on the CPU (glibc's in-use
 # bytes after each op, linear_distill_sum at vocabulary 32,000): 5.0 buffers in fp32; 6.0 with bf16 heads, which
 # a CPU casts slice by slice into one more (the fused cross-entropy alone: 2.0 and 2.5, planned as 3).
@@ -391,7 +391,7 @@ def module_table(shape: Shape) -> list[tuple[str, int, str]]:
 
 
 def resolve_training(shape: Shape, peft) -> Training:
-    """What trains for a recipe's `peft` section on this model, as gpupoor.model builds it: adapters on the
+    """What trains for a recipe's `peft` section on this model, as gpupoor.model.build builds it: adapters on the
     targets of the trained layers plus peft's trained copies of modules_to_save, or for `full` the model's own
     tensors (all, or those of the last layers and the named modules)."""
     indices = trained_layer_indices(peft.last_layers, shape.layers)
@@ -863,7 +863,7 @@ def heap_retention(s: Settings, layer_allocations: int, dequantized_layer: int =
 @dataclass(frozen=True)
 class ShardUnit:
     """The parameters of one fully_shard unit that FSDP shards: stored (frozen ones in the run's dtype, trainable
-    ones in fp32) and as an all-gather materializes them (gpupoor.distributed's MixedPrecisionPolicy gathers
+    ones in fp32) and as an all-gather materializes them (gpupoor.train.distributed's MixedPrecisionPolicy gathers
     every parameter in the compute dtype: bf16/fp16 under half precision, LoRA's fp32 adapters included)."""
 
     frozen: int  # bytes stored
@@ -1407,8 +1407,8 @@ def write_fit(loaded: LoadedRecipe, changes: dict, plan: Plan | None = None) -> 
     `--set` gave it), so the user's file stays the source of truth; a comment says what was predicted (`plan`)."""
     import yaml
 
-    from gpupoor.files import write_text_atomic
-    from gpupoor.recipe import EXTENDS
+    from gpupoor.storage.files import write_text_atomic
+    from gpupoor.recipe.schema import EXTENDS
 
     if loaded.source is None:
         raise UserError("plan --fit writes a recipe that extends the recipe file: it needs one")

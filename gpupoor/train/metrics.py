@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpupoor.files import write_text_atomic
+from gpupoor.storage.files import write_text_atomic
 from gpupoor.units import format_duration
 
 

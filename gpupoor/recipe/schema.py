@@ -20,7 +20,7 @@ from gpupoor.units import MiB, parse_duration, parse_size
 
 # Marks a key a resume may change: it says how long to train, when to save, what to print or where to evaluate,
 # not what the trajectory is. Any key without it changes the trajectory (refused on resume unless --force).
-# A whole section is marked on its field in Recipe. gpupoor.recipe_diff reads these marks.
+# A whole section is marked on its field in Recipe. gpupoor.recipe.diff reads these marks.
 RESUME_SAFE: dict = {"json_schema_extra": {"resume": "safe"}}
 
 

@@ -8,7 +8,7 @@ import torch
 
 from gpupoor.decisions import BITSANDBYTES_OPTIMIZERS
 from gpupoor.errors import UserError
-from gpupoor.recipe import TrainingSection
+from gpupoor.recipe.schema import TrainingSection
 
 
 def _bitsandbytes_optim(name: str):
@@ -22,7 +22,7 @@ def _bitsandbytes_optim(name: str):
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes this process holds in optimizer state tensors (after the first step has created them)."""
-    from gpupoor.distributed import local_values
+    from gpupoor.train.distributed import local_values
 
     # This process's share: under FSDP the state tensors are shards (DTensors) of the whole.
     return sum(local_values(value).numel() * value.element_size() for state in optimizer.state.values()
