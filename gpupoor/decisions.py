@@ -200,6 +200,15 @@ BITSANDBYTES_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "Paged
                            "paged_adamw_32bit": "PagedAdamW32bit", "lion_8bit": "Lion8bit"}
 
 
+def evaluates_in_train_mode(quantization_bits: int | None, device: str) -> bool:
+    """Whether a quantized model must stay in train mode where it only evaluates (eval loss, DPO's reference, the
+    merge check). bitsandbytes 4-bit layers in eval mode repack their weights on the CPU (other logits; an error
+    for a layer narrower than a quantization block), and 8-bit ones have always evaluated as they train: on the
+    CPU a quantized model runs its eval passes in train mode. The one place this is decided (it was four copies
+    with three conditions; a DPO reference copy in 8-bit on the CPU used to evaluate in eval mode)."""
+    return quantization_bits is not None and device.startswith("cpu")
+
+
 def needs_bitsandbytes(optimizer: str, quantization_bits: int | None) -> bool:
     """Whether the run imports bitsandbytes: a quantized base model or one of its optimizers."""
     return quantization_bits is not None or optimizer in BITSANDBYTES_OPTIMIZERS
