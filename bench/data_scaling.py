@@ -114,7 +114,7 @@ def breakdown(recipe_path: Path, cache: Path, result: Path) -> None:
     from gpupoor.data.dataset import TokenizedDataset
     from gpupoor.data.loading import resolve_source
     from gpupoor.data.sampler import BatchPlan
-    from gpupoor.recipe.schema import load_recipe
+    from gpupoor.recipe.loading import load_recipe
 
     loaded = load_recipe(recipe_path)
     data = loaded.recipe.data

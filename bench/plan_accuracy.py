@@ -170,7 +170,7 @@ def calibrate(rounds: int, only: list[str]) -> None:
     """The heap retention ratio each calibration recipe implies: (median measured - plan without retention) /
     the step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan.core defines it."""
     import gpupoor.plan.core as planning
-    from gpupoor.recipe.schema import load_recipe
+    from gpupoor.recipe.loading import load_recipe
 
     steady = Steady()
     steady.warm_up()

@@ -263,7 +263,7 @@ def train(
 
     def action(stop) -> int:
         from gpupoor.commands.validate import preflight
-        from gpupoor.recipe.schema import load_recipe
+        from gpupoor.recipe.loading import load_recipe
 
         overrides = (set_ or []) + _time_limit_override(time_limit) + _profile_override(profile)
         loaded = load_recipe(recipe, overrides)
@@ -490,7 +490,7 @@ def validate(
         """Raise on a bad recipe; return what to print on success."""
         from gpupoor.plan.core import preflight_plan
         from gpupoor.commands.validate import preflight, show_rows
-        from gpupoor.recipe.schema import load_recipe
+        from gpupoor.recipe.loading import load_recipe
         from gpupoor.units import format_bytes
 
         loaded = load_recipe(path, set_ or [])
@@ -547,7 +547,7 @@ def plan(
         import json
 
         from gpupoor.plan.core import make_plan, render, write_fit
-        from gpupoor.recipe.schema import load_recipe
+        from gpupoor.recipe.loading import load_recipe
         from gpupoor.units import parse_size
 
         if device is not None and device not in ("cpu", "cuda"):
@@ -589,7 +589,7 @@ def tokenize(
         from gpupoor.data.build import build_data
         from gpupoor.data.tokenize import write_tokenized_dir
         from gpupoor.model.build import load_tokenizer, model_location
-        from gpupoor.recipe.schema import load_recipe
+        from gpupoor.recipe.loading import load_recipe
         from gpupoor.storage.rundir import check_writable
 
         loaded = load_recipe(recipe, set_ or [])
@@ -620,7 +620,7 @@ def schema() -> None:
     """Print the recipe JSON schema (for yaml-language-server / editor autocompletion)."""
     import json
 
-    from gpupoor.recipe.schema import recipe_json_schema
+    from gpupoor.recipe.loading import recipe_json_schema
 
     typer.echo(json.dumps(recipe_json_schema(), indent=2))
 

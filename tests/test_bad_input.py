@@ -13,7 +13,7 @@ from gpupoor.cli import app
 from gpupoor.data.formats import Encoder
 from gpupoor.errors import UserError
 from gpupoor.commands.validate import PREFLIGHT_ROWS
-from gpupoor.recipe.schema import load_recipe
+from gpupoor.recipe.loading import load_recipe
 
 runner = CliRunner()
 

@@ -396,7 +396,7 @@ def test_mixture_amounts_beyond_a_hundred_passes_are_refused(make_recipe, tmp_pa
     # at most 100 passes over a source per epoch, checked by validate against its rows and by training's build.
     from gpupoor.data.build import build_data
     from gpupoor.errors import UserError
-    from gpupoor.recipe.schema import load_recipe
+    from gpupoor.recipe.loading import load_recipe
 
     code, output = validate(make_recipe(data=mixture(alpaca_file, {"path": str(alpaca_file), "rows": 10**12})))
     assert code == 2, output

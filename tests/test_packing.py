@@ -121,7 +121,7 @@ def test_packed_training_trains_and_reports_no_padding(make_recipe, tmp_path):
     # function of seed and epoch): filler blocks that even out the rows are not counted.
     from gpupoor.data.build import build_data, collate_packed
     from gpupoor.model.build import load_tokenizer
-    from gpupoor.recipe.schema import load_recipe
+    from gpupoor.recipe.loading import load_recipe
 
     loaded = load_recipe(recipe).recipe
     tokenizer = load_tokenizer(loaded.model.name_or_path, loaded.model)

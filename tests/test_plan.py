@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 import gpupoor.plan.core as planning
 from gpupoor.cli import app
-from gpupoor.recipe.schema import LoadedRecipe, Recipe, load_recipe
+from gpupoor.recipe.loading import LoadedRecipe, load_recipe
+from gpupoor.recipe.schema import Recipe
 
 from conftest import PEFT_METHODS, read_metrics
 

@@ -434,7 +434,7 @@ def test_plan_counts_two_sequences_and_the_reference_copy(make_recipe, pairs_fil
     """A pair is two sequences: DPO's activations are those of twice the examples; a reference copy adds a
     second set of base weights (quantized with reference_bits), adapter_off adds none."""
     from gpupoor.plan.core import make_plan
-    from gpupoor.recipe.schema import load_recipe
+    from gpupoor.recipe.loading import load_recipe
 
     def plan(**sections):
         return {t.key: t.bytes for t in make_plan(load_recipe(make_recipe("p.yaml", **sections)), "cpu").terms}

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from gpupoor.errors import UserError
-from gpupoor.recipe.schema import Recipe, apply_overrides, load_recipe
+from gpupoor.recipe.loading import apply_overrides, load_recipe
+from gpupoor.recipe.schema import Recipe
 from gpupoor.units import parse_duration
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from gpupoor.errors import UserError
-from gpupoor.recipe.schema import load_recipe
+from gpupoor.recipe.loading import load_recipe
 
 from conftest import invoke, read_metrics
 

@@ -277,7 +277,7 @@ def mixture_recipe(make_recipe, tmp_path):
 def test_tokenize_writes_a_verified_directory_with_the_examples_of_the_raw_data(make_recipe, mixture_recipe,
                                                                                 tmp_path, tokenizer, kind):
     from gpupoor.data.build import build_data
-    from gpupoor.recipe.schema import load_recipe
+    from gpupoor.recipe.loading import load_recipe
 
     recipe = make_recipe("single.yaml", data={"eval_rows": 8}) if kind == "single" else mixture_recipe
     out = tmp_path / "tokenized"

@@ -133,7 +133,7 @@ def test_frozen_base_weights_never_change(make_recipe, tmp_path, tiny_model):
     from safetensors.torch import load_file
 
     import gpupoor.train.loop as loop
-    from gpupoor.recipe.schema import load_recipe
+    from gpupoor.recipe.loading import load_recipe
     from gpupoor.run.orchestrate import train_from_recipe
 
     # Train in-process and compare every base weight of the trained model with the saved checkpoint.

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpupoor.recipe.schema import load_recipe
+    from gpupoor.recipe.loading import load_recipe
 
     from gpupoor.model.builtin import resolve_model_path
 

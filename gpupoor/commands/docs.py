@@ -10,7 +10,8 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from gpupoor.recipe.schema import Recipe, is_resume_safe, recipe_json_schema, section_model
+from gpupoor.recipe.loading import recipe_json_schema
+from gpupoor.recipe.schema import Recipe, is_resume_safe, section_model
 
 HEADER = """# Recipe reference
 

@@ -18,7 +18,9 @@ from gpupoor.data.formats import (CHAT_FORMATS, IGNORE_INDEX, chat_messages, che
 from gpupoor.data.loading import DataSource, Row, check_held_out, iter_rows, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
-from gpupoor.recipe.schema import MAX_PASSES, DataSection, LoadedRecipe, SourceSection, check_rows, check_tokenized_settings
+from gpupoor.recipe.loading import LoadedRecipe
+from gpupoor.recipe.rules import MAX_PASSES, check_rows, check_tokenized_settings
+from gpupoor.recipe.schema import DataSection, SourceSection
 
 PREFLIGHT_ROWS = 200  # rows parsed per data file: enough to catch a wrong format, fast on big files
 TEMPLATE_ROWS = 20  # rows rendered with a recipe's chat template

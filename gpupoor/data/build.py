@@ -15,7 +15,8 @@ from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
 from gpupoor.data.tokenize import load_tokenized_dir, manifest_mixture, manifest_source_stats, tokenize_source
 from gpupoor.errors import UserError
 from gpupoor.storage.files import default_cache_dir
-from gpupoor.recipe.schema import DataSection, SourceSection, check_rows, check_tokenized_settings
+from gpupoor.recipe.rules import check_rows, check_tokenized_settings
+from gpupoor.recipe.schema import DataSection, SourceSection
 
 
 @dataclass

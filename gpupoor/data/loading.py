@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpupoor.errors import UserError
 from gpupoor.storage.files import hash_file_into
-from gpupoor.recipe.schema import DATA_SUFFIXES, decode_utf8, resolve_local_path
+from gpupoor.recipe.loading import DATA_SUFFIXES, decode_utf8, resolve_local_path
 
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a batch, not the file, is in memory
 # JSON may escape a UTF-16 surrogate (\ud800-\udfff): a high one followed by a low one is one character (an emoji),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpupoor.errors import UserError
 from gpupoor.storage.files import blocking_file, default_cache_dir, why_not_written
-from gpupoor.recipe.schema import resolve_local_path
+from gpupoor.recipe.loading import resolve_local_path
 
 PREFIX = "gpupoor:"
 VERSION = "v1"  # bump when a builder's output changes

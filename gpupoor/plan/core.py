@@ -23,7 +23,9 @@ from gpupoor.decisions import (choose_attention, choose_device, choose_fused_los
                                choose_sampler, choose_strategy, ia3_modules, launch_layout, logit_postprocessing,
                                loss_chunk_tokens, needs_bitsandbytes, trained_layer_indices)
 from gpupoor.errors import UserError
-from gpupoor.recipe.schema import FSDP_OPTIMIZERS, LoadedRecipe, Recipe
+from gpupoor.recipe.loading import LoadedRecipe
+from gpupoor.recipe.rules import FSDP_OPTIMIZERS
+from gpupoor.recipe.schema import Recipe
 from gpupoor.units import MiB, format_bytes, parse_size
 
 # What a CPU process holds before the first tensor: Python, torch, transformers, peft, accelerate, the
@@ -1408,7 +1410,7 @@ def write_fit(loaded: LoadedRecipe, changes: dict, plan: Plan | None = None) -> 
     import yaml
 
     from gpupoor.storage.files import write_text_atomic
-    from gpupoor.recipe.schema import EXTENDS
+    from gpupoor.recipe.loading import EXTENDS
 
     if loaded.source is None:
         raise UserError("plan --fit writes a recipe that extends the recipe file: it needs one")

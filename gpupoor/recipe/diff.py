@@ -10,8 +10,7 @@ import json
 
 from pydantic import BaseModel
 
-from gpupoor.recipe.schema import SHAREGPT_ROLES, Recipe, is_resume_safe, section_model
-
+from gpupoor.recipe.schema import ADDED_MARK, Recipe, is_added, is_resume_safe, section_model
 
 
 def _safe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> tuple[str, ...]:
@@ -54,17 +53,22 @@ def format_changes(changes: list[tuple[str, object, object]]) -> str:
     return "\n".join(f"    {key}: {json.dumps(old)} -> {json.dumps(new)}" for key, old, new in changes)
 
 
+def _added_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[str, object]:
+    """Dotted keys marked ADDED on the schema, each with the value that means "as before" (a dict-valued key:
+    each of its flattened keys, with its value)."""
+    keys: dict[str, object] = {}
+    for name, field in model.model_fields.items():
+        section = section_model(field.annotation)
+        if is_added(field):
+            keys.update(_flatten({name: field.json_schema_extra[ADDED_MARK]}, prefix))
+        elif section:
+            keys.update(_added_keys(section, f"{prefix}{name}."))
+    return keys
+
+
 # Keys added to the schema after runs were written, with the value that means "as before": left out of the hash
 # while they hold it, so a checkpoint written by an older gpupoor still matches its run's recipe.
-ADDED_KEYS = {"peft.last_layers": None, "distill": None, "distributed.strategy": "auto",
-              "distributed.shard_frozen": True, "distributed.reshard_after_forward": True,
-              "distributed.cpu_offload": False, "data.datasets": None, "data.tokenized_path": None,
-              "data.conversations_field": "conversations", "peft.init_adapter": None,
-              "training.objective": "sft", "preference.beta": 0.1, "preference.loss_type": "sigmoid",
-              "preference.label_smoothing": 0.0, "preference.orpo_lambda": 0.1, "preference.reference": "auto",
-              "preference.reference_bits": None}
-# A dict-valued key added later: its flattened keys, with their defaults.
-ADDED_KEYS.update({f"data.sharegpt_roles.{key}": value for key, value in SHAREGPT_ROLES.items()})
+ADDED_KEYS = _added_keys()
 
 
 def trajectory_hash(recipe: Recipe) -> str:

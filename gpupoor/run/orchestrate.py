@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.recipe.schema import LoadedRecipe, Recipe
+from gpupoor.recipe.loading import LoadedRecipe
+from gpupoor.recipe.schema import Recipe
 from gpupoor.storage.rundir import (RunLock, check_run_dir, check_writable, end_session, holds_something, portable_recipe,
                             resolve_run_dir, store_recipe, stored_recipe, write_session)
 

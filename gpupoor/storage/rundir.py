@@ -24,7 +24,8 @@ from pathlib import Path
 
 from gpupoor.errors import UserError
 from gpupoor.storage.files import why_not_written, write_text_atomic
-from gpupoor.recipe.schema import DATA_SUFFIXES, LoadedRecipe, Recipe, load_recipe, recipe_to_yaml, resolve_local_path
+from gpupoor.recipe.loading import DATA_SUFFIXES, LoadedRecipe, load_recipe, recipe_to_yaml, resolve_local_path
+from gpupoor.recipe.schema import Recipe
 
 RECIPE = "recipe.yaml"
 METRICS = "metrics.jsonl"
