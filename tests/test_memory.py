@@ -117,7 +117,8 @@ def test_activation_checkpointing_gives_bitwise_equal_lora_gradients(tiny_model,
 
     def grads(checkpointing):
         model = build_model(str(tiny_model), ModelSection(name_or_path=str(tiny_model)), PeftSection(rank=4),
-                            QuantizationSection(), "fp32", "sdpa", "cpu", checkpointing, seed=0)
+                            quant=QuantizationSection(), precision="fp32", attention="sdpa", device="cpu",
+                            gradient_checkpointing=checkpointing, seed=0)
         for name, param in model.named_parameters():  # B starts at zero: give it values so A's grads are real
             if "lora_B" in name:
                 torch.nn.init.normal_(param, generator=torch.Generator().manual_seed(2))

@@ -132,8 +132,9 @@ def _build(tiny_model, method: str, last_layers, checkpointing, **extra):
     from gpupoor.recipe.schema import ModelSection, PeftSection, QuantizationSection
 
     model = build_model(str(tiny_model), ModelSection(name_or_path=str(tiny_model)),
-                        PeftSection(method=method, rank=4, last_layers=last_layers, **extra), QuantizationSection(),
-                        "fp32", "sdpa", "cpu", checkpointing, seed=0)
+                        PeftSection(method=method, rank=4, last_layers=last_layers, **extra),
+                        quant=QuantizationSection(), precision="fp32", attention="sdpa", device="cpu",
+                        gradient_checkpointing=checkpointing, seed=0)
     return model.train()
 
 
