@@ -10,7 +10,7 @@ import torch
 
 from gpupoor.model.load import load_base_model
 from gpupoor.model.methods import apply_method, check_module_names
-from gpupoor.recipe.schema import ModelSection, PeftSection, QuantizationSection
+from gpupoor.recipe.schema import MemorySection, ModelSection, PeftSection, QuantizationSection
 
 
 @dataclass
@@ -25,21 +25,21 @@ class ModelSummary:
 
 
 def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, *, quant: QuantizationSection,
-                precision: str, attention: str, device: str, gradient_checkpointing: bool | str, seed: int,
-                smoke: bool = False, max_gpu_memory: str | None = None, resuming: bool = False):
+                memory: MemorySection, precision: str, attention: str, device: str, seed: int, smoke: bool = False,
+                resuming: bool = False):
     """The model to train on `device`: the base with the recipe's method applied (peft adapters on a frozen
-    base, or the base's own chosen weights for `full`). With `max_gpu_memory` on a GPU, accelerate's device
+    base, or the base's own chosen weights for `full`). With memory.max_gpu_memory on a GPU, accelerate's device
     map keeps what does not fit in CPU memory. `resuming`: a checkpoint's weights replace the adapter's at once,
     so peft.init_adapter is not read (it may be gone by now)."""
     if resuming and peft_cfg.init_adapter is not None:
         peft_cfg = peft_cfg.model_copy(update={"init_adapter": None})
     model = load_base_model(location, model_cfg, quant=quant, precision=precision, attention=attention, device=device,
-                            seed=seed, smoke=smoke, max_gpu_memory=max_gpu_memory)
-    if gradient_checkpointing:
+                            seed=seed, smoke=smoke, max_gpu_memory=memory.max_gpu_memory)
+    if memory.gradient_checkpointing:
         # Non-reentrant: gives bitwise-equal gradients, and needs no input that requires grad. Offloading the
         # saved inputs to the host only means something when they live on a GPU.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              offload=gradient_checkpointing == "offload" and device == "cuda")
+                                              offload=memory.gradient_checkpointing == "offload" and device == "cuda")
         _no_input_grads(model)
     check_module_names(model, peft_cfg)
     torch.manual_seed(seed)  # LoRA A is randomly initialized: make it a function of the seed

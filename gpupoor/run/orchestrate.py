@@ -407,10 +407,9 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
         # The tokenizer saved beside the adapter carries the template the run trained with (a named one resolved
         # to its text), so generate, merges and plain transformers render prompts the same way.
         tokenizer.chat_template = make_encoder(recipe.data, tokenizer, chat_source).chat_template
-    model = build_model(location, recipe.model, recipe.peft, quant=recipe.quantization, precision=precision.value,
-                        attention=attention.value, device=str(accelerator.device),
-                        gradient_checkpointing=recipe.memory.gradient_checkpointing, seed=recipe.seed, smoke=smoke,
-                        max_gpu_memory=recipe.memory.max_gpu_memory, resuming=resuming)
+    model = build_model(location, recipe.model, recipe.peft, quant=recipe.quantization, memory=recipe.memory,
+                        precision=precision.value, attention=attention.value, device=str(accelerator.device),
+                        seed=recipe.seed, smoke=smoke, resuming=resuming)
     summary = summarize(model)
     teacher = _build_teacher(recipe, tokenizer, precision.value, attention.value, str(accelerator.device), smoke)
     reference = _build_reference(recipe, precision.value, attention.value, str(accelerator.device), smoke)
