@@ -45,6 +45,6 @@ def weight_files(directory: Path) -> list[Path]:
     missing = [name for name in shards if not (directory / name).is_file()]
     if missing:
         raise UserError(f"{directory / MODEL_INDEX} names {missing[0]}, which {directory} does not have"
-                        + (f" ({len(missing) - 1} more shards are missing too)" if len(missing) > 1 else ""),
+                        + (f" (nor {len(missing) - 1} more of the shards it names)" if len(missing) > 1 else ""),
                         hint="copy the model directory whole, or download it again")
     return [directory / name for name in shards]
