@@ -399,7 +399,8 @@ def merge_lora(
 
     def action() -> int:
         from gpupoor.hardware import DTYPES
-        from gpupoor.commands.merge import merge_lora as merge, resolve_adapter, verify_merge
+        from gpupoor.commands.merge import merge_lora as merge, verify_merge
+        from gpupoor.storage.run_weights import resolve_adapter
         from gpupoor.units import parse_size
 
         if dtype != "auto" and dtype not in DTYPES:
@@ -588,7 +589,7 @@ def tokenize(
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # worker processes are the parallelism
         from gpupoor.data.build import build_data
         from gpupoor.data.tokenize import write_tokenized_dir
-        from gpupoor.model.build import load_tokenizer, model_location
+        from gpupoor.model.load import load_tokenizer, model_location
         from gpupoor.recipe.loading import load_recipe
         from gpupoor.storage.rundir import check_writable
 

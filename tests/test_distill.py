@@ -43,7 +43,7 @@ def _kl_to_teacher(student_dir, adapter_dir, teacher_dir, rows) -> float:
     from transformers import AutoModelForCausalLM
 
     from gpupoor.data.formats import Encoder
-    from gpupoor.model.build import load_tokenizer
+    from gpupoor.model.load import load_tokenizer
     from gpupoor.recipe.schema import ModelSection
 
     tokenizer = load_tokenizer(str(teacher_dir), ModelSection(name_or_path=str(teacher_dir)))

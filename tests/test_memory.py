@@ -113,11 +113,12 @@ def test_fused_and_plain_training_agree_with_accumulation(make_recipe, tmp_path)
 @pytest.mark.parametrize("mode", [True, "offload"])
 def test_activation_checkpointing_gives_bitwise_equal_lora_gradients(tiny_model, tokenizer, mode):
     from gpupoor.model.build import build_model
-    from gpupoor.recipe.schema import ModelSection, PeftSection, QuantizationSection
+    from gpupoor.recipe.schema import MemorySection, ModelSection, PeftSection, QuantizationSection
 
     def grads(checkpointing):
         model = build_model(str(tiny_model), ModelSection(name_or_path=str(tiny_model)), PeftSection(rank=4),
-                            QuantizationSection(), "fp32", "sdpa", "cpu", checkpointing, seed=0)
+                            quant=QuantizationSection(), precision="fp32", attention="sdpa", device="cpu",
+                            memory=MemorySection(gradient_checkpointing=checkpointing), seed=0)
         for name, param in model.named_parameters():  # B starts at zero: give it values so A's grads are real
             if "lora_B" in name:
                 torch.nn.init.normal_(param, generator=torch.Generator().manual_seed(2))

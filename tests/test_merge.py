@@ -165,12 +165,13 @@ def test_streaming_merge_peak_memory_stays_near_one_shard(tmp_path, tokenizer):
     code = f"""
 import re, shutil
 from pathlib import Path
-from gpupoor.commands.merge import AdapterSource, merge_lora
+from gpupoor.commands.merge import merge_lora
+from gpupoor.storage.run_weights import RunWeights
 def kib(field): return int(re.search(field + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))
 for out in ('warmup', 'out'):
     open('/proc/self/clear_refs', 'w').write('5')
     before = kib('VmRSS')
-    merge_lora(AdapterSource(Path({str(tmp_path / 'adapter')!r}), None), Path({str(tmp_path)!r}) / out,
+    merge_lora(RunWeights(Path({str(tmp_path / 'adapter')!r}), None), Path({str(tmp_path)!r}) / out,
                base={str(tmp_path / 'big-sharded')!r}, max_shard_bytes=4 * 10**6, say=lambda *a: None)
 print(before * 1024, kib('VmHWM') * 1024)
 """

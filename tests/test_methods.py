@@ -129,11 +129,12 @@ def _saved_bytes(model, batch) -> int:
 
 def _build(tiny_model, method: str, last_layers, checkpointing, **extra):
     from gpupoor.model.build import build_model
-    from gpupoor.recipe.schema import ModelSection, PeftSection, QuantizationSection
+    from gpupoor.recipe.schema import MemorySection, ModelSection, PeftSection, QuantizationSection
 
     model = build_model(str(tiny_model), ModelSection(name_or_path=str(tiny_model)),
-                        PeftSection(method=method, rank=4, last_layers=last_layers, **extra), QuantizationSection(),
-                        "fp32", "sdpa", "cpu", checkpointing, seed=0)
+                        PeftSection(method=method, rank=4, last_layers=last_layers, **extra),
+                        quant=QuantizationSection(), precision="fp32", attention="sdpa", device="cpu",
+                        memory=MemorySection(gradient_checkpointing=checkpointing), seed=0)
     return model.train()
 
 

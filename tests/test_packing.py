@@ -120,7 +120,7 @@ def test_packed_training_trains_and_reports_no_padding(make_recipe, tmp_path):
     # Each step's tokens are the examples' own lengths, recomputed from the data and the batch plan (a pure
     # function of seed and epoch): filler blocks that even out the rows are not counted.
     from gpupoor.data.build import build_data, collate_packed
-    from gpupoor.model.build import load_tokenizer
+    from gpupoor.model.load import load_tokenizer
     from gpupoor.recipe.loading import load_recipe
 
     loaded = load_recipe(recipe).recipe

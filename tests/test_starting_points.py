@@ -210,7 +210,7 @@ def test_targets_that_differ_are_an_error_naming_both(foreign_adapter, make_reci
 
 
 def test_settings_that_differ_are_found_without_loading_weights(foreign_adapter, make_recipe):
-    from gpupoor.model.build import check_init_adapter
+    from gpupoor.model.init_adapter import check_init_adapter
 
     def problem(**peft) -> str:
         with pytest.raises(UserError) as info:
@@ -246,7 +246,7 @@ def test_settings_that_differ_are_found_without_loading_weights(foreign_adapter,
 
 def test_an_adapter_that_is_not_intact_or_not_safetensors_is_refused(foreign_adapter, make_recipe, tmp_path,
                                                                      monkeypatch):
-    from gpupoor.model.build import check_init_adapter
+    from gpupoor.model.init_adapter import check_init_adapter
 
     first = train(make_recipe("first.yaml"), tmp_path / "first", monkeypatch)
     weights = first / "final" / "adapter_model.safetensors"

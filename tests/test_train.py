@@ -177,7 +177,7 @@ def test_smoke_runs_the_recipe_on_a_shrunken_model_and_leaves_nothing(make_recip
 def test_shrink_config_keeps_architecture_and_vocab():
     from transformers import Qwen2Config
 
-    from gpupoor.model.build import SMOKE_DIMS, shrink_config
+    from gpupoor.model.load import SMOKE_DIMS, shrink_config
 
     real = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                        num_attention_heads=12, num_key_value_heads=2)

@@ -24,48 +24,48 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
 
     from gpupoor.data.build import make_encoder
     from gpupoor.hardware import dtype_of, resolve_device, resolve_inference_precision
-    from gpupoor.storage.checkpoint import read_manifest, verify_adapter_dir
-    from gpupoor.commands.merge import base_config, check_base_fits, refuse_checkpoint_outside_run, resolve_adapter, run_weights_dir
-    from gpupoor.model.build import load_tokenizer, quantization_config
+    from gpupoor.storage.checkpoint import read_manifest
+    from gpupoor.commands.merge import base_config, check_base_fits
+    from gpupoor.model.load import load_tokenizer, quantization_config
     from gpupoor.recipe.schema import DataSection, ModelSection, QuantizationSection
-    from gpupoor.storage.rundir import is_run_dir, stored_recipe
+    from gpupoor.storage.rundir import stored_recipe
+    from gpupoor.storage.run_weights import locate_weights
 
     target = resolve_device(device).value
-    weights = run_weights_dir(path, checkpoint) if is_run_dir(path) else None
-    if weights is None:
-        refuse_checkpoint_outside_run(path, checkpoint)
-    if weights is not None and not (weights / "adapter_config.json").is_file():  # a full fine-tune: a model
-        verify_adapter_dir(weights, in_run=True)
-        model = _load_base(str(weights), dtype=torch.float32 if target == "cpu" else "auto")
-        tokenizer = load_tokenizer(str(weights), ModelSection(name_or_path=str(weights)))
+    weights = locate_weights(path, checkpoint)
+    if weights.run_dir is not None and not weights.is_adapter:  # a full fine-tune: a model
+        weights.verify()
+        model = _load_base(str(weights.path), dtype=torch.float32 if target == "cpu" else "auto")
+        tokenizer = load_tokenizer(str(weights.path), ModelSection(name_or_path=str(weights.path)))
         data = stored_recipe(path).data
-    elif weights is not None or (path / "adapter_config.json").is_file():
+    elif weights.is_adapter:
         from peft import PeftModel
 
         from gpupoor.quiet import bitsandbytes_unless_loaded
 
-        source = resolve_adapter(path, checkpoint)
+        weights.verify()
+        source = weights
         recipe = stored_recipe(source.run_dir) if source.run_dir else None
-        adapter_config = json.loads((source.adapter_dir / "adapter_config.json").read_text())
+        adapter_config = json.loads((source.path / "adapter_config.json").read_text())
         base_name = base or adapter_config["base_model_name_or_path"]
         revision = None if base else adapter_config.get("revision")
-        check_base_fits(source.adapter_dir, base_config(base_name, revision), base_name)
+        check_base_fits(source.path, base_config(base_name, revision), base_name)
         quant = recipe.quantization if recipe else QuantizationSection()
         # Compute in the precision the run trained in, where this device has it (the manifest records it).
-        precision = resolve_inference_precision(target, read_manifest(source.adapter_dir).get("precision"))
+        precision = resolve_inference_precision(target, read_manifest(source.path).get("precision"))
         quantization = quantization_config(quant, precision) if quant.bits else None
         model = _load_base(base_name, dtype=dtype_of(precision), quantization_config=quantization,
                            revision=revision,
                            device_map={"": target} if quantization else None)
         try:
             with bitsandbytes_unless_loaded():
-                model = PeftModel.from_pretrained(model, source.adapter_dir)
+                model = PeftModel.from_pretrained(model, source.path)
         except (RuntimeError, ValueError, KeyError) as exc:  # size mismatches, target modules not found
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"the adapter in {source.adapter_dir} does not fit the base {base_name}: it was trained "
+            raise UserError(f"the adapter in {source.path} does not fit the base {base_name}: it was trained "
                             f"on another model ({first_line[:300]})",
                             hint="pass --base with the model the run trained on, or leave --base out") from None
-        tokenizer = load_tokenizer(str(source.adapter_dir), ModelSection(name_or_path=str(source.adapter_dir)))
+        tokenizer = load_tokenizer(str(source.path), ModelSection(name_or_path=str(source.path)))
         data = recipe.data if recipe else DataSection(path="-", format=fmt or "text")
     elif (path / "config.json").is_file():
         model = _load_base(str(path), dtype=torch.float32 if target == "cpu" else "auto")

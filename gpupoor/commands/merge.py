@@ -21,68 +21,19 @@ from typing import Callable
 
 import torch
 
-from gpupoor.storage.checkpoint import read_manifest, verify_adapter_dir
+from gpupoor.decisions import evaluates_in_train_mode
 from gpupoor.errors import UserError
-from gpupoor.storage.files import atomic_dir
 from gpupoor.hardware import DTYPES
 from gpupoor.model.identity import config_facts
+from gpupoor.storage.checkpoint import read_manifest
+from gpupoor.storage.files import atomic_dir
+from gpupoor.storage.run_weights import RunWeights
+from gpupoor.storage.shards import MODEL_INDEX, SINGLE_FILE, weight_files
 from gpupoor.train.metrics import read_metrics
 
 PEFT_PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
-
-
-@dataclass
-class AdapterSource:
-    adapter_dir: Path
-    run_dir: Path | None  # set when given a run directory: its recipe and metrics describe the adapter
-
-
-def resolve_adapter(path: Path, checkpoint: str, check_files: bool = True) -> AdapterSource:
-    """A run dir (with --checkpoint final | step-N) or an adapter directory, verified against its manifest
-    (unless `check_files` is off) before anything reads it."""
-    from gpupoor.storage.rundir import is_run_dir
-
-    if is_run_dir(path):
-        adapter = run_weights_dir(path, checkpoint)
-        if not (adapter / "adapter_config.json").is_file():
-            raise UserError(f"{adapter} holds a whole fine-tuned model (peft.method: full), not an adapter: there "
-                            "is nothing to merge", hint=f"load it as it is (AutoModelForCausalLM.from_pretrained) or "
-                            f"try it with: gpupoor generate {path}")
-        verify_adapter_dir(adapter, skip=not check_files, in_run=True)
-        return AdapterSource(adapter, path)
-    if (path / "adapter_config.json").is_file():
-        refuse_checkpoint_outside_run(path, checkpoint)
-        verify_adapter_dir(path, skip=not check_files)
-        return AdapterSource(path, None)
-    raise UserError(f"{path} is neither a gpupoor run directory nor a PEFT adapter directory "
-                    "(no recipe.yaml, no adapter_config.json)")
-
-
-def run_weights_dir(run_dir: Path, checkpoint: str) -> Path:
-    """final/ or checkpoints/step-N of a run: an adapter, or (peft.method: full) a whole model."""
-    if checkpoint != "final" and not re.fullmatch(r"step-\d+", checkpoint):
-        # A name, not a path: "--checkpoint ../../other-run/final" must not reach weights outside this run.
-        raise UserError(f"--checkpoint {checkpoint!r}: use final or the name step-N of one of {run_dir}'s "
-                        "checkpoints (gpupoor status lists them), not a path",
-                        hint="to use an adapter directory elsewhere, pass that directory instead of the run")
-    weights = run_dir / "final" if checkpoint == "final" else run_dir / "checkpoints" / checkpoint
-    if not ((weights / "adapter_config.json").is_file() or (weights / "config.json").is_file()):
-        available = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) \
-            if (run_dir / "checkpoints").is_dir() else []
-        raise UserError(f"{run_dir} has no trained weights at {weights.relative_to(run_dir)}"
-                        + (" (the run has not finished)" if checkpoint == "final" else ""),
-                        hint="pick one with --checkpoint: " + ", ".join(available) if available
-                        else "train the run to the end first (gpupoor resume)")
-    return weights
-
-
-def refuse_checkpoint_outside_run(path: Path, checkpoint: str) -> None:
-    """--checkpoint picks among a run's checkpoints: given with an adapter or model directory it would be ignored."""
-    if checkpoint != "final":
-        raise UserError(f"--checkpoint {checkpoint}: {path} is not a run directory, so it has no checkpoints "
-                        "to choose from", hint="pass the run directory, or leave --checkpoint out")
 
 
 def base_files(base: str, revision: str | None = None) -> Path:
@@ -104,19 +55,10 @@ def base_files(base: str, revision: str | None = None) -> Path:
                         hint="pass --base with a local directory of the base model") from None
 
 
-def weight_shards(base_dir: Path) -> list[Path]:
-    index = base_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [base_dir / name for name in names]
-    if (base_dir / "model.safetensors").is_file():
-        return [base_dir / "model.safetensors"]
-    raise UserError(f"{base_dir} has no safetensors weights (model.safetensors or an index of shards)",
-                    hint="gpupoor reads only safetensors (no pickle); convert the base with save_pretrained")
-
-
 # The decoder layer a tensor name belongs to (model.layers.3..., transformer.h.3..., blocks.3...).
 LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
 def base_config(base: str, revision: str | None = None) -> dict | None:
     """The config.json of a base (a local directory, or a hub id's cached or downloadable config), or None when
     it cannot be read here (loading the base then says why)."""
@@ -366,14 +308,14 @@ class ShardWriter:
             self._flush()
         count = len(self.shards)
         if count == 1:
-            os.replace(self.out_dir / "part-00000.safetensors", self.out_dir / "model.safetensors")
+            os.replace(self.out_dir / "part-00000.safetensors", self.out_dir / SINGLE_FILE)
             return
         weight_map = {}
         for index, names in enumerate(self.shards):
             final = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
             os.replace(self.out_dir / f"part-{index:05d}.safetensors", self.out_dir / final)
             weight_map.update({name: final for name in names})
-        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(
+        (self.out_dir / MODEL_INDEX).write_text(json.dumps(
             {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2))
 
 
@@ -438,7 +380,7 @@ class MergePlan:
                          "trained on another model", hint="pass --base with the model the run trained on")
 
 
-def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: str | None = None,
+def merge_lora(source: RunWeights, output: Path, dtype: str = "auto", base: str | None = None,
                max_shard_bytes: int = 2 * 10**9, qlora_base: str = "dequantized", say=print) -> Path:
     """Merge a LoRA, DoRA or IA3 adapter into its base: a new standard model directory at `output`."""
     from transformers import AutoConfig
@@ -449,13 +391,13 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
     if output.exists():
         raise UserError(f"output directory {output} already exists", hint="choose a new --output, or delete it")
     check_writable(output)  # before the base is read: an impossible --output is said at once
-    adapter = AdapterWeights(source.adapter_dir)
+    adapter = AdapterWeights(source.path)
     base_name = base or adapter.config.get("base_model_name_or_path")
     if not base_name:
         raise UserError("the adapter does not name its base model", hint="pass --base MODEL")
     # The hub revision the run trained on (recorded in the adapter config), unless another base was given.
     base_dir = base_files(base_name, None if base else adapter.config.get("revision"))
-    check_base_fits(source.adapter_dir, base_config(str(base_dir)), base_name)
+    check_base_fits(source.path, base_config(str(base_dir)), base_name)
     config = AutoConfig.from_pretrained(base_dir)
     recipe, metrics = _run_summary(source.run_dir)
     quantization = dict(recipe.get("quantization") or {})
@@ -465,7 +407,7 @@ def merge_lora(source: AdapterSource, output: Path, dtype: str = "auto", base: s
     if quantization.get("bits") and qlora_base == "dequantized":
         quantize = quantized_modules(config, quantization)
         # The dtype the base was loaded in before quantizing: the run's resolved precision (in the manifest).
-        load_dtype = DTYPES[read_manifest(source.adapter_dir).get("precision") or _explicit_precision(recipe)]
+        load_dtype = DTYPES[read_manifest(source.path).get("precision") or _explicit_precision(recipe)]
         say(f"QLoRA run: merging into the base as the run saw it ({quantization['bits']}-bit, dequantized); "
             "--qlora-base original merges into the full-precision weights instead")
     plan = MergePlan(base_name, base_dir, adapter, base_dtype if dtype == "auto" else DTYPES[dtype], quantization,
@@ -484,7 +426,7 @@ def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int) 
     adapter = plan.adapter
     pending_update, pending_replace = set(adapter.required), set(adapter.replacements)
     writer = ShardWriter(out_dir, max_shard_bytes)
-    for shard in weight_shards(plan.base_dir):
+    for shard in weight_files(plan.base_dir):
         with safe_open(shard, framework="pt") as handle:
             for name in handle.keys():
                 tensor = handle.get_tensor(name)
@@ -514,7 +456,7 @@ def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int) 
     return bool(pending_replace)
 
 
-def _write_model_files(plan: MergePlan, out_dir: Path, config, untied: bool, source: AdapterSource, recipe: dict,
+def _write_model_files(plan: MergePlan, out_dir: Path, config, untied: bool, source: RunWeights, recipe: dict,
                        metrics: dict, qlora_base: str) -> None:
     """config.json, generation_config.json, the tokenizer and a model card beside the merged weights."""
     from transformers import GenerationConfig
@@ -529,7 +471,7 @@ def _write_model_files(plan: MergePlan, out_dir: Path, config, untied: bool, sou
         shutil.copy(plan.base_dir / "generation_config.json", out_dir / "generation_config.json")
     else:
         GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    tokenizer_source = source.adapter_dir if (source.adapter_dir / "tokenizer_config.json").is_file() else plan.base_dir
+    tokenizer_source = source.path if (source.path / "tokenizer_config.json").is_file() else plan.base_dir
     for name in TOKENIZER_FILES:
         if (tokenizer_source / name).is_file():
             shutil.copy(tokenizer_source / name, out_dir / name)
@@ -539,36 +481,36 @@ def _write_model_files(plan: MergePlan, out_dir: Path, config, untied: bool, sou
                                                   plan.adapter.kind))
 
 
-def verify_merge(source: AdapterSource, merged: Path, base: str | None = None) -> float:
+def verify_merge(source: RunWeights, merged: Path, base: str | None = None) -> float:
     """Max absolute logit difference between the merged model and base + adapter as trained (probe batch)."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpupoor.model.build import quantization_config
+    from gpupoor.model.load import quantization_config
     from gpupoor.quiet import bitsandbytes_unless_loaded
     from gpupoor.recipe.schema import QuantizationSection
 
     recipe, _ = _run_summary(source.run_dir)
-    adapter = PeftConfig.from_pretrained(source.adapter_dir)  # LoraConfig (LoRA, DoRA) or IA3Config
+    adapter = PeftConfig.from_pretrained(source.path)  # LoraConfig (LoRA, DoRA) or IA3Config
     if hasattr(adapter, "lora_dropout"):
         adapter.lora_dropout = 0.0  # the trained model runs in train mode below (see the 4-bit note): no dropout
     base_name = base or adapter.base_model_name_or_path
     quant = QuantizationSection(**(recipe.get("quantization") or {}))
     # 4-bit matmuls in the precision the run trained with (the reference is what training computed).
-    precision = read_manifest(source.adapter_dir).get("precision", "fp32")
+    precision = read_manifest(source.path).get("precision", "fp32")
     quantization = quantization_config(quant, precision) if quant.bits else None
     trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32, quantization_config=quantization,
                                                    revision=None if base else adapter.revision,
                                                    device_map={"": "cpu"} if quantization else None)
     with bitsandbytes_unless_loaded():
-        trained = PeftModel.from_pretrained(trained, source.adapter_dir, config=adapter)
+        trained = PeftModel.from_pretrained(trained, source.path, config=adapter)
     merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(merged)
     probe = tokenizer(["The quick brown fox jumps over the lazy dog.", "Below is an instruction"],
                       return_tensors="pt", padding=True)
     with torch.no_grad():
-        # bitsandbytes 4-bit layers in eval mode repack their weights on some CPUs: keep train mode.
-        trained.train(bool(quantization))
+        # The trained model is loaded on the CPU: quantized, it runs in train mode (gpupoor.decisions says why).
+        trained.train(evaluates_in_train_mode(quant.bits, "cpu"))
         merged_model.eval()
         reference = trained(**probe).logits
         logits = merged_model(**probe).logits

@@ -433,7 +433,7 @@ def preflight(loaded: LoadedRecipe) -> list[str]:
     warnings += check_training_data(loaded)
     warnings += check_tokenizer_template(loaded)
     if recipe.peft.init_adapter:  # (imports torch: only when there is an adapter to check)
-        from gpupoor.model.build import check_init_adapter
+        from gpupoor.model.init_adapter import check_init_adapter
 
         check_init_adapter(loaded)
     return warnings
@@ -446,7 +446,7 @@ def show_rows(loaded: LoadedRecipe, count: int, colour: bool = False) -> list[st
     """`validate --show N`: the first N rows of each source exactly as training tokenizes them (the same
     Encoder), decoded back, trained tokens between « » (and in colour on a terminal), with token counts."""
     from gpupoor.data.build import make_encoder
-    from gpupoor.model.build import load_tokenizer, model_location
+    from gpupoor.model.load import load_tokenizer, model_location
     from gpupoor.quiet import quiet_libraries
 
     recipe = loaded.recipe

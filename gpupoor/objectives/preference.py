@@ -123,7 +123,8 @@ class Reference:
     head: FusedHead | None
     adapter_off: bool
     # The reference is a fixed function: its pass runs in eval mode, so the base model's own dropout (GPT-2, OPT,
-    # Phi...) does not make it noisy. Off where bitsandbytes' 4-bit layers cannot run in eval mode (on the CPU).
+    # Phi...) does not make it noisy. Off where a quantized model must evaluate in train mode (on the CPU: the one
+    # rule is gpupoor.decisions.evaluates_in_train_mode).
     eval_mode: bool = True
 
     def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -369,7 +369,8 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
     from gpupoor.decisions import choose_strategy, launch_layout
     from gpupoor.hardware import (resolve_attention, resolve_device, resolve_precision, resolve_sampler,
                                   usable_cpu_count)
-    from gpupoor.model.build import build_model, load_tokenizer, model_location, summarize
+    from gpupoor.model.build import build_model, summarize
+    from gpupoor.model.load import load_tokenizer, model_location
     from gpupoor.train.optim import build_optimizer, warmup_steps
     from gpupoor.quiet import quiet_libraries
 
@@ -407,9 +408,9 @@ def build_session(recipe: Recipe, run_dir: Path, smoke: bool, say, resuming: boo
         # The tokenizer saved beside the adapter carries the template the run trained with (a named one resolved
         # to its text), so generate, merges and plain transformers render prompts the same way.
         tokenizer.chat_template = make_encoder(recipe.data, tokenizer, chat_source).chat_template
-    model = build_model(location, recipe.model, recipe.peft, recipe.quantization, precision.value,
-                        attention.value, str(accelerator.device), recipe.memory.gradient_checkpointing,
-                        recipe.seed, smoke, recipe.memory.max_gpu_memory, resuming)
+    model = build_model(location, recipe.model, recipe.peft, quant=recipe.quantization, memory=recipe.memory,
+                        precision=precision.value, attention=attention.value, device=str(accelerator.device),
+                        seed=recipe.seed, smoke=smoke, resuming=resuming)
     summary = summarize(model)
     teacher = _build_teacher(recipe, tokenizer, precision.value, attention.value, str(accelerator.device), smoke)
     reference = _build_reference(recipe, precision.value, attention.value, str(accelerator.device), smoke)
@@ -441,10 +442,10 @@ def _build_teacher(recipe: Recipe, tokenizer, precision: str, attention: str, de
     if recipe.distill is None:
         return None
     from gpupoor.objectives.distill import check_vocabularies
-    from gpupoor.model.build import build_teacher
+    from gpupoor.model.frozen import build_teacher
 
-    teacher, teacher_tokenizer = build_teacher(recipe.distill, recipe.model, precision, attention, device,
-                                               recipe.seed, smoke)
+    teacher, teacher_tokenizer = build_teacher(recipe.distill, recipe.model, precision=precision, attention=attention,
+                                               device=device, seed=recipe.seed, smoke=smoke)
     check_vocabularies(tokenizer, teacher_tokenizer)
     return teacher
 
@@ -457,10 +458,10 @@ def _build_reference(recipe: Recipe, precision: str, attention: str, device: str
     preference = recipe.preference
     if choose_reference(recipe.training.objective, preference.reference, recipe.peft.method).value != "copy":
         return None
-    from gpupoor.model.build import build_reference
+    from gpupoor.model.frozen import build_reference
 
-    return build_reference(recipe.model, preference.reference_bits, precision, attention, device, recipe.seed, smoke,
-                           recipe.quantization)
+    return build_reference(recipe.model, bits=preference.reference_bits, quant=recipe.quantization,
+                           precision=precision, attention=attention, device=device, seed=recipe.seed, smoke=smoke)
 
 
 def check_checkpoint_matches(session: Session, checkpoint) -> None:
@@ -594,7 +595,7 @@ def load_model_weights(model, directory: Path, device: str, sharded: bool = Fals
     output head tied to the embeddings, which save_pretrained writes once) may be absent."""
     from safetensors.torch import load_file
 
-    from gpupoor.storage.checkpoint import MODEL_INDEX
+    from gpupoor.storage.shards import MODEL_INDEX
     from gpupoor.train.distributed import load_weights
 
     index = directory / MODEL_INDEX

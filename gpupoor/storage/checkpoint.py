@@ -20,13 +20,13 @@ from pathlib import Path
 from gpupoor import faults
 from gpupoor.errors import UserError
 from gpupoor.storage.files import atomic_dir, sha256_file
+from gpupoor.storage.shards import MODEL_INDEX, SINGLE_FILE, indexed_shards
 
 MANIFEST = "manifest.json"
 STATE = "train_state.json"
 ADAPTER = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
-MODEL_INDEX = "model.safetensors.index.json"
 # What a reader needs, by kind of directory. A manifest that does not list each of these is not valid, however
 # well-formed: a run resumes from a checkpoint, merge-lora and generate read final/ or a checkpoint. The weights
 # are an adapter (peft methods) or the whole model (`full`: config.json and its safetensors shards); the
@@ -109,15 +109,14 @@ def required_files(manifest: dict, path: Path, training: bool) -> tuple[str, ...
     every safetensors shard its index names), plus the training state of a checkpoint (optimizer.pt, or under
     FSDP the DCP metadata of the optimizer's shards)."""
     if manifest.get("weights") == "model":
-        index = path / MODEL_INDEX
-        if MODEL_INDEX in manifest["files"] and index.is_file():
+        if MODEL_INDEX in manifest["files"] and (path / MODEL_INDEX).is_file():
             try:
-                shards = tuple(sorted(set(json.loads(index.read_text())["weight_map"].values())))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                shards = tuple(indexed_shards(path) or ())
+            except ValueError:
                 shards = (MODEL_INDEX + " (readable)",)  # listed, so its hash check names it as corrupt
             weights = (MODEL_CONFIG, MODEL_INDEX) + shards
         else:
-            weights = (MODEL_CONFIG, "model.safetensors")
+            weights = (MODEL_CONFIG, SINGLE_FILE)
     else:
         weights = ADAPTER_FILES
     if not training:
