@@ -3,12 +3,13 @@ the cheapest combination that fits (what `plan --fit` writes); and with several 
 
 from __future__ import annotations
 
+from gpupoor.optimizers import OPTIMIZERS
 from gpupoor.plan.device import GpuFacts
 from gpupoor.plan.peak import peak_bytes
 from gpupoor.plan.result import StrategyFit, Suggestion
 from gpupoor.plan.settings import strategy_of
 from gpupoor.plan.shape import Shape
-from gpupoor.recipe.schema import FSDP_OPTIMIZERS, Recipe
+from gpupoor.recipe.schema import Recipe
 
 CANDIDATES = (  # cheapest first: what a user gives up for the saving
     ("memory.fused_cross_entropy", "none: the same loss, computed in chunks"),
@@ -28,8 +29,8 @@ def candidate_change(recipe: Recipe, key: str, device: str) -> dict | None:
     if key == "memory.fused_cross_entropy":
         return None if recipe.memory.fused_cross_entropy else {key: True}
     if key == "training.optimizer":  # (fsdp cannot step an 8-bit optimizer: the recipe refuses the pair)
-        fp32_state = recipe.training.optimizer in ("adamw", "paged_adamw_32bit")
-        return {key: "adamw_8bit"} if fp32_state and recipe.distributed.strategy != "fsdp" else None
+        eight_bit = OPTIMIZERS[recipe.training.optimizer].eight_bit
+        return {key: eight_bit} if eight_bit and recipe.distributed.strategy != "fsdp" else None
     if key == "memory.gradient_checkpointing":
         current = recipe.memory.gradient_checkpointing
         if not current:
@@ -112,7 +113,7 @@ def strategy_changes(recipe: Recipe, strategy: str, processes: int) -> dict:
     """The recipe changes that train it with `strategy` ({} when it already does): fsdp also needs an optimizer
     that steps sharded parameters and no memory.max_gpu_memory (the recipe refuses either beside it)."""
     changes = {} if strategy_of(recipe, processes) == strategy else {"distributed.strategy": strategy}
-    if strategy == "fsdp" and recipe.training.optimizer not in FSDP_OPTIMIZERS:
+    if strategy == "fsdp" and not OPTIMIZERS[recipe.training.optimizer].fsdp:
         changes["training.optimizer"] = "adamw"  # sharding splits its fp32 moments N ways
     if strategy == "fsdp" and recipe.memory.max_gpu_memory is not None:
         changes["memory.max_gpu_memory"] = None

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import replace
 
 from gpupoor.decisions import loss_chunk_tokens
+from gpupoor.optimizers import state_per_parameter
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.plan.shape import LINEARS, Shape
 from gpupoor.plan.training import LayerTraining
@@ -98,12 +99,7 @@ def trainable_params(shape: Shape, s: Settings) -> int:
 
 
 def optimizer_bytes(params: int, s: Settings) -> tuple[int, str]:
-    per_param = {"adamw": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "lion_8bit": 1,
-                 "sgd": 4 if s.momentum else 0, "adafactor": 0.1}[s.optimizer]
-    what = {"adamw": "two fp32 moments", "paged_adamw_32bit": "two fp32 moments (paged)",
-            "adamw_8bit": "two 8-bit moments", "paged_adamw_8bit": "two 8-bit moments (paged)",
-            "lion_8bit": "one 8-bit moment", "sgd": "fp32 momentum" if s.momentum else "no state",
-            "adafactor": "factored second moments (rows + columns)"}[s.optimizer]
+    per_param, what = state_per_parameter(s.optimizer, s.momentum)
     return int(params * per_param), what
 
 

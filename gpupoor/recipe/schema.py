@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpupoor.errors import UserError
+from gpupoor.optimizers import FSDP_OPTIMIZERS, OPTIMIZER_NAMES, optimizers_doc
 from gpupoor.units import MiB, parse_duration, parse_size
 
 
@@ -403,14 +404,7 @@ class TrainingSection(_Section):
         if not all(0 <= beta < 1 for beta in value):
             raise ValueError("each beta must be in [0, 1), e.g. [0.9, 0.999]")
         return value
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd",
-                       "lion_8bit"] = Field(
-        "adamw", description="`adamw`: torch AdamW (fused kernel on CUDA, foreach on CPU). `adamw_8bit`: "
-        "bitsandbytes 8-bit state (about 4x less optimizer memory). `paged_adamw_8bit` / `paged_adamw_32bit`: "
-        "state in paged memory that spills to the CPU under GPU memory pressure. `adafactor`: factored second "
-        "moments (torch). `sgd`: with `momentum`. `lion_8bit`: bitsandbytes Lion (use a 3-10x lower learning "
-        "rate than AdamW)."
-    )
+    optimizer: Literal[OPTIMIZER_NAMES] = Field("adamw", description=optimizers_doc())  # gpupoor.optimizers
     momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of `optimizer: sgd`.")
     max_consecutive_skips: int = Field(
         10, ge=1, description="Steps with a non-finite loss or gradient norm are skipped and counted; after this "
@@ -547,9 +541,6 @@ class DistributedSection(_Section):
         False, description="fsdp on GPUs: keep the sharded weights, gradients and optimizer state in CPU memory "
         "and step the optimizer there (a model that fits no GPU set, at the cost of speed). No effect on a CPU."
     )
-
-
-FSDP_OPTIMIZERS = ("adamw", "sgd")  # optimizers whose step runs on FSDP2's sharded DTensor parameters
 
 
 class LoggingSection(_Section):
