@@ -103,7 +103,7 @@ def optimizer_bytes(params: int, s: Settings) -> tuple[int, str]:
     return int(params * per_param), what
 
 
-def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, masked: bool,
+def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, masked: bool,
                                 layer: LayerTraining | None = None) -> float:
     """Bytes autograd keeps for the backward pass of one decoder layer, per token of the micro-batch, for a
     layer that trains `layer` (default: the last layer, which every method trains) with gradients flowing in.
@@ -202,7 +202,7 @@ def saved_activation_bytes(shape: Shape, s: Settings, masked: bool) -> tuple[flo
     training = what_trains(shape, s)
     first = training.first_active_layer
     active = Counter(training.layers[first:])
-    per_layer = {layer: layer_saved_bytes_per_token(shape, s, s.row_tokens, masked, layer) * tokens
+    per_layer = {layer: layer_saved_bytes_per_token(shape, s, s.row_tokens, masked=masked, layer=layer) * tokens
                  for layer in active}
     saved = sum(per_layer[layer] * count for layer, count in active.items())
     if active:
@@ -236,7 +236,7 @@ def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
         detail = f"{active} layers x {per_layer / MiB:.1f} MiB kept for backward"
     if frozen:
         detail += f" ({frozen} frozen layers below keep none)"
-    layer_for_churn = per_layer or layer_saved_bytes_per_token(shape, s, s.row_tokens, masked) * tokens
+    layer_for_churn = per_layer or layer_saved_bytes_per_token(shape, s, s.row_tokens, masked=masked) * tokens
     churn = layer_for_churn + layer_forward_temporaries_per_token(shape, s) * tokens
     if s.bits is not None:  # bitsandbytes dequantizes each weight for its matmul: buffers of a weight's size
         live += 2 * max(x * y for x, y in map(shape.linear, LINEARS)) * s.act_bytes
