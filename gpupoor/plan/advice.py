@@ -62,7 +62,6 @@ def apply_changes(recipe: Recipe, changes: dict) -> Recipe:
     return Recipe.model_validate(tree)
 
 
-
 def suggest(shape: Shape, recipe: Recipe, *, device: str, memory: int, gpu: GpuFacts = GpuFacts(),
             teacher: Shape | None = None, processes: int = 1) -> tuple[list[Suggestion], dict | None]:
     """Single changes that each make the recipe fit (cheapest first), or, when none does alone, every

@@ -27,7 +27,6 @@ class GpuFacts:
     flash_installed: bool = False
 
 
-
 def default_device(recipe: Recipe) -> str:
     """The device training would use here (gpupoor.decisions.choose_device), found without importing torch."""
     requested = recipe.training.device

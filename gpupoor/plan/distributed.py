@@ -12,6 +12,7 @@ from gpupoor.plan.terms import DTYPE_BYTES, optimizer_bytes, trainable_params, w
 from gpupoor.plan.training import LayerTraining, Training
 from gpupoor.units import format_bytes
 
+
 @dataclass(frozen=True)
 class ShardUnit:
     """The parameters of one fully_shard unit that FSDP shards: stored (frozen ones in the run's dtype, trainable

@@ -10,6 +10,7 @@ from gpupoor.plan.shape import Shape
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import format_bytes
 
+
 def describe_method(shape: Shape, s: Settings) -> str:
     """The plan's method line: what trains and how many parameters."""
     training = what_trains(shape, s)
@@ -19,7 +20,6 @@ def describe_method(shape: Shape, s: Settings) -> str:
         return f"method {name}: {count} (all)"
     share = training.params / shape.total_params
     return f"method {name} on {training.scope}: {count} ({share:.2%} of the model's {shape.total_params:,})"
-
 
 
 def describe_preference(recipe: Recipe, s: Settings) -> str:

@@ -13,6 +13,7 @@ from gpupoor.plan.training import LayerTraining, Training, resolve_training
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import parse_size
 
+
 @dataclass(frozen=True)
 class Distribution:
     """The process the plan describes among `processes` (the recipe's `distributed` section, resolved)."""

@@ -185,7 +185,6 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None,
                     "HF_HUB_OFFLINE=1", hint="unset HF_HUB_OFFLINE (plan downloads config.json only)")
 
 
-
 def load_teacher_shape(loaded: LoadedRecipe) -> tuple[Shape | None, str | None]:
     """The distillation teacher's dimensions, found like the student's (a local path is relative to the
     recipe); (None, None) without distillation."""

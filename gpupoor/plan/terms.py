@@ -4,8 +4,9 @@ working set, a distillation teacher's or DPO reference's weights, and what the C
 
 The activation term counts what autograd keeps for the backward pass of one decoder layer of transformers'
 Llama-family code (the tensors saved by each op, per token, by dtype) for each peft.method, in the layers that
-need a gradient (none below the first trained one) -- tests compare it with what autograd really saves. The
-terms that no formula gives are measured constants, named below with how they were measured.
+need a gradient (none below the first trained one) -- tests compare it with what autograd really saves. What
+no formula gives is a measured constant, named below with how it was measured (the process's own baseline and
+the CUDA allocator's slack: gpupoor.plan.peak).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 INPUT_GROUPS = ((("q_proj", "k_proj", "v_proj"), "input_layernorm"),
                 (("gate_proj", "up_proj"), "post_attention_layernorm"),
                 (("down_proj",), None))
-
 
 
 def weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
