@@ -58,7 +58,7 @@ RECIPES = {
     "padded-batch": case("h512-v32k", "padded micro-batches (length-grouped)", 1024, 8, False, "length_grouped"),
     "packed-batch": case("h512-v32k", "packed micro-batches", 1024, 8, False, "packed"),
 }
-# Used once to set gpupoor.plan.core.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table. One layer's
+# Used once to set gpupoor.plan.terms.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table. One layer's
 # forward allocations from ~60 MiB to ~1 GiB, with and without checkpointing.
 CALIBRATION = {
     "calib-ckpt-small": case("h512-v32k", "calibration", 256, 2, True, "length_grouped"),
@@ -168,8 +168,11 @@ def measure_rounds(names: list[str], rounds: int,
 
 def calibrate(rounds: int, only: list[str]) -> None:
     """The heap retention ratio each calibration recipe implies: (median measured - plan without retention) /
-    the step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan.core defines it."""
-    import gpupoor.plan.core as planning
+    the step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan.terms defines it."""
+    from gpupoor.plan.peak import plan_terms, uses_bitsandbytes
+    from gpupoor.plan.settings import resolve_settings
+    from gpupoor.plan.shape import load_shape
+    from gpupoor.plan.terms import activation_bytes, heap_retention
     from gpupoor.recipe.loading import load_recipe
 
     steady = Steady()
@@ -181,15 +184,15 @@ def calibrate(rounds: int, only: list[str]) -> None:
     for name in names:
         measured = statistics.median(peaks[name])
         loaded = load_recipe(write_recipe(name))
-        shape, _ = planning.load_shape(loaded)
-        settings = planning.resolve_settings(loaded.recipe, "cpu", shape)
-        terms, _ = planning.plan_terms(shape, settings, planning.uses_bitsandbytes(loaded.recipe))
-        _, churn, _ = planning.activation_bytes(shape, settings)
+        shape, _ = load_shape(loaded)
+        settings = resolve_settings(loaded.recipe, "cpu", shape)
+        terms, _ = plan_terms(shape, settings, uses_bitsandbytes(loaded.recipe))
+        _, churn, _ = activation_bytes(shape, settings)
         dequantized = shape.layer_linear_params * settings.act_bytes if settings.bits else 0
-        without = sum(t.bytes for t in terms) - planning.heap_retention(settings, churn, dequantized)
+        without = sum(t.bytes for t in terms) - heap_retention(settings, churn, dequantized)
         mode = "checkpointing" if settings.checkpointing else "none"
         if dequantized:  # beyond the unquantized constant: in units of one layer's dequantized weights
-            base = planning.heap_retention(settings, churn)
+            base = heap_retention(settings, churn)
             ratios.append((measured - without - base) / dequantized)
             print(f"{name}: median measured {measured / 2**20:.0f} MiB, plan without the dequantized term "
                   f"{(without + base) / 2**20:.0f} MiB, one layer dequantized {dequantized / 2**20:.0f} MiB -> "

@@ -277,7 +277,7 @@ def train(
             typer.echo(f"warning: {warning}", err=True)
         plan = None
         if not smoke:  # a smoke test runs a shrunken model on the CPU: the full-size plan does not apply
-            from gpupoor.plan.core import preflight_plan
+            from gpupoor.plan.make import preflight_plan
 
             plan = preflight_plan(loaded, force, lambda text: typer.echo(f"warning: {text}", err=True))
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -489,7 +489,7 @@ def validate(
 
     def check(path: Path) -> str:
         """Raise on a bad recipe; return what to print on success."""
-        from gpupoor.plan.core import preflight_plan
+        from gpupoor.plan.make import preflight_plan
         from gpupoor.commands.validate import preflight, show_rows
         from gpupoor.recipe.loading import load_recipe
         from gpupoor.units import format_bytes
@@ -547,7 +547,9 @@ def plan(
     def action() -> int:
         import json
 
-        from gpupoor.plan.core import make_plan, render, write_fit
+        from gpupoor.plan.fit import write_fit
+        from gpupoor.plan.make import make_plan
+        from gpupoor.plan.render import render
         from gpupoor.recipe.loading import load_recipe
         from gpupoor.units import parse_size
 

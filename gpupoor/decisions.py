@@ -18,7 +18,7 @@ memory plan cannot describe a stack that training does not build.
 
 A new training method, optimizer or distributed strategy that changes what is built (a precision, a loss path,
 a library it needs, an attention backend, a sampler) adds its rule here, as a function of facts, and both its
-builder and `plan` call it. Imports nothing of gpupoor's but its errors, and no torch.
+builder and `plan` call it. Imports nothing of gpupoor's but its errors and the optimizer table, and no torch.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from gpupoor.errors import UserError
+from gpupoor.optimizers import OPTIMIZERS
 
 
 @dataclass
@@ -195,9 +196,8 @@ def choose_reference(objective: str, requested: str, method: str) -> Choice:
 
 
 # ------------------------------------------------------------------------------------------------ optimizer
-# Optimizers that bitsandbytes provides: recipe name -> class in bitsandbytes.optim.
-BITSANDBYTES_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
-                           "paged_adamw_32bit": "PagedAdamW32bit", "lion_8bit": "Lion8bit"}
+# Optimizers that bitsandbytes provides (gpupoor.optimizers says which).
+BITSANDBYTES_OPTIMIZERS = tuple(name for name, optimizer in OPTIMIZERS.items() if optimizer.bitsandbytes)
 
 
 def evaluates_in_train_mode(quantization_bits: int | None, device: str) -> bool:

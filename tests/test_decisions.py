@@ -11,7 +11,9 @@ import json
 import pytest
 
 from gpupoor import decisions, hardware
-import gpupoor.plan.core as planning
+from gpupoor.plan.device import default_device, gpu_facts
+from gpupoor.plan.settings import resolve_settings
+from gpupoor.plan.shape import Shape, shape_from_config
 from gpupoor.errors import UserError
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import format_bytes, format_duration, parse_duration, parse_size
@@ -144,14 +146,14 @@ def _recipe(**overrides) -> Recipe:
                                   "precision": overrides.get("precision", "auto")})
 
 
-SHAPE = planning.Shape("llama", 64, 128, 2, 4, 2, 16, 300, False, False)
+SHAPE = Shape("llama", 64, 128, 2, 4, 2, 16, 300, False, False)
 
 
 @pytest.mark.parametrize("device,major,flash", MACHINES)
 def test_plan_resolves_what_training_resolves(machine, device, major, flash):
     machine(device, major, flash)
-    assert planning.default_device(_recipe()) == hardware.resolve_device("auto").value == device
-    gpu = planning.gpu_facts(device)
+    assert default_device(_recipe()) == hardware.resolve_device("auto").value == device
+    gpu = gpu_facts(device)
     for precision, attention, sampler, trust in itertools.product(
             ("auto", "fp32", "fp16", "bf16"), ("auto", "sdpa", "eager", "flash_attention_2"), ("auto", "packed"),
             (False, True)):
@@ -163,7 +165,7 @@ def test_plan_resolves_what_training_resolves(machine, device, major, flash):
             return chosen_precision, chosen_attention, hardware.resolve_sampler(sampler, chosen_attention, trust).value
 
         def predicted():
-            settings = planning.resolve_settings(recipe, device, SHAPE, gpu)
+            settings = resolve_settings(recipe, device, SHAPE, gpu)
             return settings.precision, settings.attention, settings.sampler
 
         assert _outcome(predicted) == _outcome(training), (precision, attention, sampler, trust)
@@ -189,6 +191,6 @@ def test_plan_takes_the_loss_path_training_takes(case, tiny_model):
     recipe = Recipe.model_validate({"model": {"name_or_path": str(tiny_model)}, "data": {"path": "x.jsonl"},
                                     "peft": {"target_modules": targets, "modules_to_save": save},
                                     "memory": {"fused_cross_entropy": enabled}})
-    settings = planning.resolve_settings(recipe, "cpu", planning.shape_from_config(config, "test"))
+    settings = resolve_settings(recipe, "cpu", shape_from_config(config, "test"))
     assert (settings.fused_loss, settings.loss_reason) == (head is not None, training_reason)
     assert settings.fused_loss == (case in ("all_linear", "trained_head"))

@@ -13,6 +13,7 @@ import gpupoor.decisions as decisions
 from conftest import masked_batch, read_metrics
 from gpupoor.cli import app
 from gpupoor.objectives.cross_entropy import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
+from gpupoor.optimizers import OPTIMIZERS
 
 runner = CliRunner()
 
@@ -132,12 +133,9 @@ def test_activation_checkpointing_gives_bitwise_equal_lora_gradients(tiny_model,
         assert torch.equal(plain[name], checkpointed[name]), name
 
 
-OPTIMIZERS = ["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd", "lion_8bit"]
-
-
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_every_optimizer_trains_and_resumes_bitwise(make_recipe, tmp_path, monkeypatch, optimizer):
-    if optimizer != "adamw" and optimizer not in ("adafactor", "sgd"):
+    if OPTIMIZERS[optimizer].bitsandbytes:
         pytest.importorskip("bitsandbytes")
     lr = {"sgd": 0.5, "lion_8bit": 1e-3, "adafactor": 0.1}.get(optimizer, 1e-2)
     sections = {"training": {"max_steps": 6, "optimizer": optimizer, "learning_rate": lr}}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,20 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-import gpupoor.plan.core as planning
+import gpupoor.plan.make as plan_make
+from gpupoor.plan.distributed import fsdp_shares, shard_units
+from gpupoor.plan.fit import write_fit
+from gpupoor.plan.make import make_plan
+from gpupoor.plan.peak import CPU_BITSANDBYTES_BASELINE
+from gpupoor.plan.render import render
+from gpupoor.plan.settings import Distribution, resolve_settings
+from gpupoor.plan.shape import LINEARS, Shape, load_shape
+from gpupoor.plan.terms import (activation_bytes, dora_weight_norm_bytes, layer_saved_bytes_per_token,
+                                saved_activation_bytes, trainable_params, weight_bytes)
 from gpupoor.cli import app
 from gpupoor.recipe.loading import LoadedRecipe, load_recipe
 from gpupoor.recipe.schema import Recipe
+from gpupoor.units import MiB, format_bytes
 
 from conftest import PEFT_METHODS, read_metrics
 
@@ -71,7 +82,7 @@ def apply_method_like_peft(model, method, rank=4, dropout=0.0, targets="all-line
              if last_layers else {})
     saved = list(modules_to_save) or None
     if last_layers and targets == "all-linear":  # peft takes layers_to_transform with a list of names only
-        targets = list(planning.LINEARS)
+        targets = list(LINEARS)
     if method in ("lora", "dora"):
         return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout,
                                                 target_modules=targets, use_dora=method == "dora",
@@ -124,8 +135,8 @@ def saved_bytes_of_one_layer(rank=8, dropout=0.0, attention="sdpa", targets="all
     return totals[1] - totals[0]
 
 
-def tiny_shape(layers=2) -> planning.Shape:
-    return planning.Shape("llama", LLAMA["hidden"], LLAMA["intermediate"], layers, LLAMA["heads"],
+def tiny_shape(layers=2) -> Shape:
+    return Shape("llama", LLAMA["hidden"], LLAMA["intermediate"], layers, LLAMA["heads"],
                           LLAMA["kv_heads"], LLAMA["hidden"] // LLAMA["heads"], 300, False, False)
 
 
@@ -138,14 +149,14 @@ def tiny_settings(layers=2, seq=64, batch=2, precision="fp32", attention="sdpa",
                                     "peft": peft,
                                     "precision": precision, "training": {"micro_batch_size": batch},
                                     "memory": {"gradient_checkpointing": checkpointing}})
-    return shape, planning.resolve_settings(recipe, "cpu", shape)
+    return shape, resolve_settings(recipe, "cpu", shape)
 
 
-def planned_layer_bytes(rank=8, dropout=0.0, attention="sdpa", targets=planning.LINEARS, batch=2, seq=64,
+def planned_layer_bytes(rank=8, dropout=0.0, attention="sdpa", targets=LINEARS, batch=2, seq=64,
                         precision="fp32") -> float:
     shape, settings = tiny_settings(seq=seq, batch=batch, precision=precision, attention=attention, rank=rank,
                                     dropout=dropout, target_modules=list(targets))
-    return planning.layer_saved_bytes_per_token(shape, settings, seq, masked=False) * batch * seq
+    return layer_saved_bytes_per_token(shape, settings, seq, masked=False) * batch * seq
 
 
 @pytest.mark.parametrize("case", [
@@ -160,7 +171,7 @@ def test_activation_term_equals_what_autograd_saves(case):
                                         batch=case.get("batch", 2), seq=case.get("seq", 64))
     planned = planned_layer_bytes(rank=case.get("rank", 8), dropout=case.get("dropout", 0.0),
                                   attention=case.get("attention", "sdpa"),
-                                  targets=case.get("targets", planning.LINEARS),
+                                  targets=case.get("targets", LINEARS),
                                   batch=case.get("batch", 2), seq=case.get("seq", 64))
     assert planned == pytest.approx(measured, rel=0.02), (planned, measured)
 
@@ -169,12 +180,12 @@ def test_checkpointed_layers_keep_only_their_input():
     measured = saved_bytes_of_one_layer(checkpointing=True)
 
     def activations(layers):
-        shape = planning.Shape("llama", LLAMA["hidden"], LLAMA["intermediate"], layers, LLAMA["heads"],
+        shape = Shape("llama", LLAMA["hidden"], LLAMA["intermediate"], layers, LLAMA["heads"],
                                LLAMA["kv_heads"], LLAMA["hidden"] // LLAMA["heads"], 300, False, False)
         recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"path": "x.jsonl", "max_length": 64},
                                         "peft": {"rank": 8}, "training": {"micro_batch_size": 2},
                                         "memory": {"gradient_checkpointing": True}})
-        return planning.activation_bytes(shape, planning.resolve_settings(recipe, "cpu", shape))[0]
+        return activation_bytes(shape, resolve_settings(recipe, "cpu", shape))[0]
 
     assert activations(2) - activations(1) == measured  # hidden x 4 bytes x 128 tokens
 
@@ -192,7 +203,7 @@ def test_parameter_count_matches_the_model(tiny_model, tiny_tied_model, tmp_path
     Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).save_pretrained(qwen)
     for path in (tiny_model, tiny_tied_model, qwen):
-        shape, _ = planning.load_shape(load_recipe_for(path))
+        shape, _ = load_shape(load_recipe_for(path))
         model = AutoModelForCausalLM.from_pretrained(path)
         assert shape.total_params == sum(p.numel() for p in model.parameters()), path
 
@@ -335,8 +346,8 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, make_recipe):
 @pytest.fixture
 def small_gpu(monkeypatch):
     """Make the preflight believe it runs on a CUDA GPU with 64 MiB free."""
-    monkeypatch.setattr(planning, "default_device", lambda recipe: "cuda")
-    monkeypatch.setattr(planning, "device_memory", lambda device: (64 * planning.MiB, "test GPU"))
+    monkeypatch.setattr(plan_make, "default_device", lambda recipe: "cuda")
+    monkeypatch.setattr(plan_make, "device_memory", lambda device: (64 * MiB, "test GPU"))
 
 
 def test_preflight_stops_train_and_validate_before_loading_on_a_gpu_that_is_too_small(small_gpu, make_recipe, tmp_path):
@@ -359,7 +370,7 @@ def test_force_trains_anyway_and_metrics_keep_predicted_and_measured_peaks(small
     assert "does not fit" in result.output and "--force" in result.output
     steps = [r for r in read_metrics(run_dir) if "loss" in r]
     # the preflight planned for the (pretend) GPU; the run found the CPU and planned again for it
-    cpu_plan = planning.make_plan(load_recipe(run_dir / "recipe.yaml"), "cpu")
+    cpu_plan = make_plan(load_recipe(run_dir / "recipe.yaml"), "cpu")
     assert steps and all(r["predicted_peak_mb"] == round(cpu_plan.comparable_peak / 2**20, 1) for r in steps)
     assert "MiB planned" in result.output and "process RSS" in result.output
 
@@ -369,7 +380,7 @@ def test_cpu_run_reports_planned_vs_measured_peak(make_recipe, tmp_path):
     result = runner.invoke(app, ["train", str(make_recipe()), "--output-dir", str(run_dir)])
     assert result.exit_code == 0, result.output
     assert "memory plan: peak" in result.output and "MiB planned" in result.output
-    planned = planning.make_plan(load_recipe(run_dir / "recipe.yaml"), "cpu")
+    planned = make_plan(load_recipe(run_dir / "recipe.yaml"), "cpu")
     for record in (r for r in read_metrics(run_dir) if "loss" in r):
         assert record["predicted_peak_mb"] == round(planned.comparable_peak / 2**20, 1)
 
@@ -388,12 +399,12 @@ def test_trainable_parameter_count_is_what_peft_and_transformers_train(case, tin
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     recipe = Recipe.model_validate({"model": {"name_or_path": str(tiny_model)}, "data": {"path": "x.jsonl"},
                                     "peft": peft})
-    plan = planning.make_plan(LoadedRecipe(recipe, None), "cpu", 2**40)
+    plan = make_plan(LoadedRecipe(recipe, None), "cpu", 2**40)
     assert plan.trainable_params == trained
     assert next(t.bytes for t in plan.terms if t.key == "trainable") == 4 * trained
     assert plan.method == peft["method"] and f"{trained:,} trainable parameters" in plan.method_detail
     assert json.loads(json.dumps(plan.to_json()))["trainable_params"] == trained
-    assert plan.method_detail in planning.render(plan, "recipe.yaml")
+    assert plan.method_detail in render(plan, "recipe.yaml")
     if "last_layers" in peft:
         assert "on the last 1 of 2 layers" in plan.method_detail
     if case == "full":
@@ -411,7 +422,7 @@ def test_activation_term_of_each_method_equals_what_autograd_saves(method, preci
 
     def activations(layers):
         shape, settings = tiny_settings(layers, precision=precision, method=method, rank=8)
-        return planning.activation_bytes(shape, settings)[0]
+        return activation_bytes(shape, settings)[0]
 
     planned = activations(2) - activations(1)
     assert planned == pytest.approx(measured, rel=0.10 if half else 0.02), (planned, measured)
@@ -420,7 +431,7 @@ def test_activation_term_of_each_method_equals_what_autograd_saves(method, preci
 def test_dropout_with_dora_keeps_what_autograd_saves():
     measured = saved_bytes_of_one_layer(method="dora", dropout=0.1)
     shape, settings = tiny_settings(method="dora", rank=8, dropout=0.1)
-    planned = planning.layer_saved_bytes_per_token(shape, settings, 64, masked=False) * 128
+    planned = layer_saved_bytes_per_token(shape, settings, 64, masked=False) * 128
     assert planned == pytest.approx(measured, rel=0.02), (planned, measured)
 
 
@@ -433,10 +444,10 @@ def test_layers_below_last_layers_keep_no_activations(method, precision):
 
     def planned(last_layers):
         shape, settings = tiny_settings(method=method, rank=8, last_layers=last_layers, precision=precision)
-        saved = planning.saved_activation_bytes(shape, settings, masked=False)[0]
+        saved = saved_activation_bytes(shape, settings, masked=False)[0]
         if half:  # the autocast copies of trained fp32 weights are saved tensors too
             saved += 2 * sum(shape.linear_params(n) for layer in settings.training.layers for n in layer.weights)
-        return saved, planning.activation_bytes(shape, settings)[0]
+        return saved, activation_bytes(shape, settings)[0]
 
     (all_saved, all_term), (last_saved, last_term) = planned(None), planned(1)
     measured = {}
@@ -457,7 +468,7 @@ def test_layers_below_last_layers_keep_no_activations(method, precision):
 def test_checkpointed_frozen_layers_keep_not_even_their_input():
     def activations(last_layers):
         shape, settings = tiny_settings(method="lora", rank=8, last_layers=last_layers, checkpointing=True)
-        return planning.activation_bytes(shape, settings)[0]
+        return activation_bytes(shape, settings)[0]
 
     kept_input = LLAMA["hidden"] * 4 * 128
     assert activations(None) - activations(1) == kept_input
@@ -519,9 +530,9 @@ def test_dora_weight_norm_working_set_is_measured():
                     kept = in_use() - peak.start
             measured = peak.peak - kept
             del out
-            shape = planning.Shape("llama", features[0], features[1], 1, 1, 1, features[0], 8, False, False)
+            shape = Shape("llama", features[0], features[1], 1, 1, 1, features[0], 8, False, False)
             settings = tiny_settings(precision="bf16" if half else "fp32", method="dora")[1]
-            planned = planning.dora_weight_norm_bytes(shape, settings, ("gate_proj",))  # gate: hidden -> intermediate
+            planned = dora_weight_norm_bytes(shape, settings, ("gate_proj",))  # gate: hidden -> intermediate
             assert planned == pytest.approx(measured, rel=0.10), (half, features, planned, measured)
 
 
@@ -562,7 +573,7 @@ def test_distillation_adds_the_teacher_weights_and_the_kl_working_set(make_recip
     assert terms["taught"]["loss"] > terms["alone"]["loss"]  # the KL's chunk buffers, the teacher's hidden states
     assert "distillation" in taught["terms"]["loss"]["detail"]
     assert taught["peak_bytes"] > alone["peak_bytes"] + teacher_bytes
-    assert taught_4bit["peak_bytes"] < taught["peak_bytes"] + planning.CPU_BITSANDBYTES_BASELINE
+    assert taught_4bit["peak_bytes"] < taught["peak_bytes"] + CPU_BITSANDBYTES_BASELINE
     assert "teacher config" in " ".join(taught["assumptions"]) and "distilled from teacher" in taught["method_detail"]
 
 
@@ -613,12 +624,12 @@ def test_fit_file_says_what_was_predicted_and_follows_the_users_recipe(tmp_path,
     source = tmp_path / "qwen.yaml"
     source.write_text((RECIPES / "qwen2.5-1.5b-lora.yaml").read_text())
     loaded = load_recipe(source, ["memory.gradient_checkpointing=false", "training.learning_rate=3e-4"])
-    plan = planning.make_plan(loaded, "cuda", 4 * 2**30)
+    plan = make_plan(loaded, "cuda", 4 * 2**30)
     assert plan.fits is False and plan.fit_changes and plan.fit_peak <= 4 * 2**30
-    text = planning.write_fit(loaded, plan.fit_changes, plan).read_text()
+    text = write_fit(loaded, plan.fit_changes, plan).read_text()
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
-    assert f"peaks at {planning.format_bytes(plan.peak)}" in header and "4.00 GiB" in header
-    assert f"with the changes below, {planning.format_bytes(plan.fit_peak)}" in header
+    assert f"peaks at {format_bytes(plan.peak)}" in header and "4.00 GiB" in header
+    assert f"with the changes below, {format_bytes(plan.fit_peak)}" in header
     assert "From --set (the plan was made with them): training.learning_rate" in header
     assert yaml.safe_load(text)["training"]["learning_rate"] == 3e-4
     # The user's file stays the source of truth: a later edit there reaches the fitted recipe.
@@ -647,14 +658,14 @@ def distributed_terms(recipe: str, *args: str) -> dict:
                                         if not (bits and PEFT_METHODS[name]["method"] == "full")])  # never quantized
 def test_fsdp_units_hold_every_trainable_parameter_and_the_frozen_weights_once(name, bits):
     shape, s = tiny_settings(precision="bf16", **PEFT_METHODS[name])
-    s = planning.replace(s, bits=bits, distribution=planning.Distribution(2, "fsdp"))
-    units, root = planning.shard_units(shape, s)
-    assert sum(u.trainable for u in units) + root.trainable == 4 * planning.trainable_params(shape, s)
+    s = replace(s, bits=bits, distribution=Distribution(2, "fsdp"))
+    units, root = shard_units(shape, s)
+    assert sum(u.trainable for u in units) + root.trainable == 4 * trainable_params(shape, s)
     assert root.trainable >= 0
     assert all(u.gathered == u.frozen + u.trainable // 2 for u in [*units, root])  # all in bf16 once gathered
     frozen = sum(u.frozen for u in units) + root.frozen
-    whole = planning.fsdp_shares(shape, s)["base_weights"][0]
-    assert frozen + whole == planning.weight_bytes(shape, s)[0]  # sharded + kept whole = every frozen byte
+    whole = fsdp_shares(shape, s)["base_weights"][0]
+    assert frozen + whole == weight_bytes(shape, s)[0]  # sharded + kept whole = every frozen byte
     assert (whole > 0) == (bits is not None)  # only bitsandbytes' packed linears stay whole
 
 
@@ -800,13 +811,13 @@ def test_a_4bit_base_on_the_cpu_keeps_its_file_mapped_and_the_plan_counts_the_pa
     assert not any(name.endswith("_proj.weight") for name in mapped)  # the 4-bit linears are new tensors
 
     loaded = load_recipe(make_recipe(quantization={"bits": 4}))
-    shape, _ = planning.load_shape(loaded)
+    shape, _ = load_shape(loaded)
     assert shape.file_dtype == "fp32"
-    cpu = planning.resolve_settings(loaded.recipe, "cpu", shape)
+    cpu = resolve_settings(loaded.recipe, "cpu", shape)
     linear_bytes = shape.layers * shape.layer_linear_params * 4
     assert cpu.weights_mapped
-    with_pages = planning.weight_bytes(shape, cpu)[0]
-    assert with_pages - planning.weight_bytes(shape, replace(cpu, weights_mapped=False))[0] == linear_bytes
+    with_pages = weight_bytes(shape, cpu)[0]
+    assert with_pages - weight_bytes(shape, replace(cpu, weights_mapped=False))[0] == linear_bytes
     bf16_file = replace(shape, file_dtype="bf16")
-    assert not planning.resolve_settings(loaded.recipe, "cpu", bf16_file).weights_mapped
-    assert not planning.resolve_settings(loaded.recipe, "cuda", shape).weights_mapped
+    assert not resolve_settings(loaded.recipe, "cpu", bf16_file).weights_mapped
+    assert not resolve_settings(loaded.recipe, "cuda", shape).weights_mapped

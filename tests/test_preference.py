@@ -433,7 +433,7 @@ def test_pairs_are_encoded_whole(tokenizer, tmp_path):
 def test_plan_counts_two_sequences_and_the_reference_copy(make_recipe, pairs_file):
     """A pair is two sequences: DPO's activations are those of twice the examples; a reference copy adds a
     second set of base weights (quantized with reference_bits), adapter_off adds none."""
-    from gpupoor.plan.core import make_plan
+    from gpupoor.plan.make import make_plan
     from gpupoor.recipe.loading import load_recipe
 
     def plan(**sections):

@@ -33,7 +33,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 def check_model(value: str, base_dir: Path, key: str = "model.name_or_path") -> list[str]:
     local = resolve_model_path(value, base_dir)
     if local is not None:
-        from gpupoor.plan.core import require_model_dir
+        from gpupoor.plan.shape import require_model_dir
 
         require_model_dir(local, key)
         return []
@@ -369,7 +369,7 @@ LLAMA_MODULES = frozenset({
 
 def check_module_names(loaded: LoadedRecipe) -> list[str]:
     """peft.target_modules / modules_to_save names that no module of a Llama-family model has (exit 2)."""
-    from gpupoor.plan.core import find_config
+    from gpupoor.plan.shape import find_config
 
     peft = loaded.recipe.peft
     wanted = {"peft.target_modules": peft.target_modules if isinstance(peft.target_modules, list) else [],
@@ -396,7 +396,7 @@ def check_last_layers(loaded: LoadedRecipe) -> list[str]:
     """peft.last_layers against the decoder layers the model's config says it has (the rule training applies,
     decisions.trained_layer_indices), so validate refuses what the model build would."""
     from gpupoor.decisions import trained_layer_indices
-    from gpupoor.plan.core import find_config
+    from gpupoor.plan.shape import find_config
 
     recipe = loaded.recipe
     if recipe.peft.last_layers is None:

@@ -18,12 +18,11 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from gpupoor.decisions import choose_reference
 from gpupoor.errors import UserError
+from gpupoor.optimizers import FSDP_OPTIMIZERS
 
 # A source's amount per epoch (`rows`, `epochs`) is at most this many passes over it: an epoch's order is held in
 # memory, and more repetition of one source is what training.epochs (every source again) is for.
 MAX_PASSES = 100
-
-FSDP_OPTIMIZERS = ("adamw", "sgd")  # optimizers whose step runs on FSDP2's sharded DTensor parameters
 
 
 def check_source(source) -> None:

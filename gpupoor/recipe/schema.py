@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gpupoor.errors import UserError
 from gpupoor.recipe.rules import MAX_PASSES, check_data, check_peft, check_recipe, check_source
+from gpupoor.optimizers import OPTIMIZER_NAMES, optimizers_doc
 from gpupoor.units import MiB, parse_duration, parse_size
 
 
@@ -368,14 +369,7 @@ class TrainingSection(_Section):
         if not all(0 <= beta < 1 for beta in value):
             raise ValueError("each beta must be in [0, 1), e.g. [0.9, 0.999]")
         return value
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd",
-                       "lion_8bit"] = Field(
-        "adamw", description="`adamw`: torch AdamW (fused kernel on CUDA, foreach on CPU). `adamw_8bit`: "
-        "bitsandbytes 8-bit state (about 4x less optimizer memory). `paged_adamw_8bit` / `paged_adamw_32bit`: "
-        "state in paged memory that spills to the CPU under GPU memory pressure. `adafactor`: factored second "
-        "moments (torch). `sgd`: with `momentum`. `lion_8bit`: bitsandbytes Lion (use a 3-10x lower learning "
-        "rate than AdamW)."
-    )
+    optimizer: Literal[OPTIMIZER_NAMES] = Field("adamw", description=optimizers_doc())  # gpupoor.optimizers
     momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of `optimizer: sgd`.")
     max_consecutive_skips: int = Field(
         10, ge=1, description="Steps with a non-finite loss or gradient norm are skipped and counted; after this "

@@ -172,7 +172,7 @@ def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
     """The memory plan for the startup summary (one of the processes launched), or None when the model is not
     one it can describe."""
     from gpupoor.decisions import launch_layout
-    from gpupoor.plan.core import make_plan
+    from gpupoor.plan.make import make_plan
 
     try:
         return make_plan(loaded, device, None, *launch_layout(os.environ))

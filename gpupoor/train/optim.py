@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
 
-from gpupoor.decisions import BITSANDBYTES_OPTIMIZERS
 from gpupoor.errors import UserError
+from gpupoor.optimizers import OPTIMIZERS
 from gpupoor.recipe.schema import TrainingSection
 
+# The argument each recipe key of an optimizer's `settings` (gpupoor.optimizers) is passed as.
+ARGUMENTS = {"learning_rate": "lr", "adam_betas": "betas", "adam_eps": "eps", "weight_decay": "weight_decay",
+             "momentum": "momentum"}
 
-def _bitsandbytes_optim(name: str):
+
+def optimizer_class(name: str) -> type:
+    """The class of optimizer `name`, imported now (bitsandbytes only for the runs that use it)."""
+    module, _, attribute = OPTIMIZERS[name].build.partition(":")
     try:
-        import bitsandbytes.optim as bnb_optim
+        return getattr(importlib.import_module(module), attribute)
     except Exception as exc:  # ImportError, or a native library that fails to load
+        if not OPTIMIZERS[name].bitsandbytes:
+            raise
         raise UserError(f"training.optimizer = {name!r} needs bitsandbytes, which does not import: {exc}",
                         hint="pip install bitsandbytes, or use optimizer: adamw") from None
-    return bnb_optim
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -31,22 +39,13 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def build_optimizer(training: TrainingSection, model: torch.nn.Module, device: str) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    common = {"lr": training.learning_rate, "betas": tuple(training.adam_betas), "eps": training.adam_eps,
-              "weight_decay": training.weight_decay}
-    if training.optimizer == "adafactor":
-        # Factored second moments: optimizer state ~ rows + columns per matrix instead of their product.
-        return torch.optim.Adafactor(params, lr=training.learning_rate, weight_decay=training.weight_decay)
-    if training.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=training.learning_rate, momentum=training.momentum,
-                               weight_decay=training.weight_decay)
-    if training.optimizer in BITSANDBYTES_OPTIMIZERS:
-        optimizer_class = getattr(_bitsandbytes_optim(training.optimizer), BITSANDBYTES_OPTIMIZERS[training.optimizer])
-        if training.optimizer == "lion_8bit":  # Lion: its own default betas (adam_betas are Adam's), no eps
-            return optimizer_class(params, lr=training.learning_rate, weight_decay=training.weight_decay)
-        return optimizer_class(params, **common)
-    # The fused kernel is one launch per step on CUDA; foreach is the fast path on CPU.
-    kernel = {"fused": True} if device == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(params, **common, **kernel)
+    entry = OPTIMIZERS[training.optimizer]
+    arguments = {ARGUMENTS[key]: getattr(training, key) for key in entry.settings}
+    if "betas" in arguments:
+        arguments["betas"] = tuple(arguments["betas"])
+    if entry.fused_kernel:  # the fused kernel is one launch per step on CUDA; foreach is the fast path on CPU
+        arguments.update({"fused": True} if device == "cuda" else {"foreach": True})
+    return optimizer_class(training.optimizer)(params, **arguments)
 
 
 def warmup_steps(training: TrainingSection, total_steps: int) -> int:

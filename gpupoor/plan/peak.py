@@ -1,0 +1,79 @@
+"""One process's peak: the terms put together, the process's own overhead added (measured constants), and
+shared out when several processes train."""
+
+from __future__ import annotations
+
+from gpupoor.decisions import needs_bitsandbytes
+from gpupoor.plan.device import CUDA_CONTEXT, GpuFacts
+from gpupoor.plan.distributed import distribute, distribution_notes
+from gpupoor.plan.result import Term
+from gpupoor.plan.settings import Settings, resolve_settings
+from gpupoor.plan.shape import Shape
+from gpupoor.plan.terms import (activation_bytes, heap_retention, loss_bytes, optimizer_bytes, reference_weight_bytes,
+                                teacher_weight_bytes, trainable_params, weight_bytes)
+from gpupoor.recipe.schema import Recipe
+from gpupoor.units import MiB, format_bytes
+
+# What a CPU process holds before the first tensor: Python, torch, transformers, peft, accelerate, the
+# tokenizer and gpupoor, as resident memory. Measured on the CI machine (torch 2.13 CPU wheel): 387 MiB after
+# the imports, 416 MiB once the tokenizer and a small dataset are loaded. bitsandbytes adds its own.
+CPU_PROCESS_BASELINE = 416 * MiB
+CPU_BITSANDBYTES_BASELINE = 60 * MiB
+# Fraction of the live tensors that torch's CUDA caching allocator holds on top as reserved-but-free
+# blocks (fragmentation) at the peak. PyTorch's memory docs and our reading of published traces: 5-15%.
+CUDA_ALLOCATOR_SLACK = 0.10
+
+
+def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list[Term], list[str]]:
+    weights, weights_detail = weight_bytes(shape, s)
+    if s.max_gpu_weights is not None and weights > s.max_gpu_weights:
+        weights_detail += (f"; memory.max_gpu_memory keeps {format_bytes(s.max_gpu_weights)} on the GPU, "
+                           f"{format_bytes(weights - s.max_gpu_weights)} in CPU memory")
+        weights = s.max_gpu_weights
+    params = trainable_params(shape, s)
+    optimizer, optimizer_detail = optimizer_bytes(params, s)
+    live, churn, act_detail = activation_bytes(shape, s)
+    loss, loss_detail = loss_bytes(shape, s)
+    master = " (master weights)" if s.method == "full" else ""
+    terms = [Term("base_weights", weights, weights_detail),
+             Term("trainable", params * 4, f"{params / 1e6:,.2f}M trainable parameters in fp32{master}"),
+             Term("gradients", params * 4, "fp32, one per trainable parameter"),
+             Term("optimizer", optimizer, f"{s.optimizer}: {optimizer_detail}"),
+             Term("activations", live, act_detail),
+             Term("loss", loss, loss_detail)]
+    if s.teacher is not None:
+        terms.insert(1, Term("teacher_weights", *teacher_weight_bytes(s.teacher, s)))
+    if s.reference == "copy":
+        terms.insert(1, Term("reference_weights", *reference_weight_bytes(shape, s)))
+    if s.device == "cpu":
+        baseline = CPU_PROCESS_BASELINE + (CPU_BITSANDBYTES_BASELINE if uses_bitsandbytes else 0)
+        kept = heap_retention(s, churn, shape.layer_linear_params * s.act_bytes if s.bits else 0)
+        terms.append(Term("overhead", baseline + kept,
+                          f"process baseline {baseline / MiB:.0f} MiB (Python, torch, libraries); freed "
+                          f"step memory the C heap keeps {kept / MiB:.0f} MiB"))
+    else:
+        slack = int(CUDA_ALLOCATOR_SLACK * (live + loss))
+        terms.append(Term("overhead", CUDA_CONTEXT + slack, f"CUDA context ~{CUDA_CONTEXT / MiB:.0f} MiB; "
+                          f"caching-allocator slack {slack / MiB:.0f} MiB"))
+    assumptions = [f"every micro-batch row is {s.row_tokens} tokens (data.max_length): the longest batch"]
+    if s.reference != "none":
+        assumptions.append(f"DPO's reference ({s.reference}) runs its forward first, under no_grad: it keeps only "
+                           "each sequence's log-probability, so it adds nothing at the peak")
+    if not s.fused_loss:
+        assumptions.append(f"the plain loss: {s.loss_reason}")
+    return distribute(shape, s, terms), assumptions + distribution_notes(s)
+
+
+def uses_bitsandbytes(recipe: Recipe) -> bool:
+    """Whether the run imports bitsandbytes: its optimizer, a quantized base, or a quantized teacher."""
+    teacher_bits = recipe.distill.bits if recipe.distill is not None else None
+    return needs_bitsandbytes(recipe.training.optimizer, recipe.quantization.bits or teacher_bits
+                              or recipe.preference.reference_bits)
+
+
+def peak_bytes(shape: Shape, recipe: Recipe, device: str, gpu: GpuFacts, *, teacher: Shape | None = None,
+               processes: int = 1) -> int:
+    """The peak of one process out of `processes`: the sum of plan_terms."""
+    settings = resolve_settings(recipe, device, shape, gpu, teacher=teacher, processes=processes)
+    terms, _ = plan_terms(shape, settings, uses_bitsandbytes(recipe))
+    return sum(t.bytes for t in terms)

@@ -1,0 +1,108 @@
+"""The plan in words: the method line, the table of terms, the verdict, each strategy's fit and what to change."""
+
+from __future__ import annotations
+
+import json
+
+from gpupoor.plan.result import Plan, StrategyFit
+from gpupoor.plan.settings import Settings, what_trains
+from gpupoor.plan.shape import Shape
+from gpupoor.recipe.schema import Recipe
+from gpupoor.units import format_bytes
+
+
+def describe_method(shape: Shape, s: Settings) -> str:
+    """The plan's method line: what trains and how many parameters."""
+    training = what_trains(shape, s)
+    name = training.method + (f" (rank {s.rank})" if training.method in ("lora", "dora") else "")
+    count = f"{training.params:,} trainable parameters"
+    if training.scope == "all":
+        return f"method {name}: {count} (all)"
+    share = training.params / shape.total_params
+    return f"method {name} on {training.scope}: {count} ({share:.2%} of the model's {shape.total_params:,})"
+
+
+def describe_preference(recipe: Recipe, s: Settings) -> str:
+    """The plan's line for a preference objective: pairs, and DPO's reference."""
+    objective = recipe.training.objective
+    pairs = "pairs of sequences of up to data.max_length each"
+    if objective == "orpo":
+        return f"ORPO on {pairs} (no reference model)"
+    where = {"adapter_off": "the model with its adapter switched off", "copy": "a frozen copy of the base"}
+    return f"DPO on {pairs}; reference: {where[s.reference]}"
+
+
+def render(plan: Plan, recipe_name: str) -> str:
+    several = "" if plan.processes == 1 else (
+        f", one of {plan.processes} processes on {plan.nodes} node{'s' * (plan.nodes > 1)} ({plan.strategy})")
+    lines = [f"memory plan for {recipe_name} on {plan.device} ({plan.precision}){several}, at the peak of a "
+             "training step:"]
+    if plan.method_detail:
+        lines.append(f"  {plan.method_detail}")
+    width = max(len(t.key) for t in plan.terms)
+    for term in plan.terms:
+        lines.append(f"  {term.key:<{width}}  {format_bytes(term.bytes):>10}  {term.detail}")
+    lines.append(f"  {'peak':<{width}}  {format_bytes(plan.peak):>10}" + (" per process" if several else ""))
+    if plan.offloaded:
+        lines.append(f"  in CPU memory (distributed.cpu_offload), not in the peak: "
+                     f"{format_bytes(sum(t.bytes for t in plan.offloaded))} per process ("
+                     + ", ".join(f"{t.key} {format_bytes(t.bytes)}" for t in plan.offloaded) + ")")
+    if plan.memory is None:
+        lines.append(f"fits: unknown ({plan.memory_source})")
+    else:
+        verdict = "yes" if plan.fits else "NO"
+        held = plan.peak * plan.share
+        together = f"{plan.share} x {format_bytes(plan.peak)}" if plan.share > 1 else format_bytes(plan.peak)
+        lines.append(f"fits: {verdict}: {together} of {format_bytes(plan.memory)} "
+                     f"({plan.memory_source}), {held / plan.memory:.0%}")
+        lines += render_strategies(plan)
+    for note in plan.assumptions:
+        lines.append(f"  assumes {note}")
+    advice = render_suggestions(plan)
+    return "\n".join(lines + ([advice] if advice else []))
+
+
+def _changes_text(changes: dict) -> str:
+    return ", ".join(f"{key}: {value if isinstance(value, str) else json.dumps(value)}"
+                     for key, value in changes.items())
+
+
+def render_strategies(plan: Plan) -> list[str]:
+    """Several processes and a known memory: each strategy's per-process peak, and which one lets it fit."""
+    if not plan.strategies:
+        return []
+    lines = [f"per process with each distributed.strategy ({plan.processes} processes):"]
+    for name, fit in plan.strategies.items():
+        also = f"  (with {_changes_text(fit.changes)})" if fit.changes else "  (this recipe)"
+        lines.append(f"  {name:<5} {format_bytes(fit.peak):>10}  {'fits' if fit.fits else 'does not fit'}{also}")
+    ddp, fsdp = plan.strategies["ddp"], plan.strategies["fsdp"]
+
+    def named(name: str, fit: StrategyFit) -> str:
+        return _changes_text({"distributed.strategy": name, **fit.changes})
+
+    if ddp.fits and fsdp.fits:  # ddp moves only gradients: the faster while the whole model fits each process
+        lines.append(f"fits with {named('ddp', ddp)} ({format_bytes(ddp.peak)} per process; the faster) and with "
+                     f"fsdp ({format_bytes(fsdp.peak)})")
+    elif ddp.fits or fsdp.fits:
+        (good, fit), (bad, miss) = sorted(plan.strategies.items(), key=lambda item: not item[1].fits)
+        lines.append(f"fits with {named(good, fit)} ({format_bytes(fit.peak)} per process), not with {bad} "
+                     f"({format_bytes(miss.peak)})")
+    else:
+        lines.append(f"fits with neither ddp ({format_bytes(ddp.peak)} per process) nor fsdp "
+                     f"({format_bytes(fsdp.peak)})")
+    return lines
+
+
+def render_suggestions(plan: Plan) -> str:
+    if not plan.suggestions:
+        return ""
+    lines = ["what to change (cheapest first; predicted peak after the change):"]
+    for s in plan.suggestions:
+        change = ", ".join(f"{k}: {json.dumps(v)}" for k, v in s.changes.items())
+        lines.append(f"  {change:<58} -{format_bytes(s.saving)} -> {format_bytes(s.peak)}; cost: {s.cost}")
+    if plan.fit_changes:
+        change = ", ".join(f"{k}: {json.dumps(v)}" for k, v in plan.fit_changes.items())
+        lines.append(f"  the cheapest set that fits: {change} (gpupoor plan --fit writes it)")
+    else:
+        lines.append("  no combination of these fits: a GPU with more memory, or a smaller model")
+    return "\n".join(lines)

@@ -1,0 +1,332 @@
+"""The memory terms of one training step, each arithmetic over the model's shape and the resolved recipe: the
+base weights, the optimizer state, what autograd keeps for the backward pass (the activations), the loss's
+working set, a distillation teacher's or DPO reference's weights, and what the C heap keeps.
+
+The activation term counts what autograd keeps for the backward pass of one decoder layer of transformers'
+Llama-family code (the tensors saved by each op, per token, by dtype) for each peft.method, in the layers that
+need a gradient (none below the first trained one) -- tests compare it with what autograd really saves. What
+no formula gives is a measured constant, named below with how it was measured (the process's own baseline and
+the CUDA allocator's slack: gpupoor.plan.peak).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from gpupoor.decisions import loss_chunk_tokens
+from gpupoor.optimizers import state_per_parameter
+from gpupoor.plan.settings import Settings, what_trains
+from gpupoor.plan.shape import LINEARS, Shape
+from gpupoor.plan.training import LayerTraining
+from gpupoor.units import MiB
+
+# glibc keeps some freed tensors in its heap, so on the CPU the resident peak exceeds the live tensors. With
+# torch's huge-page-aligned allocations (THP_MEM_ALLOC_ENABLE=1, which the gpupoor command sets) and the heap
+# trimmed when it creeps up (gpupoor.train.heap) that is a roughly constant margin, not a multiple of
+# the activations (it was 0.98-1.15 x one layer's forward allocations with torch's default allocation): retained
+# MiB = base + slope x one layer's forward allocations, with and without gradient checkpointing, the slope fixed
+# at 0 (least squares gave -0.03 and -0.15: noise around a constant), the base the mean of three calibration
+# recipes each that are not in the accuracy table (`python bench/plan_accuracy.py --calibrate`,
+# docs/benchmarks.md). It varies from run to run by about 5-10% of the peak.
+CPU_HEAP_RETENTION = {"checkpointing": (63, 0.0), "none": (22, 0.0)}
+# A quantized base on the CPU: bitsandbytes dequantizes each weight for its matmul (forward, recomputation and
+# backward), and the heap keeps more of that churn within a step: this many times one layer's linear weights in
+# the compute dtype. Fitted like the constant above, on three 4-bit calibration recipes (h512 and h1024, with and
+# without checkpointing): 4.29, 2.65 and 3.89, the mean taken.
+CPU_DEQUANTIZED_RETENTION = 3.6
+# The fused loss: a chunk of logits (gpupoor.decisions.loss_chunk_tokens) in fp32, with their exponentials and
+# gradient alive together.
+FUSED_CHUNK_COPIES = 3
+# The fused distillation loss (gpupoor.objectives.distill): per chunk the student's logits, the teacher's, the scaled
+# difference and logsumexp's temporaries, chunk x vocabulary in fp32 each. Measured on the CPU (glibc's in-use
+# bytes after each op, linear_distill_sum at vocabulary 32,000): 5.0 buffers in fp32; 6.0 with bf16 heads, which
+# a CPU casts slice by slice into one more (the fused cross-entropy alone: 2.0 and 2.5, planned as 3).
+DISTILL_CHUNK_COPIES = 5
+# The teacher's forward under no_grad keeps nothing, but one layer's working set is alive at a time: measured
+# the same way on 2-layer Llamas (hidden 256/512, intermediate 704/1376, fp32 and bf16), 4 x hidden + 3 x
+# intermediate values per token within 1% (3.1 x intermediate: just above).
+TEACHER_FORWARD_VALUES = (4, 3.1)  # per token: (x hidden, x intermediate)
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# The inputs of a layer's linears: consumers of one tensor (the attention norm's output, the MLP norm's, the
+# MLP product), which in fp32 keep it once between them. o_proj's input is the attention output, counted apart.
+INPUT_GROUPS = ((("q_proj", "k_proj", "v_proj"), "input_layernorm"),
+                (("gate_proj", "up_proj"), "post_attention_layernorm"),
+                (("down_proj",), None))
+
+
+def weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
+    dtype = DTYPE_BYTES[s.precision]
+    training = what_trains(shape, s)
+    linear = shape.layers * shape.layer_linear_params
+    rest = shape.total_params - linear
+    note = ""
+    # (A tied head reads every row in the loss; a trained copy materializes them all. A quantized load on the
+    # CPU keeps the embedding a view of the file like an unquantized one: measured.)
+    if s.resident_embedding_rows is not None and s.resident_embedding_rows < shape.vocab \
+            and not shape.tied and not training.embedding:
+        unread = (shape.vocab - s.resident_embedding_rows) * shape.hidden
+        rest -= unread
+        note = f" ({unread / 1e6:,.1f}M embedding rows the tokenizer never produces stay unread on disk)"
+    if training.method == "full":
+        # The trained tensors are fp32 master weights (the trainable term); the frozen rest stays in the run's dtype.
+        frozen = linear + rest - training.params
+        return frozen * dtype, (f"{frozen / 1e6:,.1f}M frozen parameters in {s.precision}{note}; the "
+                                f"{training.params / 1e6:,.1f}M that train are the trainable term")
+    # A quantized base whose other tensors are views of the mapped file: the pages its linears were read from.
+    source = linear * dtype if s.bits and s.weights_mapped else 0
+    source_note = f"; the file's pages they were quantized from {source / MiB:.0f} MiB (still mapped)" if source else ""
+    if s.bits == 4:
+        # NF4/FP4: half a byte per weight + an absmax per 64 weights (fp32; or 8-bit with one fp32 per 256
+        # absmax when double-quantized).
+        constants = linear / 64 * (1 + 4 / 256) if s.double_quant else linear / 64 * 4
+        total = linear / 2 + constants + rest * dtype + source
+        return int(total), (f"{linear / 1e6:,.0f}M linear weights in 4-bit + constants "
+                            f"{constants / MiB:.0f} MiB{source_note}; {rest / 1e6:,.0f}M others in "
+                            f"{s.precision}{note}")
+    if s.bits == 8:
+        rows = shape.layers * sum(out for _, out in map(shape.linear, LINEARS))
+        total = linear + rows * 4 + rest * dtype + source  # int8 + one fp32 scale per output row
+        return int(total), (f"{linear / 1e6:,.0f}M linear weights in int8{source_note}; {rest / 1e6:,.0f}M others "
+                            f"in {s.precision}{note}")
+    return (linear + rest) * dtype, f"{shape.total_params / 1e6:,.1f}M parameters in {s.precision}{note}"
+
+
+def trainable_params(shape: Shape, s: Settings) -> int:
+    return what_trains(shape, s).params
+
+
+def optimizer_bytes(params: int, s: Settings) -> tuple[int, str]:
+    per_param, what = state_per_parameter(s.optimizer, s.momentum)
+    return int(params * per_param), what
+
+
+def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, masked: bool,
+                                layer: LayerTraining | None = None) -> float:
+    """Bytes autograd keeps for the backward pass of one decoder layer, per token of the micro-batch, for a
+    layer that trains `layer` (default: the last layer, which every method trains) with gradients flowing in.
+
+    Counted from transformers' Llama-family layer (tests check it against saved-tensor hooks for each method):
+    RMSNorm keeps its input and 1/rms (a trained norm weight also its normalized input), attention keeps
+    rotated q, k, v, the output and the log-sum-exp (flash/SDPA) or the probabilities (eager), the gated MLP
+    keeps gate, up and act(gate). A linear keeps its input when its weight trains or it carries a LoRA/DoRA
+    adapter (which also keeps its rank-r projection; DoRA also the base and LoRA outputs for the magnitude's
+    gradient); IA3 keeps the unscaled output of an output-scaled module, the input of an input-scaled one.
+    """
+    h, q, kv, i, heads = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
+    half, b = s.half, s.act_bytes
+    method = s.method
+    layer = layer if layer is not None else what_trains(shape, s).layers[-1]
+    lora = tuple(n for n in layer.adapters if n in LINEARS) if method in ("lora", "dora") else ()
+    feedforward = tuple(n for n in layer.adapters if n in s.training.feedforward) if method == "ia3" else ()
+    out_scaled = tuple(n for n in layer.adapters if n not in feedforward) if method == "ia3" else ()
+    lora_inputs = {name: shape.linear(name)[0] for name in lora}
+    total = 0.0
+    if half:
+        # RMSNorm upcasts its input to fp32 and keeps that copy; peft casts each LoRA input to the adapter's
+        # fp32 and autocast casts it back: every adapted module keeps its own half-precision copy.
+        total += 2 * (4 * h + 4)
+        total += sum(lora_inputs.values()) * b
+        for members, norm in INPUT_GROUPS:
+            size = shape.linear(members[0])[0]
+            trained = [n for n in members if n in layer.weights]
+            # autocast casts a trained weight's input to half: an fp32 input (a norm's output when its fp32
+            # weight trains, or an fp32 residual stream) into a copy per linear, a half one not at all (kept once).
+            wide = norm is not None and (norm in layer.norms or s.residual_bytes == 4)
+            total += (len(trained) if wide else min(len(trained), 1)) * size * b
+            if any(n in feedforward for n in members):  # IA3 scales it in its vector's fp32
+                total += size * 4
+    else:
+        total += 2 * (h * b + 4)  # each norm's input (the residual stream) and 1/rms
+        if s.dropout:  # each adapter keeps its own dropped input instead of the shared one
+            total += sum(lora_inputs.values()) * b
+        for members, _ in INPUT_GROUPS:
+            users = [n for n in members if (n in lora and not s.dropout) or n in layer.weights or n in feedforward]
+            total += min(len(users), 1) * shape.linear(members[0])[0] * b
+    total += len(layer.norms) * h * s.residual_bytes  # a trained norm weight's gradient needs its normalized input
+    if s.dropout:  # the dropout mask: bool on CUDA, the scaled noise in the input's dtype on the CPU
+        total += sum(lora_inputs.values()) * (1 if s.device == "cuda" else (4 if not half else b))
+    total += len(lora_inputs) * s.rank * b  # x @ A, kept for the gradient of B
+    if method == "dora":  # the base and LoRA outputs, for the magnitude's gradient
+        total += 2 * sum(shape.linear(name)[1] for name in lora) * b
+    total += sum(shape.linear(name)[1] for name in out_scaled) * b  # IA3: the unscaled output, for the scale's gradient
+    # attention: rotated q, k and v, and the output (kept by SDPA/flash for its backward; o_proj's input)
+    total += (2 * q + 2 * kv) * b
+    if s.attention == "eager":
+        total += heads * row_tokens * (b + (4 if half else 0))  # the probabilities (fp32 softmax, then cast)
+        total += 2 * (q - kv) * b  # k and v repeated to every query head
+    else:
+        total += heads * 4  # log-sum-exp per head
+    if masked and s.attention != "flash_attention_2":
+        total += row_tokens * (4 if s.device == "cpu" else b)  # the mask as an additive float bias, per layer
+    total += 3 * i * b  # gate, up, act(gate)
+    return total
+
+
+def layer_transient_bytes_per_token(shape: Shape, s: Settings) -> float:
+    """What one layer's backward allocates beyond the saved tensors: the gradients flowing through it (the
+    residual stream, the MLP's intermediate products) before they are freed."""
+    return (2 * shape.hidden + 3 * shape.intermediate) * s.act_bytes
+
+
+def layer_forward_temporaries_per_token(shape: Shape, s: Settings) -> float:
+    """Bytes one layer's forward allocates and frees again (projections before rotation and before the
+    LoRA sum, norm intermediates ...): counted with a dispatch-mode tally of every op output of transformers'
+    Llama layer with LoRA on every linear, minus what autograd keeps."""
+    return (9.75 * (shape.hidden + shape.q) + 10.5 * shape.kv + 6 * shape.intermediate) * s.act_bytes
+
+
+def dora_weight_norm_bytes(shape: Shape, s: Settings, targets: tuple[str, ...]) -> int:
+    """What DoRA's forward allocates for one adapted module at a time to take the norm of W + s*B@A (peft
+    builds B@A as lora_B(lora_A(eye(in)))): measured on the CPU (glibc's in-use bytes after each op, one
+    module's forward) as the identity in fp32 plus three weight-sized fp32 matrices in fp32; under bf16
+    autocast the larger of the identity with its half copy + one half matrix, and a half identity + 16 bytes
+    per weight (fp32 copies for the norm). The largest adapted module counts."""
+    sizes = [shape.linear(name) for name in targets]
+    if not s.half:
+        return max((4 * a * a + 12 * a * o for a, o in sizes), default=0)
+    return max((max(6 * a * a + 2 * a * o, 2 * a * a + 16 * a * o) for a, o in sizes), default=0)
+
+
+def saved_activation_bytes(shape: Shape, s: Settings, masked: bool) -> tuple[float, float, int, int]:
+    """(what the decoder keeps for backward, the most one layer keeps, layers that keep any, the frozen layers
+    below them that keep none), without checkpointing, for one micro-batch.
+
+    Each layer from the first that trains (or from the first, when the embedding trains) keeps what
+    `layer_saved_bytes_per_token` counts. The first of them keeps no input norm when its input needs no
+    gradient, and the final norm keeps as much: they cancel, unless the embedding trains (then the final
+    norm's input and 1/rms are on top), and a trained final norm weight also keeps its normalized input."""
+    tokens = s.micro_batch * s.row_tokens
+    training = what_trains(shape, s)
+    first = training.first_active_layer
+    active = Counter(training.layers[first:])
+    per_layer = {layer: layer_saved_bytes_per_token(shape, s, s.row_tokens, masked=masked, layer=layer) * tokens
+                 for layer in active}
+    saved = sum(per_layer[layer] * count for layer, count in active.items())
+    if active:
+        norm_input = (4 * shape.hidden + 4) if s.half else (shape.hidden * s.act_bytes + 4)  # fp32 copy, 1/rms
+        saved += ((norm_input if training.embedding else 0)
+                  + (shape.hidden * s.residual_bytes if training.final_norm else 0)) * tokens
+    return saved, max(per_layer.values(), default=0.0), len(training.layers) - first, first
+
+
+def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
+    """(live bytes at the peak, bytes the step allocates and frees on the way, description)."""
+    tokens = s.micro_batch * s.row_tokens
+    training = what_trains(shape, s)
+    # Packed rows carry a block-diagonal mask. A random batch may pad a short example to a long one: a padding
+    # mask. Length-grouped batches put the longest examples together: the longest batch has no padding.
+    # flash-attn 2 needs neither.
+    masked = s.attention != "flash_attention_2" and (
+        s.sampler == "packed" or (s.sampler == "random" and s.micro_batch > 1))
+    saved, per_layer, active, frozen = saved_activation_bytes(shape, s, masked)
+    # Layers below the first trained one get no gradient: backward never reaches them, they keep nothing.
+    transient = layer_transient_bytes_per_token(shape, s) * tokens if active else 0
+    if s.checkpointing:
+        kept = shape.hidden * s.residual_bytes * tokens  # each checkpointed layer keeps only its input
+        on_device = 0 if (s.checkpointing == "offload" and s.device == "cuda") else active * kept
+        live = on_device + per_layer + transient  # plus one layer recomputed during its backward
+        mode = "checkpointing: layer inputs offloaded to CPU" if not on_device and active else "checkpointing"
+        detail = (f"{mode}: {active} x {kept / MiB:.1f} MiB layer inputs + one layer recomputed "
+                  f"{per_layer / MiB:.1f} MiB")
+    else:
+        live = saved + transient
+        detail = f"{active} layers x {per_layer / MiB:.1f} MiB kept for backward"
+    if frozen:
+        detail += f" ({frozen} frozen layers below keep none)"
+    layer_for_churn = per_layer or layer_saved_bytes_per_token(shape, s, s.row_tokens, masked=masked) * tokens
+    churn = layer_for_churn + layer_forward_temporaries_per_token(shape, s) * tokens
+    if s.bits is not None:  # bitsandbytes dequantizes each weight for its matmul: buffers of a weight's size
+        live += 2 * max(x * y for x, y in map(shape.linear, LINEARS)) * s.act_bytes
+        churn += shape.layer_linear_params * s.act_bytes
+    if s.half and s.distribution.strategy != "fsdp":  # FSDP gathers them already in half: nothing to cast
+        # autocast caches a half copy of every fp32 weight that trains (full, modules_to_save) for the whole
+        # forward and loss; backward keeps each until its layer is done.
+        copies = 2 * (sum(shape.linear_params(name) for layer in training.layers for name in layer.weights)
+                      + (shape.embedding_params if training.head else 0))
+        if copies:
+            live += copies
+            detail += f"; half copies of the trained fp32 weights (autocast) {copies / MiB:.1f} MiB"
+    if training.method == "dora" and active:
+        norm = dora_weight_norm_bytes(shape, s, training.layers[-1].adapters)
+        live += norm
+        detail += f"; DoRA weight norm {norm / MiB:.1f} MiB"
+    detail += f"; {s.micro_batch} x {s.row_tokens} tokens, {s.attention}" + (" + mask" if masked else "")
+    return int(live), int(churn), detail
+
+
+def teacher_weight_bytes(teacher: Shape, s: Settings) -> tuple[int, str]:
+    """The frozen teacher's weights: in the run's dtype, or quantized (distill.bits) like a quantized base."""
+    frozen = Settings(device=s.device, precision=s.precision, attention=s.attention, sampler=s.sampler,
+                      micro_batch=s.micro_batch, row_tokens=s.row_tokens, rank=0, targets=(), modules_to_save=(),
+                      dropout=0.0, bits=s.teacher_bits, double_quant=s.double_quant, optimizer=s.optimizer, momentum=0.0,
+                      checkpointing=False, fused_loss=s.fused_loss)
+    weights, detail = weight_bytes(teacher, frozen)
+    return weights, f"teacher {detail}"
+
+
+def reference_weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
+    """DPO's frozen reference copy (preference.reference: copy): the base once more, in the run's dtype or quantized
+    with preference.reference_bits. (Its forward runs before the policy's, under no_grad: its working set is gone
+    before the peak, and it keeps only each sequence's log-probability.)"""
+    weights, detail = teacher_weight_bytes(shape, replace(s, teacher_bits=s.reference_bits))
+    return weights, "DPO reference copy " + detail.removeprefix("teacher ")
+
+
+def teacher_forward_bytes(teacher: Shape, s: Settings) -> int:
+    """What the teacher's no-grad forward holds at once beside the student's activations (it runs after the
+    student's forward): one layer's working set (TEACHER_FORWARD_VALUES), and with a quantized teacher the
+    dequantized weight buffers."""
+    tokens = s.micro_batch * s.row_tokens
+    per_hidden, per_intermediate = TEACHER_FORWARD_VALUES
+    working = int((per_hidden * teacher.hidden + per_intermediate * teacher.intermediate) * s.act_bytes * tokens)
+    if s.teacher_bits is not None:
+        working += 2 * max(x * y for x, y in map(teacher.linear, LINEARS)) * s.act_bytes
+    return working
+
+
+def loss_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
+    tokens = s.micro_batch * s.row_tokens
+    teacher = s.teacher
+    if s.fused_loss:
+        vocab = max(shape.vocab, teacher.vocab) if teacher else shape.vocab
+        chunk_tokens = loss_chunk_tokens(vocab)
+        copies = FUSED_CHUNK_COPIES
+        if teacher:
+            copies = DISTILL_CHUNK_COPIES + (1 if s.half and s.device == "cpu" else 0)
+        chunk = min(chunk_tokens, tokens) * vocab * 4
+        hidden = tokens * shape.hidden * 4 * 2  # targets' hidden states and their gradient
+        if what_trains(shape, s).head:
+            hidden += shape.embedding_params * 4  # the trained head's fp32 gradient, built during the forward
+        detail = f"chunked: {min(chunk_tokens, tokens)} tokens x {vocab:,} vocab at a time"
+        if not teacher:
+            return copies * chunk + hidden, detail
+        # The teacher's last hidden states (every position, then the target ones), and the larger of its forward
+        # working set and the fused KL's chunk buffers (one after the other).
+        teacher_hidden = 2 * tokens * teacher.hidden * s.act_bytes
+        forward = teacher_forward_bytes(teacher, s)
+        return (hidden + teacher_hidden + max(copies * chunk, forward),
+                f"fused distillation (KL + cross-entropy) {detail}, {copies} buffers; teacher hidden states "
+                f"{teacher_hidden / MiB:.1f} MiB; teacher forward {forward / MiB:.1f} MiB")
+    b = DTYPE_BYTES[s.precision]
+    logits = tokens * shape.vocab
+    # the logits, their fp32 copy (a no-op in fp32), log-softmax kept for backward, and its gradient
+    total = logits * b + logits * 4 * (2 if b == 4 else 3)
+    if not teacher:
+        return total, f"full logits: {tokens:,} tokens x {shape.vocab:,} vocab, fp32 log-softmax and gradient"
+    # plain distillation: the teacher's logits (and their fp32 copy), both models' scaled log-softmax and the
+    # KL's elementwise terms, at the teacher's vocabulary; after the teacher's forward has freed its working set
+    teacher_logits = tokens * teacher.vocab
+    total += teacher_logits * (b + 4 * (3 if b == 4 else 4))
+    return (max(total, logits * b + teacher_forward_bytes(teacher, s)),
+            f"full logits of student and teacher: {tokens:,} tokens x {shape.vocab:,} vocab, fp32 log-softmax, "
+            "KL and gradient")
+
+
+def heap_retention(s: Settings, layer_allocations: int, dequantized_layer: int = 0) -> int:
+    """Bytes of freed step memory the C heap keeps (CPU), from one layer's forward allocations and, with a
+    quantized base, one layer's weights as bitsandbytes dequantizes them for each matmul."""
+    base_mib, slope = CPU_HEAP_RETENTION["checkpointing" if s.checkpointing else "none"]
+    return max(0, int(base_mib * MiB + slope * layer_allocations + CPU_DEQUANTIZED_RETENTION * dequantized_layer))
