@@ -10,6 +10,7 @@ import torch
 from gpupoor.data.dataset import TokenizedDataset, TokenStats, cache_key, concat_datasets, data_identity
 from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.data.encoder import Encoder
+from gpupoor.data.formats import FORMATS
 from gpupoor.data.loading import DataSource, check_held_out, resolve_source
 from gpupoor.data.mixture import Mixture, Source, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
@@ -144,7 +145,7 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     evals = [part.eval for part in parts if part.eval is not None]
     evaluation = concat_datasets(evals) if evals else None
     kind = sampler or (data.sampler if data.sampler != "auto" else "random")
-    pairs = {source.format for source in sources} == {"preference"}
+    pairs = all(FORMATS[source.format].pairs for source in sources)
     # A pair is two sequences of up to max_length each: packed rows hold at least one whole pair.
     plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length * (2 if pairs else 1), mixture)
     fingerprint = parts[0].fingerprint if data.datasets is None else _mixture_fingerprint(mixture, parts)

@@ -51,6 +51,7 @@ class Format:
     from_text = True  # False: rows bring their own token ids (no template, BOS or EOS added)
     batched = True  # encode() is segments() + assembly.assemble, so `gpupoor tokenize` batches the tokenizer calls
     has_prompt_field = False  # its rows have a field 'prompt' of their own (generate checks it as part of the row)
+    pairs = False  # an example is a pair of sequences (chosen, then rejected), batched whole
     conversation_field = ""  # what errors call the messages conversation() returns
 
     def __init__(self, names: FieldNames | None = None):
@@ -79,6 +80,7 @@ class Format:
         return row
 
     def encode(self, row: dict, where: str, encoder) -> Encoded:
+        """The training example of a row."""
         return encoder.encode_segments(self.segments(row, where, encoder))
 
     def conversation(self, row: dict, where: str) -> list[dict] | None:
@@ -277,6 +279,7 @@ class Preference(Format):
     may_use_chat_template = True
     batched = False
     has_prompt_field = True
+    pairs = True
     conversation_field = "prompt + chosen"
 
     def check(self, row: dict, where: str, *, needs_assistant: bool = True) -> None:
@@ -347,5 +350,6 @@ def _answers_equal(row) -> bool:
     return chosen == rejected
 
 
+# data.format's values and their classes.
 FORMATS: dict[str, type[Format]] = {format_.name: format_ for format_ in
                                     (Text, Alpaca, Completion, Chat, ShareGPT, Tokenized, Preference)}
