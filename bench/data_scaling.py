@@ -141,7 +141,7 @@ def strategy(name: str, rows_file: Path, tokenizer_dir: Path, result: Path) -> N
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if name == "threads" else "false"
     from transformers import AutoTokenizer
 
-    from gpupoor.data.formats import Encoder
+    from gpupoor.data.encoder import Encoder
     from gpupoor.data.loading import DataSource, iter_rows
     from gpupoor.data.tokenize import encode_chunks, usable_workers
 

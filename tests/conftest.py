@@ -135,7 +135,7 @@ def masked_batch(tokenizer) -> dict:
     """A padded batch with a prompt, padding and a hole among the targets: what a loss must skip."""
     import torch
 
-    from gpupoor.data.formats import IGNORE_INDEX
+    from gpupoor.data.assembly import IGNORE_INDEX
 
     ids = torch.randint(5, len(tokenizer), (3, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpupoor.cli import app
-from gpupoor.data.formats import Encoder
+from gpupoor.data.encoder import Encoder
 from gpupoor.errors import UserError
 from gpupoor.commands.validate import PREFLIGHT_ROWS
 from gpupoor.recipe.loading import load_recipe

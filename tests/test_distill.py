@@ -42,7 +42,7 @@ def _kl_to_teacher(student_dir, adapter_dir, teacher_dir, rows) -> float:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from gpupoor.data.formats import Encoder
+    from gpupoor.data.encoder import Encoder
     from gpupoor.model.load import load_tokenizer
     from gpupoor.recipe.schema import ModelSection
 

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from conftest import write_jsonl
 from gpupoor.cli import app
-from gpupoor.data.formats import IGNORE_INDEX, Encoder
+from gpupoor.data.assembly import IGNORE_INDEX
+from gpupoor.data.encoder import Encoder
 from gpupoor.data.templates import NAMES, TEMPLATES, resolve_chat_template
 from gpupoor.errors import UserError
 

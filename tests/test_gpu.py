@@ -39,7 +39,7 @@ def test_flash_attention_packing_equals_one_by_one(tiny_model, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from gpupoor.data.build import collate_packed
-    from gpupoor.data.formats import IGNORE_INDEX
+    from gpupoor.data.assembly import IGNORE_INDEX
     from test_packing import TEXTS, _dataset
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="flash_attention_2",

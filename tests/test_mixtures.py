@@ -101,7 +101,7 @@ def test_packing_keeps_examples_of_different_sources_apart(tiny_model, tokenizer
     from transformers import AutoModelForCausalLM
 
     from gpupoor.data.build import build_data, collate_packed
-    from gpupoor.data.formats import IGNORE_INDEX
+    from gpupoor.data.assembly import IGNORE_INDEX
     from gpupoor.recipe.schema import DataSection
 
     main, extra = two_sources
@@ -148,7 +148,7 @@ def test_the_data_identity_checkpoints_record_is_the_one_older_versions_recorded
     import json
 
     from gpupoor.data.dataset import data_identity, tokenizer_fingerprint
-    from gpupoor.data.formats import Encoder
+    from gpupoor.data.encoder import Encoder
 
     for fmt, template in (("alpaca", None), ("text", None), ("chat", "chatml")):
         encoder = Encoder(tokenizer, fmt, 128, False, chat_template=template)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from gpupoor.data.build import collate_packed
 from gpupoor.data.dataset import TokenizedDataset, TokenStats
-from gpupoor.data.formats import IGNORE_INDEX
+from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.data.sampler import BatchPlan
 
 

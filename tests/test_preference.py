@@ -21,7 +21,8 @@ import gpupoor.objectives.preference as preference
 from conftest import WORDS, invoke, read_metrics, write_jsonl
 from gpupoor.data.build import collate_pairs, count_pairs
 from gpupoor.data.dataset import encoded_chunk, tokenize_rows
-from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
+from gpupoor.data.assembly import IGNORE_INDEX, Encoded
+from gpupoor.data.encoder import Encoder
 from gpupoor.data.loading import Row
 from gpupoor.objectives.cross_entropy import find_fused_head
 from gpupoor.objectives.preference import PreferenceLoss, Reference, frozen_head

@@ -15,7 +15,7 @@ from conftest import _sentence, alpaca_rows, invoke, write_jsonl
 from gpupoor.data import tokenize as tokenize_module
 from gpupoor.data.dataset import (CacheEntryInvalid, Chunk, DatasetWriter, TokenizedDataset, TokenStats,
                                   concat_datasets, tokenize_rows)
-from gpupoor.data.formats import Encoder
+from gpupoor.data.encoder import Encoder
 from gpupoor.data.loading import DataSource, Row, iter_rows, read_rows
 from gpupoor.data.tokenize import (encode_rows, load_tokenized_dir, stream_tokenize, tokenize_source,
                                    write_tokenized_dir)
@@ -100,14 +100,14 @@ def test_batched_streamed_tokenization_equals_one_by_one(tokenizer, case, train_
 
 def test_a_batched_chunk_that_differs_from_encode_falls_back_to_it(tokenizer, monkeypatch):
     encoder, rows = make_encoder(tokenizer, "alpaca")
-    wrong = tokenize_module._assemble
+    wrong = tokenize_module.assemble
 
     def assemble(*args):
         encoded = wrong(*args)
         encoded.input_ids[-1] += 1
         return encoded
 
-    monkeypatch.setattr(tokenize_module, "_assemble", assemble)  # as if formats.py changed under the copy
+    monkeypatch.setattr(tokenize_module, "assemble", assemble)  # as if formats.py changed under the copy
     assert encode_rows(rows, encoder) == [encoder.encode(row.fields, row.where) for row in rows]
 
 

@@ -20,7 +20,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def accuracy(model, tokenizer, rows: list[dict]) -> tuple[float, list[str]]:
-    from gpupoor.data.formats import Encoder
+    from gpupoor.data.encoder import Encoder
     from gpupoor.commands.generate import complete
 
     encoder = Encoder(tokenizer, "alpaca", max_length=128)  # the prompts exactly as training tokenized them

@@ -15,7 +15,7 @@ from gpupoor.errors import UserError
 class Generator:
     model: object
     tokenizer: object
-    encoder: object  # gpupoor.data.formats.Encoder: renders and tokenizes prompts exactly as training did
+    encoder: object  # gpupoor.data.encoder.Encoder: renders and tokenizes prompts exactly as training did
 
 
 def load_generator(path: Path, checkpoint: str = "final", base: str | None = None, fmt: str | None = None,
@@ -122,37 +122,25 @@ def cap_new_tokens(model, prompts: list[list[int]], max_new_tokens: int) -> tupl
 
 def prompt_row(text: str, encoder) -> dict:
     """A row of the run's format (the encoder's, with its field names) holding one user prompt."""
-    fmt = encoder.fmt
-    if fmt == "alpaca":
-        return {"instruction": text}
-    if fmt == "chat":
-        return {encoder.messages_field: [{"role": "user", "content": text}]}
-    if fmt == "sharegpt":
-        user = next((name for name, role in encoder.sharegpt_roles.items() if role == "user"), "human")
-        return {encoder.conversations_field: [{"from": user, "value": text}]}
-    if fmt in ("completion", "preference"):
-        return {"prompt": text}
-    return {encoder.text_field: text}
+    return encoder.format.prompt_row(text)
 
 
 def rows_from_file(path: Path, encoder) -> list[tuple[dict, str]]:
     """(row, where) per JSONL line: rows in the run's format, or {"prompt": "..."}. A chat row's trailing
     assistant turn (the expected answer) is dropped so the model writes its own."""
-    from gpupoor.data.formats import wrong_type
     from gpupoor.data.loading import read_rows, resolve_source
+    from gpupoor.data.row_fields import wrong_type
 
+    data_format = encoder.format
     rows = []
     for row in read_rows(resolve_source(str(path), Path.cwd(), "train", "--file")):
         fields = dict(row.fields)
         if "prompt" in fields and isinstance(fields["prompt"], str):
-            fields = prompt_row(fields["prompt"], encoder)
-        elif "prompt" in fields and encoder.fmt not in ("completion", "preference"):  # (theirs: checked as rows)
+            fields = data_format.prompt_row(fields["prompt"])
+        elif "prompt" in fields and not data_format.has_prompt_field:  # (theirs: checked as rows)
             raise wrong_type(row.where, "prompt", fields["prompt"])
-        elif encoder.fmt == "chat" and isinstance(fields.get(encoder.messages_field), list):
-            messages = list(fields[encoder.messages_field])
-            while messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
-                messages.pop()
-            fields[encoder.messages_field] = messages
+        else:
+            fields = data_format.as_prompt(fields)
         rows.append((fields, row.where))
     return rows
 

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 
 from gpupoor.model.builtin import resolve_model_path
-from gpupoor.data.formats import (CHAT_FORMATS, IGNORE_INDEX, chat_messages, check_row, preference_parts,
-                                  sharegpt_messages)
+from gpupoor.data.assembly import IGNORE_INDEX
+from gpupoor.data.formats import FORMATS, FieldNames, Format
 from gpupoor.data.loading import DataSource, Row, check_held_out, iter_rows, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
@@ -171,62 +171,31 @@ def check_data(value: str, key: str, loaded: LoadedRecipe, split: str, source: S
     rows = read_rows(location, PREFLIGHT_ROWS)
     if not rows:
         raise UserError(f"{key}: {location.location} has no rows")
+    data_format = source_format(source, data)
     for row in rows:
-        check_row(row.fields, row.where, source.format, source.text_field, source.messages_field,
-                  needs_assistant=not data.train_on_prompt, conversations_field=source.conversations_field,
-                  sharegpt_roles=data.sharegpt_roles)
+        data_format.check(row.fields, row.where, needs_assistant=not data.train_on_prompt)
     template = resolve_chat_template(data.chat_template)
-    if source.format in CHAT_FORMATS and template is not None:  # the tokenizer's own template is trusted
-        field = source.conversations_field if source.format == "sharegpt" else source.messages_field
-        conversations = [(row.where, _conversation(row, source, data)) for row in rows[:TEMPLATE_ROWS]]
-        check_chat_template(template, conversations, field)
-    if source.format == "preference":
-        return identical_pairs(rows, key) + _check_pair_template(rows, template, loaded)
-    return []
+    conversations = [(row.where, messages) for row in rows[:TEMPLATE_ROWS]
+                     if (messages := data_format.conversation(row.fields, row.where)) is not None]
+    if conversations and template is not None:
+        check_chat_template(template, conversations, data_format.conversation_field)
+    elif conversations and not data_format.needs_chat_template:
+        # Rows that turn out to be conversations (preference pairs as message lists): with no data.chat_template
+        # the tokenizer's own renders them. (A format whose every row is one: check_tokenizer_template.)
+        _check_tokenizer_renders(loaded, f"{data_format.name} (with message lists)")
+    return data_format.warnings(rows, key, PREFLIGHT_ROWS)
 
 
-def identical_pairs(rows: list[Row], key: str) -> list[str]:
-    """A warning when pairs among `rows` have the same chosen and rejected answer: such a pair teaches no
-    preference (its DPO loss stays at ln 2 whatever the model does), usually a field mapped twice upstream."""
-    same = [row.where for row in rows if _answers_equal(row)]
-    if not same:
-        return []
-    read = f"the first {len(rows)}" if len(rows) == PREFLIGHT_ROWS else f"{len(rows)}"
-    return [f"{key}: chosen is identical to rejected in {'all' if len(same) == len(rows) else len(same)} of {read} "
-            f"pairs (the first at {same[0]}): such a pair teaches no preference (DPO's loss and ORPO's odds-ratio "
-            "term stay at ln 2 = 0.693 on it, whatever the model does); check how the pairs were built"]
+def source_format(source: SourceSection, data: DataSection) -> Format:
+    """The format of a source's rows, with its field names."""
+    names = FieldNames(source.text_field, source.messages_field, source.conversations_field, data.sharegpt_roles)
+    return FORMATS[source.format](names)
 
 
-def _answers_equal(row: Row) -> bool:
-    _, chosen, rejected = preference_parts(row.fields, row.where)
-    return chosen == rejected
-
-
-def _check_pair_template(rows: list[Row], template: str | None, loaded: LoadedRecipe) -> list[str]:
-    """Pairs given as message lists are rendered with the chat template: data.chat_template renders them (prompt +
-    chosen), or the tokenizer must have a template of its own."""
-    conversations = []
-    for row in rows[:TEMPLATE_ROWS]:
-        prompt, chosen, _ = preference_parts(row.fields, row.where)
-        if not isinstance(prompt, str):
-            conversations.append((row.where, prompt + chosen))
-    if not conversations:
-        return []
-    if template is not None:
-        check_chat_template(template, conversations, "prompt + chosen")
-        return []
+def _check_tokenizer_renders(loaded: LoadedRecipe, formats: str) -> None:
     model = loaded.recipe.model
-    has_template = tokenizer_has_chat_template(model.name_or_path, loaded.base_dir, model.revision)
-    if has_template is False:
-        raise missing_template_error(f"{model.name_or_path}'s tokenizer", "preference (with message lists)")
-    return []
-
-
-def _conversation(row: Row, source: SourceSection, data: DataSection) -> list[dict]:
-    if source.format == "sharegpt":
-        return sharegpt_messages(row.fields, row.where, source.conversations_field, data.sharegpt_roles,
-                                 needs_assistant=False)
-    return chat_messages(row.fields, row.where, source.messages_field, needs_assistant=False)
+    if tokenizer_has_chat_template(model.name_or_path, loaded.base_dir, model.revision) is False:
+        raise missing_template_error(f"{model.name_or_path}'s tokenizer", formats)
 
 
 def _template_environment():
@@ -309,7 +278,7 @@ def check_tokenizer_template(loaded: LoadedRecipe) -> list[str]:
     """A chat or sharegpt source with no data.chat_template needs the tokenizer's own template: read the
     tokenizer's files (no weights, no tokenizer load) to fail now rather than at training."""
     recipe = loaded.recipe
-    formats = sorted({source.format for source in recipe.data.sources()} & set(CHAT_FORMATS))
+    formats = sorted({source.format for source in recipe.data.sources() if FORMATS[source.format].needs_chat_template})
     if recipe.data.chat_template is not None or not formats:
         return []
     name = recipe.model.name_or_path

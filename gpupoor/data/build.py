@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 from gpupoor.data.dataset import TokenizedDataset, TokenStats, cache_key, concat_datasets, data_identity
-from gpupoor.data.formats import IGNORE_INDEX, Encoder
+from gpupoor.data.assembly import IGNORE_INDEX
+from gpupoor.data.encoder import Encoder
+from gpupoor.data.formats import FORMATS
 from gpupoor.data.loading import DataSource, check_held_out, resolve_source
 from gpupoor.data.mixture import Mixture, Source, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
@@ -58,9 +60,9 @@ def make_encoder(data: DataSection, tokenizer, source: SourceSection | None = No
     """The encoder of one source (its format and field names), or of the data section's own settings."""
     source = source or (data.sources() or [None])[0]
     fields = source if source is not None else data
-    return Encoder(tokenizer, fields.format, data.max_length, data.train_on_prompt, fields.text_field,
-                   fields.messages_field, data.chat_template, conversations_field=fields.conversations_field,
-                   sharegpt_roles=data.sharegpt_roles)
+    return Encoder(tokenizer, fields.format, data.max_length, data.train_on_prompt, text_field=fields.text_field,
+                   messages_field=fields.messages_field, chat_template=data.chat_template,
+                   conversations_field=fields.conversations_field, sharegpt_roles=data.sharegpt_roles)
 
 
 def _tokenized(source: DataSource, limit: int | None, encoder: Encoder, tokenizer,
@@ -144,7 +146,7 @@ def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, b
     evals = [part.eval for part in parts if part.eval is not None]
     evaluation = concat_datasets(evals) if evals else None
     kind = sampler or (data.sampler if data.sampler != "auto" else "random")
-    pairs = {source.format for source in sources} == {"preference"}
+    pairs = all(FORMATS[source.format].pairs for source in sources)
     # A pair is two sequences of up to max_length each: packed rows hold at least one whole pair.
     plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length * (2 if pairs else 1), mixture)
     fingerprint = parts[0].fingerprint if data.datasets is None else _mixture_fingerprint(mixture, parts)

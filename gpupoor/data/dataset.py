@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
+from gpupoor.data.assembly import IGNORE_INDEX, Encoded
+from gpupoor.data.encoder import Encoder
 from gpupoor.data.loading import Row
 from gpupoor.storage.files import atomic_file
 

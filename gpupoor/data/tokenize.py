@@ -8,8 +8,9 @@ ids and labels, in Python) stays serial. A first measurement on a 2-core machine
 rows of ~110 tokens, read and encoded): 2 worker processes 7.6-8.9k rows/s, one process with the tokenizer's
 threads 6.3-6.5k, one thread 5.4k; bench/data_scaling.py --strategies repeats it on a quiet machine.
 
-Within a chunk every segment of every row goes to the tokenizer in one call (encode_rows), then ids and labels are
-assembled exactly as Encoder.encode does, row by row; a test holds the two equal, token for token.
+Within a chunk every segment of every row goes to the tokenizer in one call (encode_rows), then each row's ids and
+labels are joined by the assembly Encoder.encode uses (gpupoor.data.assembly); a test holds the two equal, token
+for token.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from pathlib import Path
 
 from gpupoor.data.dataset import (CacheEntryInvalid, Chunk, DatasetWriter, TokenizedDataset, TokenStats,
                                   encoded_chunk, tokenizer_fingerprint)
-from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
+from gpupoor.data.assembly import Encoded, assemble
+from gpupoor.data.encoder import Encoder
 from gpupoor.data.loading import DataSource, Row, iter_rows
 from gpupoor.data.mixture import Mixture, Source
 from gpupoor.data.tokenized_manifest import DIR_KIND, DIR_VERSION, MANIFEST, REDO_HINT, read_manifest
@@ -39,9 +41,6 @@ from gpupoor.storage.files import atomic_dir, blocking_file, sha256_file, why_no
 
 CHUNK_ROWS = 1000  # rows encoded together: one tokenizer call, one task for a worker
 PROGRESS_AFTER_ROWS = 50_000  # a progress line for sources at least this long
-# Formats whose Encoder.encode is segments() + _tokenize() + EOS + truncation, which encode_rows reproduces; any
-# other (e.g. `tokenized`, rows that bring their own ids) is encoded row by row with Encoder.encode.
-BATCHED_FORMATS = ("text", "alpaca", "completion", "chat", "sharegpt")
 
 TRAIN_FILE, EVAL_FILE = "train.safetensors", "eval.safetensors"
 
@@ -148,39 +147,20 @@ def encode_chunk(rows: list[Row], encoder: Encoder) -> Chunk:
 
 def encode_rows(rows: list[Row], encoder: Encoder) -> list[Encoded]:
     """What [encoder.encode(row) for row in rows] returns, with one tokenizer call for all the rows' segments
-    (a fast tokenizer encodes a batch with far less overhead than one call per segment)."""
-    if encoder.fmt not in BATCHED_FORMATS or not rows:
+    (a fast tokenizer encodes a batch with far less overhead than one call per segment). A format whose encode
+    is not its segments assembled (`tokenized`, `preference`: Format.batched) is encoded row by row."""
+    if not encoder.format.batched or not rows:
         return [encoder.encode(row.fields, row.where) for row in rows]
     segments = [encoder.segments(row.fields, row.where) for row in rows]
     texts = [text for pieces in segments for text, _ in pieces]
     tokenized = iter(encoder.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-    bos_text = encoder.tokenizer.bos_token or "\0"
-    encoded = [_assemble(encoder, pieces, tokenized, bos_text) for pieces in segments]
-    # formats.py is the reference and may change under this copy of its logic: a chunk whose first row differs
-    # from Encoder.encode is encoded row by row (slower, never wrong).
+    encoded = [assemble(encoder, pieces, [next(tokenized) for _ in pieces]) for pieces in segments]
+    # Should a format encode otherwise than its segments assembled yet be marked batched, or a tokenizer's batched
+    # call differ from its single calls: a chunk whose first row differs from Encoder.encode is encoded row by row
+    # (slower, never wrong).
     if encoded[0] != encoder.encode(rows[0].fields, rows[0].where):
         return [encoder.encode(row.fields, row.where) for row in rows]
     return encoded
-
-
-def _assemble(encoder: Encoder, pieces: list[tuple[str, bool]], tokenized: Iterator[list[int]],
-              bos_text: str) -> Encoded:
-    """Encoder._tokenize and the rest of Encoder.encode, with each segment's ids taken from the batched call."""
-    ids: list[int] = list(encoder.bos)
-    labels: list[int] = [IGNORE_INDEX] * len(ids)
-    last_completion: list[int] = []
-    for text, trainable in pieces:
-        piece = next(tokenized)
-        if encoder.bos and not ids[len(encoder.bos):] and text.startswith(bos_text):
-            ids, labels = [], []  # the chat template already writes BOS
-        ids += piece
-        labels += piece if (trainable or encoder.train_on_prompt) else [IGNORE_INDEX] * len(piece)
-        if trainable:
-            last_completion = piece
-    if encoder.eos not in last_completion and ids[-1:] != [encoder.eos]:  # as Encoder.encode: EOS once
-        ids.append(encoder.eos)
-        labels.append(encoder.eos)
-    return Encoded(ids[: encoder.max_length], labels[: encoder.max_length], len(ids) > encoder.max_length)
 
 
 def usable_workers() -> int:

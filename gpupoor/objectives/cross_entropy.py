@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpupoor.data.formats import IGNORE_INDEX
+from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.decisions import choose_fused_loss, logit_postprocessing, loss_chunk_tokens
 from gpupoor.profiling import span
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpupoor.data.formats import IGNORE_INDEX
+from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.errors import UserError
 from gpupoor.objectives.cross_entropy import (FusedHead, accumulate_head_grads, head_logits, last_hidden_state, model_inputs,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpupoor.data.formats import IGNORE_INDEX
+from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.objectives.cross_entropy import FusedHead, accumulate_head_grads, head_logits, last_hidden_state, model_inputs
 from gpupoor.profiling import span
