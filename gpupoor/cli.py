@@ -1,4 +1,6 @@
-"""The `gpupoor` command. Heavy imports (torch, transformers) happen inside commands so --help is instant."""
+"""The `gpupoor` command: typer's declarations, the options parsed and checked, error messages and exit codes.
+What a verb does lives in gpupoor/commands/ (train and resume call the orchestrator from here). Heavy imports
+(torch, transformers) happen inside commands so --help is instant."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Optional
 import typer
 
 from gpupoor import __version__
-from gpupoor.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, UserError
+from gpupoor.errors import EXIT_BAD_INPUT, UserError
 from gpupoor.run.startup import from_command_line, started_by_command_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -25,6 +27,8 @@ DEBUG_HELP = "Show full tracebacks."
 FORCE_FIT_HELP = "Start even when the memory plan predicts that the recipe does not fit the GPU."
 TIME_LIMIT_HELP = ("Stop with a checkpoint (exit 75) before this much wall-clock time has passed, e.g. 11h30m "
                    "(sets checkpoint.time_limit).")
+PROFILE_HELP = ("Profile N optimizer steps after 2 warm-up steps (sets logging.profile_steps): a Chrome/Perfetto "
+                "trace, the top operators and where the step time goes, in RUN_DIR/profile/.")
 
 
 def _version(value: bool) -> None:
@@ -38,9 +42,6 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
                                        help="Print the version and exit.")) -> None:
     pass
 
-
-PROFILE_HELP = ("Profile N optimizer steps after 2 warm-up steps (sets logging.profile_steps): a Chrome/Perfetto "
-                "trace, the top operators and where the step time goes, in RUN_DIR/profile/.")
 
 LAUNCH = "Launch several processes (torchrun's options; exit 75 kept)"
 NPROC_OPTION = typer.Option(None, "--nproc-per-node", min=1, rich_help_panel=LAUNCH, help=(
@@ -477,10 +478,7 @@ def plan(
     what to change when it does not. Exit 0 when it fits (or the memory is unknown), 3 when it does not."""
 
     def action() -> int:
-        import json
-
-        from gpupoor.plan.core import make_plan, render, write_fit
-        from gpupoor.recipe.schema import load_recipe
+        from gpupoor.commands.plan import plan_recipe
         from gpupoor.units import parse_size
 
         if device is not None and device not in ("cpu", "cuda"):
@@ -490,18 +488,7 @@ def plan(
             raise UserError(f"--memory {memory!r}: give the memory to fit in, e.g. 16GiB")
         if nodes > processes:
             raise UserError(f"--nodes {nodes} with --processes {processes}: every node runs at least one process")
-        loaded = load_recipe(recipe, set_ or [])
-        result = make_plan(loaded, device, limit, processes, nodes)
-        typer.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result, str(recipe)))
-        if fit and result.fits is False:
-            if not result.fit_changes:
-                return EXIT_DOES_NOT_FIT
-            written = write_fit(loaded, result.fit_changes, plan=result)
-            typer.echo(f"wrote {written}", err=as_json)
-            return 0
-        if fit and not as_json:
-            typer.echo("fits as it is: nothing to write" if result.fits else "memory unknown: pass --memory")
-        return EXIT_DOES_NOT_FIT if result.fits is False else 0
+        return plan_recipe(recipe, set_ or [], device, limit, processes, nodes, as_json, fit, say=typer.echo)
 
     _guarded(debug, action)
 
