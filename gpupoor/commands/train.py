@@ -24,8 +24,8 @@ def exit_code(reason: str) -> int:
 
 def recipe_overrides(set_: list[str] | None, time_limit: str | None, profile: int | None) -> list[str]:
     """--set, --time-limit and --profile as the recipe overrides they stand for, in that order."""
-    return (set_ or []) + _time_limit_override(time_limit) + ([] if profile is None else
-                                                              [f"logging.profile_steps={profile}"])
+    profile_steps = [] if profile is None else [f"logging.profile_steps={profile}"]
+    return (set_ or []) + _time_limit_override(time_limit) + profile_steps
 
 
 def _time_limit_override(time_limit: str | None) -> list[str]:
