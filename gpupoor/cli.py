@@ -1,4 +1,6 @@
-"""The `gpupoor` command. Heavy imports (torch, transformers) happen inside commands so --help is instant."""
+"""The `gpupoor` command: typer's declarations, the options parsed and checked, error messages and exit codes.
+What a verb does lives in gpupoor/commands/ (train and resume call the orchestrator from here). Heavy imports
+(torch, transformers) happen inside commands so --help is instant."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Optional
 import typer
 
 from gpupoor import __version__
-from gpupoor.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_RESUMABLE, UserError
+from gpupoor.errors import EXIT_BAD_INPUT, UserError
 from gpupoor.run.startup import from_command_line, started_by_command_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -25,6 +27,8 @@ DEBUG_HELP = "Show full tracebacks."
 FORCE_FIT_HELP = "Start even when the memory plan predicts that the recipe does not fit the GPU."
 TIME_LIMIT_HELP = ("Stop with a checkpoint (exit 75) before this much wall-clock time has passed, e.g. 11h30m "
                    "(sets checkpoint.time_limit).")
+PROFILE_HELP = ("Profile N optimizer steps after 2 warm-up steps (sets logging.profile_steps): a Chrome/Perfetto "
+                "trace, the top operators and where the step time goes, in RUN_DIR/profile/.")
 
 
 def _version(value: bool) -> None:
@@ -37,31 +41,6 @@ def _version(value: bool) -> None:
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     pass
-
-
-def _time_limit_override(time_limit: str | None) -> list[str]:
-    """--time-limit as the checkpoint.time_limit override, checked here so an error names the option."""
-    if time_limit is None:
-        return []
-    from gpupoor.units import parse_duration
-
-    try:
-        seconds = parse_duration(time_limit)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise UserError(f"--time-limit {time_limit!r}: not a positive duration; use e.g. 11h30m, 45m or 90s")
-    import json
-
-    return [f"checkpoint.time_limit={json.dumps(time_limit)}"]  # a JSON string is a quoted YAML scalar
-
-
-PROFILE_HELP = ("Profile N optimizer steps after 2 warm-up steps (sets logging.profile_steps): a Chrome/Perfetto "
-                "trace, the top operators and where the step time goes, in RUN_DIR/profile/.")
-
-
-def _profile_override(steps: int | None) -> list[str]:
-    return [] if steps is None else [f"logging.profile_steps={steps}"]
 
 
 LAUNCH = "Launch several processes (torchrun's options; exit 75 kept)"
@@ -95,30 +74,15 @@ def _launch_if_asked(context: typer.Context, debug: bool) -> None:
         if nproc_per_node is None:
             raise UserError(f"{', '.join(given)} without --nproc-per-node: they say how to launch processes",
                             hint="add --nproc-per-node N (the processes on each machine)")
-        return _launch(context, debug)
+        from gpupoor.commands.train import launch_processes
+
+        return launch_processes(context, LAUNCH_PARAMS, debug, say=lambda text: typer.echo(text, err=True))
 
     _guarded(debug, action)  # exits
 
 
-def _launch(context: typer.Context, debug: bool) -> int:
-    from gpupoor.run.launch import launch, torchrun_args
-
-    command = [context.info_name]
-    for param in context.command.params:  # the command line of each process: this one without launch options
-        value = context.params.get(param.name)
-        if param.name in LAUNCH_PARAMS or value is None or value is False:
-            continue
-        if param.param_type_name == "argument":
-            command.append(str(value))
-        elif param.is_flag:
-            command.append(param.opts[0])
-        else:
-            command += [item for v in (value if param.multiple else [value]) for item in (param.opts[0], str(v))]
-    return launch(torchrun_args(*(context.params[name] for name in LAUNCH_PARAMS)), command, debug,
-                  say=lambda text: typer.echo(text, err=True))
-
-
-FINISHED = ("done", "already_done", "early_stop")  # exit 0; any other reason stopped with a checkpoint: exit 75
+def _warn(text: str) -> None:
+    typer.echo(f"warning: {text}", err=True)
 
 
 def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int | None]:
@@ -126,9 +90,9 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
     start-up or after the stop checkpoint still ends in a checkpoint and exit 75, never a bare 143."""
 
     def guarded() -> int | None:
-        from gpupoor.run.signals import StopRequest
-
+        from gpupoor.commands.train import leave_now
         from gpupoor.run.orchestrate import RunFailed
+        from gpupoor.run.signals import StopRequest
 
         several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # this process is one of several a launcher started
         stop = StopRequest().install()
@@ -138,7 +102,7 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
             if not (stop.finished and from_command_line() and several):
                 raise
             # A failure every process agreed on (a full disk during a save): said, then ended like a finished
-            # process, without the interpreter's teardown of gloo (see _leave_now).
+            # process, without the interpreter's teardown of gloo (see commands.train.leave_now).
             typer.echo(f"error: {exc}", err=True)
             code = 1
         finally:
@@ -153,24 +117,10 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
 
         faults.at_stage("exiting")  # tests: a scheduler's signal once the outcome is decided
         if stop.finished and from_command_line() and several:
-            _leave_now(code or 0)
+            leave_now(code or 0)
         return code
 
     return guarded
-
-
-def _leave_now(code: int) -> None:
-    """End one process of several once its part is over (after the last barrier; metrics, trackers and files
-    closed), without the interpreter's teardown. gloo's threads and sockets outlive destroy_process_group (its
-    backend has no shutdown of its own, and the group lives on while anything refers to it), so they were torn
-    down with the interpreter, and now and then that aborted a process that had trained fine (SIGABRT; on two
-    nodes the other node's torchrun then waited 300 s for it at its exit barrier)."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
@@ -262,39 +212,23 @@ def train(
     _launch_if_asked(context, debug)
 
     def action(stop) -> int:
-        from gpupoor.commands.validate import preflight
+        from gpupoor.commands.train import check_before_training, existing_run, exit_code, recipe_overrides
         from gpupoor.recipe.loading import load_recipe
 
-        overrides = (set_ or []) + _time_limit_override(time_limit) + _profile_override(profile)
-        loaded = load_recipe(recipe, overrides)
-        existing = _existing_run(loaded, output_dir) if resume_if_present and not smoke else None
+        loaded = load_recipe(recipe, recipe_overrides(set_, time_limit, profile))
+        existing = existing_run(loaded, output_dir) if resume_if_present and not smoke else None
         if existing is not None:
             from gpupoor.run.orchestrate import resume_run
 
-            result = resume_run(existing, [], started=started, stop=stop, recipe=loaded)
-            return 0 if result.reason in FINISHED else EXIT_RESUMABLE
-        for warning in preflight(loaded):
-            typer.echo(f"warning: {warning}", err=True)
-        plan = None
-        if not smoke:  # a smoke test runs a shrunken model on the CPU: the full-size plan does not apply
-            from gpupoor.plan.make import preflight_plan
-
-            plan = preflight_plan(loaded, force, lambda text: typer.echo(f"warning: {text}", err=True))
+            return exit_code(resume_run(existing, [], started=started, stop=stop, recipe=loaded).reason)
+        plan = check_before_training(loaded, smoke, force, _warn)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.run.orchestrate import train_from_recipe
 
         result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started, plan=plan, stop=stop)
-        return 0 if result.reason in FINISHED else EXIT_RESUMABLE
+        return exit_code(result.reason)
 
     _guarded(debug, _with_stop_requests(action))
-
-
-def _existing_run(loaded, output_dir: str | None) -> Path | None:
-    """The run directory train would write into, when a run is already there."""
-    from gpupoor.storage.rundir import is_run_dir, resolve_run_dir
-
-    run_dir = resolve_run_dir(loaded, output_dir, loaded.source.stem if loaded.source else "run")
-    return run_dir if is_run_dir(run_dir) else None
 
 
 @app.command()
@@ -321,11 +255,11 @@ def resume(
 
     def action(stop) -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from gpupoor.commands.train import exit_code, recipe_overrides
         from gpupoor.run.orchestrate import resume_run
 
-        overrides = (set_ or []) + _time_limit_override(time_limit) + _profile_override(profile)
-        result = resume_run(run_dir, overrides, force=force, started=started, stop=stop)
-        return 0 if result.reason in FINISHED else EXIT_RESUMABLE
+        overrides = recipe_overrides(set_, time_limit, profile)
+        return exit_code(resume_run(run_dir, overrides, force=force, started=started, stop=stop).reason)
 
     _guarded(debug, _with_stop_requests(action))
 
@@ -545,12 +479,7 @@ def plan(
     what to change when it does not. Exit 0 when it fits (or the memory is unknown), 3 when it does not."""
 
     def action() -> int:
-        import json
-
-        from gpupoor.plan.fit import write_fit
-        from gpupoor.plan.make import make_plan
-        from gpupoor.plan.render import render
-        from gpupoor.recipe.loading import load_recipe
+        from gpupoor.commands.plan import plan_recipe
         from gpupoor.units import parse_size
 
         if device is not None and device not in ("cpu", "cuda"):
@@ -560,18 +489,7 @@ def plan(
             raise UserError(f"--memory {memory!r}: give the memory to fit in, e.g. 16GiB")
         if nodes > processes:
             raise UserError(f"--nodes {nodes} with --processes {processes}: every node runs at least one process")
-        loaded = load_recipe(recipe, set_ or [])
-        result = make_plan(loaded, device, limit, processes, nodes)
-        typer.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result, str(recipe)))
-        if fit and result.fits is False:
-            if not result.fit_changes:
-                return EXIT_DOES_NOT_FIT
-            written = write_fit(loaded, result.fit_changes, plan=result)
-            typer.echo(f"wrote {written}", err=as_json)
-            return 0
-        if fit and not as_json:
-            typer.echo("fits as it is: nothing to write" if result.fits else "memory unknown: pass --memory")
-        return EXIT_DOES_NOT_FIT if result.fits is False else 0
+        return plan_recipe(recipe, set_ or [], device, limit, processes, nodes, as_json, fit, say=typer.echo)
 
     _guarded(debug, action)
 
@@ -589,30 +507,9 @@ def tokenize(
 
     def action() -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # worker processes are the parallelism
-        from gpupoor.data.build import build_data
-        from gpupoor.data.tokenize import write_tokenized_dir
-        from gpupoor.model.load import load_tokenizer, model_location
-        from gpupoor.recipe.loading import load_recipe
-        from gpupoor.storage.rundir import check_writable
+        from gpupoor.commands.tokenize import tokenize_recipe
 
-        loaded = load_recipe(recipe, set_ or [])
-        settings = loaded.recipe
-        if settings.data.tokenized_path:
-            raise UserError(f"{recipe}: data.tokenized_path is set, so its data is tokenized already",
-                            hint="tokenize a recipe whose data.path or data.datasets names the rows")
-        # Before tokenizing anything: the output is written beside itself, then renamed into place.
-        check_writable(output.absolute().parent, f"--output {output}",
-                       hint="give --output a directory in a writable location")
-        tokenizer = load_tokenizer(model_location(settings.model, loaded.base_dir), settings.model)
-        bundle = build_data(settings.data, tokenizer, settings.training.micro_batch_size, settings.seed,
-                            loaded.base_dir)
-        for warning in bundle.warnings:
-            typer.echo(f"warning: {warning}", err=True)
-        manifest = write_tokenized_dir(output, bundle, settings.data, tokenizer, settings.seed)
-        stats = bundle.train.stats
-        evaluation = f", {manifest['eval']['examples']} eval examples" if manifest["eval"] else ""
-        typer.echo(f"wrote {output}: {len(bundle.train)} training examples ({stats.tokens} tokens, "
-                   f"{stats.truncated} truncated, {stats.dropped_no_target} dropped){evaluation}")
+        typer.echo(tokenize_recipe(recipe, set_ or [], output, _warn))
         return 0
 
     _guarded(debug, action)
