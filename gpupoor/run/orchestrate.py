@@ -1,14 +1,14 @@
 """Orchestration of `gpupoor train` and `gpupoor resume`: the one place that knows every part.
 
-One run is a few stages, each a module of gpupoor.run, in the order they happen:
+One run is a few stages, each in its module of gpupoor.run, in the order they happen:
 
-    build_session   recipe -> hardware choices, tokenizer, data, model, optimizer   (session.py; builders: model, data, optim)
-    restore         a checkpoint's tensors and progress into what was built        (restore.py; checkpoint)
-    choose_loss     the training loss and eval sums                                (gpupoor.objectives.choose)
-    print_summary   what was chosen and why                                        (summary.py)
-    open_run_dir    lock it, store the recipe, trim metrics redone after the checkpoint (directory.py; rundir)
-    train           the loop with RunHooks: Reporter, EvalJudge, CheckpointSaver, stop requests (hooks.py)
-    finish          the final adapter, or why it stopped and how to continue        (finish.py)
+    build_session   recipe -> hardware choices, tokenizer, data, model, optimizer      session.py (builders)
+    restore         a checkpoint's tensors and progress into what was built           restore.py
+    choose_loss     the training loss and the eval sums                               gpupoor.objectives.choose
+    print_summary   what was chosen and why                                           summary.py
+    open_run_dir    lock it, store the recipe, trim metrics redone after a checkpoint directory.py
+    train           the loop with RunHooks: Reporter, EvalJudge, CheckpointSaver      hooks.py (and saving.py)
+    finish          the final adapter, or why it stopped and how to continue          finish.py
 
 Where new things go: a training method is built in gpupoor.model.build (its rules in decisions.py); a tracker is
 a writer beside MetricsWriter, called from Reporter.write; a distributed strategy is chosen in
@@ -263,8 +263,10 @@ def _checkpoint_policy(session: Session, started: float):
 
     checkpoint = session.recipe.checkpoint
     trainable_bytes = sum(p.numel() * p.element_size() for p in session.unwrapped.parameters() if p.requires_grad)
-    return CheckpointPolicy(checkpoint.every_steps, checkpoint.interval_minutes, checkpoint.time_limit_s, started,
-                            session.saved_weight_bytes() + 2 * trainable_bytes + 2**20, last_step=session.state.step)
+    return CheckpointPolicy(every_steps=checkpoint.every_steps, interval_minutes=checkpoint.interval_minutes,
+                            time_limit_s=checkpoint.time_limit_s, started=started,
+                            expected_bytes=session.saved_weight_bytes() + 2 * trainable_bytes + 2**20,
+                            last_step=session.state.step)
 
 
 def _manifest_base(session: Session, models: dict) -> dict:

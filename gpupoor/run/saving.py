@@ -19,7 +19,7 @@ ASSUMED_WRITE_BYTES_PER_S = 100 * 2**20  # save-time guess until the first check
 MIN_SAVE_RESERVE_S = 1.0  # a save also writes the tokenizer and fsyncs: never assume less than this
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointPolicy:
     """When to save (every N steps, every M minutes), how long a save takes (measured, or guessed from its
     size), and so how much time a time limit must keep in reserve to land the last checkpoint."""
