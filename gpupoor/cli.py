@@ -91,7 +91,7 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
 
     def guarded() -> int | None:
         from gpupoor.commands.train import leave_now
-        from gpupoor.run.orchestrate import RunFailed
+        from gpupoor.run.session import RunFailed
         from gpupoor.run.signals import StopRequest
 
         several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # this process is one of several a launcher started
@@ -136,7 +136,7 @@ def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as exc:
-        from gpupoor.run.orchestrate import RunFailed
+        from gpupoor.run.session import RunFailed
 
         if debug:
             raise

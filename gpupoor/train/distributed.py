@@ -278,3 +278,41 @@ def local_values(tensor: torch.Tensor) -> torch.Tensor:
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (a collective for sharded ones; a reduced norm is already whole), or the tensor."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any (one all-reduce: a sync point every process must reach);
+    with one process, `flag`. For decisions that must be common: one process that acts alone (stops, saves,
+    skips a collective) leaves the others waiting in the next collective forever."""
+    if not _several_processes():
+        return bool(flag)
+    import torch.distributed as dist
+
+    agreed = torch.tensor([float(flag)], device=_collective_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return bool(agreed.item() > 0)
+
+
+def summed(*values: float) -> list[float]:
+    """Each value summed over the processes (one all-reduce in float64: a sync point); one process: the values."""
+    if not _several_processes():
+        return list(values)
+    import torch.distributed as dist
+
+    total = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.tolist()
+
+
+def _several_processes() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _collective_device() -> torch.device:
+    """Where a collective's tensor must live: NCCL reduces CUDA tensors only (on this process's GPU, which
+    accelerate selected), gloo reduces CPU ones."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")

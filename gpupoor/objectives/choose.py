@@ -1,0 +1,79 @@
+"""Which loss a recipe trains with, and how the startup summary names it: cross-entropy (fused through the output
+head where it can be), distillation against a teacher, or DPO/ORPO on preference pairs; and the eval sums, which
+stay the cross-entropy with distillation (comparable across runs) and are the pairs' own with preferences.
+
+It takes the built models, not the run: `model` is the trained model (unwrapped), `teacher` the frozen
+distillation teacher, `reference` DPO's frozen reference copy (each None when the recipe has none)."""
+
+from __future__ import annotations
+
+import functools
+
+from gpupoor.recipe.schema import Recipe
+
+
+def choose_loss(recipe: Recipe, model, *, device: str, teacher=None, reference=None):
+    """(training loss, eval sums (cross-entropy and correct targets), how the startup summary names the loss)."""
+    from gpupoor.objectives.cross_entropy import (find_fused_head, fused_eval_sums, fused_loss_sum, plain_eval_sums,
+                                                  plain_loss_sum)
+
+    fused, reason = find_fused_head(model, enabled=recipe.memory.fused_cross_entropy)
+    cross_entropy = functools.partial(fused_loss_sum, fused=fused) if fused is not None else plain_loss_sum
+    evaluation = functools.partial(fused_eval_sums, fused=fused) if fused is not None else plain_eval_sums
+    name = f"{'fused chunked cross-entropy' if fused is not None else 'plain cross-entropy'} ({reason})"
+    loss = cross_entropy
+    if teacher is not None:
+        loss, name = _distill_loss(recipe, teacher, fused)
+    if recipe.training.objective != "sft":
+        loss, evaluation, name = _preference_loss(recipe, model, reference, fused, reason, device=device)
+    return loss, evaluation, name
+
+
+def _preference_loss(recipe: Recipe, model, reference_copy, head, reason: str, *, device: str):
+    """DPO or ORPO on pairs (training and eval), with DPO's reference: the model with its adapter switched off, or
+    the frozen copy build_session loaded."""
+    from gpupoor.decisions import choose_reference, evaluates_in_train_mode
+    from gpupoor.objectives.cross_entropy import find_fused_head
+    from gpupoor.objectives.preference import PreferenceLoss, Reference, frozen_head
+
+    preference, objective = recipe.preference, recipe.training.objective
+    choice = choose_reference(objective, preference.reference, recipe.peft.method)
+    reference = None
+    if choice.value == "adapter_off":
+        reference = Reference(model, frozen_head(model, head), adapter_off=True,
+                              eval_mode=not evaluates_in_train_mode(recipe.quantization.bits, device))
+    elif choice.value == "copy":
+        reference_head, _ = find_fused_head(reference_copy, enabled=recipe.memory.fused_cross_entropy)
+        # The copy stays in the mode gpupoor.model.build.build_reference chose (eval, but train for 4-bit on a CPU).
+        reference = Reference(reference_copy, reference_head, adapter_off=False, eval_mode=False)
+    loss = PreferenceLoss(objective, head, reference, preference.beta, preference.loss_type,
+                          preference.label_smoothing, preference.orpo_lambda)
+    if objective == "dpo":
+        smoothing = f", label smoothing {preference.label_smoothing:g}" if preference.label_smoothing else ""
+        what = (f"DPO {preference.loss_type} (beta {preference.beta:g}{smoothing}); reference {choice.value} "
+                f"({choice.reason})")
+    else:
+        what = f"ORPO (lambda {preference.orpo_lambda:g}; no reference model)"
+    path = "fused chunked log-probabilities" if head is not None else "log-probabilities from full logits"
+    return loss, loss.evaluate, f"{what}; {path} ({reason})"
+
+
+def _distill_loss(recipe: Recipe, teacher, student_head):
+    """The distillation loss: fused through both output heads where both can be, else from full logits."""
+    from gpupoor.objectives.cross_entropy import find_fused_head
+    from gpupoor.objectives.distill import distill_loss_sum, plain_distill_loss_sum
+
+    distill = recipe.distill
+    teacher_head, reason = find_fused_head(teacher, enabled=recipe.memory.fused_cross_entropy)
+    settings = f"T {distill.temperature}, KL weight {distill.weight}, teacher {distill.teacher}"
+    if student_head is not None and teacher_head is not None:
+        def loss(model, batch):
+            return distill_loss_sum(model, teacher, batch, student_head, teacher_head, distill.temperature,
+                                    distill.weight)
+
+        return loss, f"fused distillation KL + cross-entropy ({settings})"
+
+    def plain(model, batch):
+        return plain_distill_loss_sum(model, teacher, batch, distill.temperature, distill.weight)
+
+    return plain, f"distillation KL + cross-entropy from full logits ({settings}; {reason})"

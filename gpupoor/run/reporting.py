@@ -1,0 +1,88 @@
+"""What a run tells as it goes: each record to metrics.jsonl (the record of truth) and the trackers, the progress
+line, the memory line after the first and third steps, the warning for a skipped non-finite step, and the
+profiler's step. The first process writes; the others keep the same state (the last loss) and write nothing."""
+
+from __future__ import annotations
+
+import time
+
+from gpupoor.recipe.schema import Recipe
+from gpupoor.run.session import Session
+
+
+class Reporter:
+    """The run's metrics writer, trackers and progress line, and what it last reported."""
+
+    def __init__(self, session: Session, *, resumed: bool = False):
+        from gpupoor.train.metrics import MetricsWriter, NullWriter, Progress
+
+        self.session = session
+        self.first_step = session.state.step  # the step this process started from
+        self.last_loss: float | None = None
+        self.warned_nonfinite = False
+        self.predicted_mb = (round(session.memory_plan.comparable_peak / 2**20, 1)
+                             if session.memory_plan is not None else None)
+        main = session.main
+        self.metrics = MetricsWriter(session.run_dir / "metrics.jsonl") if main else NullWriter()
+        self.progress = Progress(session.steps, session.state.step, session.recipe.logging.progress if main else "none",
+                                 session.recipe.logging.every_steps)
+        self.trackers = self.profiler = None
+        if main and session.recipe.logging.report_to:
+            from gpupoor.train.trackers import Trackers
+
+            self.trackers = Trackers(session.run_dir, session.recipe.logging, session.recipe.model_dump(mode="json"),
+                                     session.logged, lambda text: self.progress.message(text, always=True))
+        self.write({"step": self.first_step, "event": "start", "session": "resume" if resumed else "train",
+                    "time": round(time.time(), 3), "startup_s": session.startup.seconds()})
+
+    def write(self, record: dict) -> None:
+        """One record to metrics.jsonl (the record of truth) and to the trackers."""
+        self.metrics.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
+
+    def message(self, text: str, always: bool = False) -> None:
+        self.progress.message(text, always=always)
+
+    def step(self, record: dict, state) -> None:
+        """An optimizer step's record, with the memory plan's prediction (and after steps 1 and 3 the memory line)."""
+        if self.predicted_mb is not None:
+            record["predicted_peak_mb"] = self.predicted_mb
+        if state.step - self.first_step in (1, 3) and self.session.main:
+            self._memory_line(record, state.step)
+        self.last_loss = record["loss"]
+        self.write(record)
+        if record.get("nonfinite") and not self.warned_nonfinite:  # once per session; the end repeats the count
+            self.warned_nonfinite = True
+            self.progress.message(f"warning: step {record['step']} was skipped: its loss ({record['loss']:.4g}) or "
+                                  f"gradient norm ({record['grad_norm']:.4g}) is not finite. "
+                                  f"{nonfinite_advice(self.session.recipe)}", always=True)
+        self.progress.step(record)
+        if self.profiler is not None:
+            self.profiler.step(record)
+
+    def _memory_line(self, record: dict, step: int) -> None:
+        """After the first step (optimizer state now exists) and the third (the heap has settled)."""
+        from gpupoor.train.optim import optimizer_state_bytes
+
+        if step - self.first_step == 1:
+            record["optimizer_state_mb"] = round(optimizer_state_bytes(self.session.optimizer) / 2**20, 2)
+        what = "process RSS" if self.session.device == "cpu" else "allocated, without context and allocator slack"
+        planned = self.predicted_mb
+        versus = "" if planned is None else \
+            f" vs {planned:.0f} MiB planned ({record['peak_mem_mb'] / planned - 1:+.0%}; {what})"
+        state_text = f"optimizer state {record['optimizer_state_mb']:.1f} MiB; " if "optimizer_state_mb" in record else ""
+        self.progress.message(f"  {state_text}peak memory after step {step}: {record['peak_mem_mb']:.0f} MiB{versus}",
+                              always=True)
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.trackers is not None:
+            self.trackers.close()
+        self.metrics.close()
+
+
+def nonfinite_advice(recipe: Recipe) -> str:
+    training = recipe.training
+    clip = "" if training.max_grad_norm else ", set training.max_grad_norm (e.g. 1.0)"
+    return f"Lower training.learning_rate (now {training.learning_rate:g}){clip}, or look for bad rows in the data"

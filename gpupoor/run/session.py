@@ -1,0 +1,337 @@
+"""What one run is built from: the Session (everything one process built, and its progress) and build_session,
+which builds it from the recipe in the order that keeps the RNG stream fixed; with the recipe's own adjustments
+(smoke_recipe, total_steps), the launch check and the loop's settings drawn from a session.
+
+Where new things go: a training method is built in gpupoor.model.build (its rules in decisions.py); a distributed
+strategy is chosen in make_accelerator (its rules in decisions.py); a data source or mixture lands in gpupoor/data.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpupoor.errors import UserError
+from gpupoor.recipe.schema import Recipe
+
+SMOKE_ROWS = 16
+SMOKE_STEPS = 3
+SMOKE_MAX_LENGTH = 256
+FULL_SHARD_SIZE = "2GB"  # shards of a full fine-tune's checkpoints and final/, as the hub's models are cut
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    reason: str  # "done" | "already_done" | "time_limit" | a signal name
+    final_loss: float | None
+    steps: int
+
+
+class RunFailed(Exception):
+    """Training cannot go on (diverged, disk full); the last committed checkpoint is intact."""
+
+
+
+def check_launch(environ=os.environ) -> None:
+    """A launch gpupoor cannot train under is refused before anything loads.
+
+    - DeepSpeed from an accelerate config: see the message.
+    - accelerate's own FSDP config: accelerate would wrap the model behind gpupoor's back (gpupoor shards with
+      FSDP2 itself when the recipe says distributed.strategy: fsdp, and writes its checkpoints to match).
+    - `accelerate launch --num_processes N` without --multi_gpu (e.g. with --cpu) runs accelerate's simple
+      launcher: ONE process, which only exports MASTER_ADDR/PORT for an mpirun that is not there. Training
+      would silently run on one process; say how to launch N instead."""
+    if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        raise UserError("this accelerate config launches DeepSpeed, which gpupoor does not train with: DeepSpeed's "
+                        "engine steps the optimizer inside backward and keeps its own partitioned optimizer "
+                        "state, so gpupoor could neither normalize accumulation by target tokens, skip a "
+                        "non-finite step, nor checkpoint and resume the run exactly",
+                        hint="use the same sharding through PyTorch: --set distributed.strategy=fsdp (ZeRO-3; with "
+                        "distributed.reshard_after_forward=false, like ZeRO-2; distributed.cpu_offload=true, like "
+                        "ZeRO-Offload), launched with an accelerate config without deepspeed, or torchrun "
+                        "(docs/distributed.md)")
+    if environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        raise UserError("this accelerate config turns on accelerate's FSDP: gpupoor applies FSDP2 itself, so that "
+                        "its checkpoints gather the weights and shard the optimizer state to match",
+                        hint="launch with an accelerate config without fsdp (or with torchrun) and set "
+                        "distributed.strategy: fsdp in the recipe (docs/distributed.md)")
+    launched_by_accelerate = "ACCELERATE_USE_CPU" in environ or "ACCELERATE_MIXED_PRECISION" in environ
+    ranked = any(key in environ for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK"))
+    if launched_by_accelerate and "MASTER_ADDR" in environ and not ranked:
+        raise UserError("accelerate launch started a single process although more were asked for: without "
+                        "--multi_gpu (or with --cpu) it uses its one-process launcher, which expects mpirun",
+                        hint="on CPUs: torchrun --nproc-per-node N -m gpupoor train RECIPE; on GPUs: accelerate "
+                        "launch --multi_gpu --num_processes N -m gpupoor train RECIPE")
+
+
+def smoke_recipe(recipe: Recipe) -> Recipe:
+    """The same recipe shrunk for `--smoke`: a few rows, a few steps, CPU, fp32, no checkpoints."""
+    few = {"max_rows": min(recipe.data.max_rows or SMOKE_ROWS, SMOKE_ROWS)}
+    sources = [source.model_copy(update={"max_rows": min(source.max_rows or SMOKE_ROWS, SMOKE_ROWS),
+                                         "eval_rows": min(source.eval_rows, 4), "rows": None, "epochs": None})
+               for source in recipe.data.datasets] if recipe.data.datasets else None
+    data = recipe.data.model_copy(update={
+        **few, "datasets": sources, "max_length": min(recipe.data.max_length, SMOKE_MAX_LENGTH),
+        "eval_rows": min(recipe.data.eval_rows, 4)})
+    training = recipe.training.model_copy(update={
+        "max_steps": SMOKE_STEPS, "epochs": None, "device": "cpu",
+        "micro_batch_size": min(recipe.training.micro_batch_size, 2),
+        "gradient_accumulation_steps": min(recipe.training.gradient_accumulation_steps, 2),
+        "eval_every_steps": None})
+    checkpoint = recipe.checkpoint.model_copy(update={"every_steps": None, "every_minutes": None, "time_limit": None})
+    model = recipe.model.model_copy(update={"attention": "auto"})  # flash-attn does not run on the CPU
+    return recipe.model_copy(update={"model": model, "data": data, "training": training, "precision": "fp32",
+                                     "checkpoint": checkpoint})
+
+
+def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> int:
+    if recipe.training.max_steps is not None:
+        return recipe.training.max_steps
+    epochs = recipe.training.epochs if recipe.training.epochs is not None else 1.0
+    per_step = recipe.training.gradient_accumulation_steps * processes  # micro-batches one optimizer step uses
+    return max(1, math.ceil(epochs * batches_per_epoch / per_step))
+
+
+def make_accelerator(device: str, precision: str, strategy: str = "single"):
+    """The Accelerator: one process, or several under torchrun / accelerate launch. It prepares DDP itself;
+    FSDP is applied by gpupoor.train.distributed.shard_model (accelerate builds FSDP on accelerators only)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps one process-wide state that refuses a second mixed precision. A second run in the same
+    # process (the demo, tests, a notebook) must start from a clean one; accelerate has no public reset, so
+    # this private call is the one place gpupoor needs it. Launch settings (DDP etc.) come from the
+    # environment and survive.
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(cpu=device == "cpu",
+                              mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision])
+    if strategy == "fsdp" and accelerator.scaler is not None:
+        # fp16 under FSDP: each process sees only its shard of the gradients, so whether a step had an inf must
+        # be agreed by all of them (else one skips the step and another takes it). ShardedGradScaler does that.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        accelerator.scaler = ShardedGradScaler()
+    return accelerator
+
+
+@dataclass(kw_only=True)
+class Session:
+    """Everything one process built for a run, and its progress."""
+
+    recipe: Recipe
+    run_dir: Path
+    smoke: bool
+    accelerator: object
+    choices: dict  # name -> gpupoor.hardware.Choice (device, precision, attention, sampler)
+    tokenizer: object
+    data: object  # gpupoor.data.build.DataBundle
+    model: object  # as prepared by accelerate
+    unwrapped: object
+    raw_optimizer: object
+    optimizer: object
+    steps: int
+    warmup: int
+    summary: object  # gpupoor.model.build.ModelSummary
+    nodes: int = 1
+    logged: set = field(default_factory=set)  # (step, kind) of what earlier sessions logged (trackers.already_logged)
+    scheduler: object = None
+    state: object = None  # gpupoor.train.state.TrainState
+    memory_plan: object = None
+    teacher: object = None  # the frozen distillation teacher (recipe.distill)
+    reference: object = None  # DPO's frozen reference copy (preference.reference: copy)
+    startup: object = None  # gpupoor.run.startup.StartupClock: where the seconds before the first step went
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def device(self) -> str:
+        return self.choices["device"].value
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def sharded(self) -> bool:
+        return self.choices["strategy"].value == "fsdp"
+
+    @property
+    def full(self) -> bool:
+        """`full` fine-tuning: checkpoints and final/ hold the whole model, not an adapter."""
+        return self.recipe.peft.method == "full"
+
+    def saved_weight_bytes(self) -> int:
+        """About what save_weights writes: the trainable weights (an adapter), or for `full` every weight."""
+        return sum(p.numel() * p.element_size() for p in self.unwrapped.parameters() if self.full or p.requires_grad)
+
+    def gather_weights(self) -> dict | None:
+        """Under FSDP, the trained weights gathered whole onto the first process (collective); else None: the
+        model holds them whole already."""
+        if not self.sharded:
+            return None
+        from gpupoor.train.distributed import gather_weights
+
+        return gather_weights(self.model, whole_model=self.full)
+
+    def save_weights(self, directory: Path, gathered: dict | None = None) -> None:
+        """The trained weights in their standard layout: a PEFT adapter, or (full) a transformers model directory
+        in safetensors shards that AutoModelForCausalLM.from_pretrained loads with no gpupoor. `gathered`: what
+        gather_weights returned (FSDP)."""
+        extra = {} if gathered is None else {"state_dict": gathered}
+        if self.full:
+            self.unwrapped.save_pretrained(directory, max_shard_size=FULL_SHARD_SIZE, **extra)
+        else:
+            self.unwrapped.save_pretrained(directory, safe_serialization=True, **extra)  # adapter config + weights
+        self.tokenizer.save_pretrained(directory)
+
+
+def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: bool = False,
+                  clock=None) -> Session:
+    """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed.
+    `resuming`: a checkpoint's weights will replace the starting ones. `clock`: a gpupoor.run.startup.StartupClock
+    already running (a new one otherwise)."""
+    from gpupoor.run.startup import StartupClock
+
+    clock = clock or StartupClock()
+    import torch
+
+    from gpupoor import faults
+    from gpupoor.data.build import build_data
+    from gpupoor.decisions import choose_strategy, launch_layout
+    from gpupoor.hardware import resolve_attention, resolve_device, resolve_precision, resolve_sampler
+    from gpupoor.model.build import build_model, summarize
+    from gpupoor.model.load import load_tokenizer, model_location
+    from gpupoor.train.optim import build_optimizer, warmup_steps
+    from gpupoor.quiet import quiet_libraries
+
+    quiet_libraries()
+    clock.mark("libraries")
+    device = resolve_device(recipe.training.device)
+    precision = resolve_precision(recipe.precision, device.value)
+    attention = resolve_attention(recipe.model.attention, device.value)
+    processes, nodes = launch_layout(os.environ)
+    strategy = choose_strategy(recipe.distributed.strategy, processes)
+    # The Accelerator first: under `accelerate launch` it says which GPU this process owns.
+    accelerator = make_accelerator(device.value, precision.value, strategy.value)
+    if not accelerator.is_main_process:
+        say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
+    if device.value == "cpu":
+        _use_cpu_cores(recipe.training.cpu_threads)
+    torch.manual_seed(recipe.seed)
+
+    location = model_location(recipe.model, Path.cwd())  # a local directory (built-ins built) or a hub id
+    tokenizer = load_tokenizer(location, recipe.model)
+    clock.mark("accelerator and tokenizer")
+    sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code)
+    data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, Path.cwd(),
+                      sampler=sampler.value, resuming=resuming)
+    clock.mark("data")
+    for warning in data.warnings:
+        say(f"warning: {warning}")
+    _keep_chat_template(recipe, tokenizer)
+    model = build_model(location, recipe.model, recipe.peft, quant=recipe.quantization, memory=recipe.memory,
+                        precision=precision.value, attention=attention.value, device=str(accelerator.device),
+                        seed=recipe.seed, smoke=smoke, resuming=resuming)
+    summary = summarize(model)
+    built_on = {"precision": precision.value, "attention": attention.value, "device": str(accelerator.device),
+                "smoke": smoke}
+    teacher = _build_teacher(recipe, tokenizer, **built_on)
+    reference = _build_reference(recipe, **built_on)
+    clock.mark("model")
+    faults.at_stage("startup")  # tests: a signal while the model loads
+    if strategy.value == "fsdp":  # before the optimizer: sharding replaces the parameters it must hold
+        from gpupoor.train.distributed import shard_model
+
+        dist = recipe.distributed
+        model = shard_model(model, precision.value, device.value, dist.shard_frozen, dist.reshard_after_forward,
+                            dist.cpu_offload)
+    raw_optimizer = build_optimizer(recipe.training, model, device.value)
+    steps = total_steps(recipe, len(data.plan), accelerator.num_processes)
+    if strategy.value == "fsdp":
+        prepared_model, optimizer = model, accelerator.prepare(raw_optimizer)
+    else:
+        prepared_model, optimizer = accelerator.prepare(model, raw_optimizer)  # DDP-wrapped with several processes
+    clock.mark("optimizer")
+    choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler,
+               "strategy": strategy}
+    return Session(recipe=recipe, run_dir=run_dir, smoke=smoke, accelerator=accelerator, choices=choices,
+                   tokenizer=tokenizer, data=data, model=prepared_model,
+                   unwrapped=accelerator.unwrap_model(prepared_model), raw_optimizer=raw_optimizer,
+                   optimizer=optimizer, steps=steps, warmup=warmup_steps(recipe.training, steps), summary=summary,
+                   nodes=nodes, teacher=teacher, reference=reference, startup=clock)
+
+
+def _use_cpu_cores(cpu_threads: int | None) -> None:
+    """Oversubscribed cores are far slower than idle ones: use the cores we may run on, no more, shared with the
+    other processes of this node (training.cpu_threads, when set, decides)."""
+    import torch
+
+    from gpupoor.hardware import usable_cpu_count
+
+    per_process = max(1, usable_cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(cpu_threads or per_process)
+
+
+def _keep_chat_template(recipe: Recipe, tokenizer) -> None:
+    """The tokenizer saved beside the adapter carries the template the run trained with (a named one resolved to
+    its text), so generate, merges and plain transformers render prompts the same way."""
+    from gpupoor.data.formats import FORMATS
+
+    chat_source = next((s for s in recipe.data.sources() if FORMATS[s.format].needs_chat_template), None)
+    if chat_source is not None:
+        from gpupoor.data.build import make_encoder
+
+        tokenizer.chat_template = make_encoder(recipe.data, tokenizer, chat_source).chat_template
+
+
+def _build_teacher(recipe: Recipe, tokenizer, *, precision: str, attention: str, device: str, smoke: bool):
+    """The frozen distillation teacher (recipe.distill), checked to share the student's vocabulary; or None."""
+    if recipe.distill is None:
+        return None
+    from gpupoor.objectives.distill import check_vocabularies
+    from gpupoor.model.frozen import build_teacher
+
+    teacher, teacher_tokenizer = build_teacher(recipe.distill, recipe.model, precision=precision, attention=attention,
+                                               device=device, seed=recipe.seed, smoke=smoke)
+    check_vocabularies(tokenizer, teacher_tokenizer)
+    return teacher
+
+
+def _build_reference(recipe: Recipe, *, precision: str, attention: str, device: str, smoke: bool):
+    """DPO's frozen reference copy of the base model when the reference is a copy (gpupoor.decisions
+    .choose_reference), else None."""
+    from gpupoor.decisions import choose_reference
+
+    preference = recipe.preference
+    if choose_reference(recipe.training.objective, preference.reference, recipe.peft.method).value != "copy":
+        return None
+    from gpupoor.model.frozen import build_reference
+
+    return build_reference(recipe.model, bits=preference.reference_bits, quant=recipe.quantization,
+                           precision=precision, attention=attention, device=device, seed=recipe.seed, smoke=smoke)
+
+
+def loop_settings(session: Session, loss_fn, eval_fn=None):
+    """The loop's settings for this session: its steps, accumulation, eval, loss and what the loss is a sum over."""
+    from gpupoor.data.build import count_pairs, count_targets
+    from gpupoor.decisions import evaluates_in_train_mode
+    from gpupoor.objectives.preference import METRICS
+    from gpupoor.train.loop import LoopSettings
+
+    training = session.recipe.training
+    pairs = training.objective != "sft"  # the loss is a sum over pairs, normalized by pairs
+    return LoopSettings(total_steps=session.steps, accumulation=training.gradient_accumulation_steps,
+                        max_grad_norm=training.max_grad_norm, eval_every=training.eval_every_steps,
+                        pad_id=session.tokenizer.pad_token_id, eval_micro_batch_size=training.micro_batch_size,
+                        eval_in_train_mode=evaluates_in_train_mode(session.recipe.quantization.bits, session.device),
+                        max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn,
+                        **({"eval_fn": eval_fn} if eval_fn is not None else {}), lockstep=session.sharded,
+                        count_units=count_pairs if pairs else count_targets,
+                        metric_names=METRICS.get(training.objective, ()))
+
+
