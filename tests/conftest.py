@@ -1,5 +1,13 @@
 """Fixtures: a tokenizer trained here, tiny random-weight Llamas saved with save_pretrained, data files,
-and a helper that writes recipes. Nothing is downloaded: HF_HUB_OFFLINE makes an accidental download fail."""
+and a helper that writes recipes. Nothing is downloaded: HF_HUB_OFFLINE makes an accidental download fail.
+
+The tests are in tiers, one directory each, and every test is marked with its directory's name:
+  unit/         no training run, no subprocess: `make test`, after every change (under 2 minutes, xdist workers)
+  integration/  in-process CLI runs and training
+  system/       subprocesses, torchrun, SIGKILL and signals, learning quality
+  gpu/          needs a CUDA GPU (skipped elsewhere)
+  real/         pretrained models
+`make test-all` runs every tier (what CI runs). A test that trains or starts a process is not a unit test."""
 
 from __future__ import annotations
 
@@ -13,6 +21,13 @@ import yaml
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+if "PYTEST_XDIST_WORKER" in os.environ:  # several workers on a few cores: one thread each, or they fight
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+TIERS = ("unit", "integration", "system", "gpu", "real")
 
 WORDS = ("the model learns to stop when the answer is done and every token counts toward the loss "
          "python lists sort reverse add numbers quickly small large data memory speed resume").split()
@@ -154,6 +169,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    here = Path(__file__).parent
+    for item in items:
+        tier = Path(item.fspath).relative_to(here).parts[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

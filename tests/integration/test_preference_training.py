@@ -1,0 +1,178 @@
+"""The integration tier of test_preference.py (the tiers are described in tests/conftest.py)."""
+
+from __future__ import annotations
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+import gpupoor.objectives.preference as preference
+from conftest import WORDS, invoke, read_metrics, write_jsonl
+from gpupoor.data.build import collate_pairs, count_pairs
+from gpupoor.data.dataset import encoded_chunk, tokenize_rows
+from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
+from gpupoor.data.loading import Row
+from gpupoor.objectives.cross_entropy import find_fused_head
+from gpupoor.objectives.preference import PreferenceLoss, Reference, frozen_head
+
+from test_preference import _one_thread, close, dpo_recipe, pair_rows, pairs_file, steps
+
+
+def test_dpo_resumes_bitwise_and_the_adapter_merges_and_generates(make_recipe, pairs_file, tmp_path, monkeypatch):
+    """Packed pairs, accumulation, dropout and evals: stopped mid-epoch (SIGTERM) and resumed, the run equals the
+    straight one bit for bit (losses, reward metrics, adapter); its adapter merges into the base like peft's own
+    merge and generates."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    recipe = dpo_recipe(make_recipe, pairs_file, "exact.yaml", data={"sampler": "packed", "eval_rows": 4},
+                        peft={"rank": 4, "dropout": 0.1},
+                        training={"max_steps": 6, "gradient_accumulation_steps": 2, "eval_every_steps": 3})
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert invoke("train", recipe, "--output-dir", straight, monkeypatch=monkeypatch).exit_code == 0
+    result = invoke("train", recipe, "--output-dir", stopped, fault="sigterm@4", monkeypatch=monkeypatch)
+    assert result.exit_code == 75, result.output
+    result = invoke("resume", stopped, monkeypatch=monkeypatch)
+    assert result.exit_code == 0, result.output
+    records = [r for r in read_metrics(straight) if "loss" in r or "eval_loss" in r]
+    assert records and all("rewards/margins" in r or "eval_rewards/margins" in r for r in records)
+    strip = ("tokens_per_s", "step_s", "elapsed_s", "peak_mem_mb", "predicted_peak_mb", "optimizer_state_mb")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in records] == \
+        [{k: v for k, v in r.items() if k not in strip} for r in read_metrics(stopped) if "loss" in r or "eval_loss" in r]
+    first, second = (load_file(run / "final" / "adapter_model.safetensors") for run in (straight, stopped))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+    assert invoke("merge-lora", straight, "--output", tmp_path / "merged").exit_code == 0
+    base = AutoModelForCausalLM.from_pretrained(json.loads((straight / "final" / "adapter_config.json").read_text())
+                                                ["base_model_name_or_path"])
+    probe = torch.tensor([[1, 5, 9, 17, 33, 60, 2, 7]])
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(base, straight / "final").merge_and_unload()(probe).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(probe).logits
+    assert close(merged, expected, 1e-5)
+    result = invoke("generate", straight, "--prompt", "sort the lists", "--max-new-tokens", "6")
+    assert result.exit_code == 0 and result.output.strip(), result.output
+
+
+def test_pairs_are_the_unit_of_accumulation(make_recipe, pairs_file, tmp_path):
+    """4 pairs x accumulation 1 and 1 pair x accumulation 4 take the same pairs per step: normalized by pairs, the
+    first step's loss and gradient norm agree, and so do the reward metrics."""
+    runs = {}
+    for name, batch, accumulation in (("big", 4, 1), ("small", 1, 4)):
+        recipe = dpo_recipe(make_recipe, pairs_file, f"{name}.yaml", training={
+            "micro_batch_size": batch, "gradient_accumulation_steps": accumulation, "max_steps": 2,
+            "max_grad_norm": None})
+        assert invoke("train", recipe, "--output-dir", tmp_path / name).exit_code == 0
+        runs[name] = steps(tmp_path / name)
+    for big, small in zip(runs["big"], runs["small"]):  # step 2: the policy has moved off its reference
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/rejected"):
+            # The margin is a difference of two rewards: its tolerance scales with them, not with itself.
+            scale = abs(big["rewards/chosen"]) + abs(big["rewards/rejected"]) if key == "rewards/margins" else 0.0
+            assert big[key] == pytest.approx(small[key], rel=1e-5, abs=1e-7 + 1e-5 * scale), (big["step"], key)
+    assert runs["big"][0]["rewards/accuracies"] == 0.5  # the first step: policy = reference, every pair a tie
+    assert runs["big"][1]["rewards/margins"] != 0.0
+
+
+def test_reference_copy_equals_adapter_off_and_full_tuning_uses_a_copy(make_recipe, pairs_file, tmp_path):
+    """With LoRA, a frozen copy of the base as DPO's reference gives the losses the adapter switched off gives;
+    `full` fine-tuning takes the copy by itself (auto), quantized with reference_bits; ORPO runs with no
+    reference."""
+    losses = {}
+    full = {"peft": {"method": "full"}, "training": {"learning_rate": 1e-3}}
+    for name, sections in (("off", {}), ("copy", {"preference": {"reference": "copy"}}), ("full", full),
+                           ("full4", {**full, "preference": {"reference_bits": 4}}),
+                           ("orpo", {"training": {"objective": "orpo"}})):
+        recipe = dpo_recipe(make_recipe, pairs_file, f"{name}.yaml", **sections)
+        result = invoke("train", recipe, "--output-dir", tmp_path / name)
+        assert result.exit_code == 0, result.output
+        losses[name] = [r["loss"] for r in steps(tmp_path / name)]
+        assert all(map(torch.isfinite, torch.tensor(losses[name]))), name
+        assert {"off": "reference adapter_off", "copy": "reference copy", "full": "reference copy",
+                "full4": "reference copy", "orpo": "ORPO (lambda 0.1"}[name] in result.output
+    assert losses["copy"] == pytest.approx(losses["off"], rel=1e-6)
+    for name in ("full", "full4"):  # a reference equal to the policy would keep every loss at log 2, margin 0
+        assert steps(tmp_path / name)[-1]["rewards/margins"] != 0.0 and losses[name][-1] != losses[name][0], name
+    assert "log_odds_chosen" in steps(tmp_path / "orpo")[0]
+
+
+def test_qlora_dpo_trains(make_recipe, pairs_file, tmp_path):
+    """DPO on a 4-bit base (the reference: the quantized base with the adapter off)."""
+    recipe = dpo_recipe(make_recipe, pairs_file, "qlora.yaml", quantization={"bits": 4}, training={"max_steps": 2})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "qlora")
+    assert result.exit_code == 0, result.output
+    records = steps(tmp_path / "qlora")
+    assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert records[0]["rewards/accuracies"] == 0.5
+
+
+def test_identical_pairs_are_warned_at_validate_and_train(make_recipe, tmp_path):
+    """A pair whose chosen and rejected answers are the same teaches nothing (the loss stays at ln 2): validate and
+    train say how many there are and where the first is (#25)."""
+    rows = pair_rows(24)
+    for row in rows[5:8]:
+        row["rejected"] = row["chosen"]
+    some = write_jsonl(tmp_path / "some.jsonl", rows)
+    result = invoke("validate", dpo_recipe(make_recipe, some, "some.yaml"))
+    assert result.exit_code == 0, result.output
+    assert "chosen is identical to rejected in 3 of 24 pairs (the first at " in result.output
+    assert "some.jsonl:6)" in result.output and "ln 2" in result.output
+    same = write_jsonl(tmp_path / "same.jsonl", [{**row, "rejected": row["chosen"]} for row in rows])
+    recipe = dpo_recipe(make_recipe, same, "same.yaml", training={"max_steps": 1})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert "warning: data.path: chosen is identical to rejected in all of 24 pairs (the first at " in result.output
+    different = invoke("validate", dpo_recipe(make_recipe, write_jsonl(tmp_path / "ok.jsonl", pair_rows(24)), "ok.yaml"))
+    assert different.exit_code == 0 and "identical to rejected" not in different.output, different.output
+
+
+# ----------------------------------------------------------------------------------------------- the demo task
+def test_dpo_on_the_demo_task_raises_reward_and_greedy_accuracy(tmp_path, monkeypatch):
+    """The demo's reversal task, the documented two stages: a short SFT (a model that reverses some inputs), merged;
+    then DPO with a new adapter on pairs (the reversal chosen, a wrong one rejected). On held-out pairs the reward
+    accuracy climbs from 50% (the policy starts equal to its reference) toward 100%, and greedy decoding gets more
+    reversals right."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpupoor.model.demo_task import preference_split
+    from gpupoor.commands.generate import complete
+
+    train, held_out = preference_split(2400, 100, prompt=lambda letters: f"{letters} = ")  # short prompts: fast
+    write_jsonl(tmp_path / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in train])
+    write_jsonl(tmp_path / "pairs.jsonl", train)
+    write_jsonl(tmp_path / "held-out.jsonl", held_out)
+    common = {"logging": {"progress": "none"}, "seed": 0}
+    sft = {"model": {"name_or_path": "gpupoor:demo"}, "peft": {"rank": 32, "modules_to_save": ["embed_tokens", "lm_head"]},
+           "data": {"path": "sft.jsonl", "format": "completion", "max_length": 64, "sampler": "random"},
+           "training": {"micro_batch_size": 16, "max_steps": 65, "learning_rate": 2e-3, "warmup_steps": 0,
+                        "cpu_threads": 1}, **common}
+    (tmp_path / "sft.yaml").write_text(json.dumps(sft))
+    assert invoke("train", tmp_path / "sft.yaml", "--output-dir", tmp_path / "sft").exit_code == 0
+    assert invoke("merge-lora", tmp_path / "sft", "--output", tmp_path / "merged").exit_code == 0
+    dpo = {"model": {"name_or_path": "merged"}, "peft": {"rank": 16},
+           "data": {"path": "pairs.jsonl", "format": "preference", "max_length": 64, "sampler": "random",
+                    "eval_path": "held-out.jsonl"},
+           "training": {"objective": "dpo", "micro_batch_size": 16, "max_steps": 60, "learning_rate": 1e-3,
+                        "warmup_steps": 0, "cpu_threads": 1, "eval_every_steps": 20},
+           "preference": {"beta": 0.5}, **common}
+    (tmp_path / "dpo.yaml").write_text(json.dumps(dpo))
+    result = invoke("train", tmp_path / "dpo.yaml", "--output-dir", tmp_path / "dpo")
+    assert result.exit_code == 0, result.output
+
+    rewards = [r["eval_rewards/accuracies"] for r in read_metrics(tmp_path / "dpo") if "eval_loss" in r]
+    assert rewards[-1] >= 0.8 and rewards[-1] >= rewards[0], rewards
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    prompts = [Encoder(tokenizer, "preference", 64).encode_prompt(row, "held-out") for row in held_out]
+
+    def greedy(model) -> float:
+        return sum(a == r["chosen"] for a, r in zip(complete(model, tokenizer, prompts, 12), held_out)) / len(held_out)
+
+    before = greedy(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"))
+    after = greedy(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"),
+                                             tmp_path / "dpo" / "final"))
+    assert after >= before + 0.1, (before, after, rewards)
