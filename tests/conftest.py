@@ -91,30 +91,57 @@ def alpaca_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "train.jsonl", alpaca_rows(48))
 
 
+def write_recipe(path: Path, model_dir: Path, data_file: Path, **sections) -> Path:
+    """A recipe for `model_dir` on `data_file`; keyword sections are merged over sensible test defaults."""
+    recipe = {
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"path": str(data_file), "format": "alpaca", "max_length": 128, "sampler": "random"},
+        "peft": {"rank": 4},
+        "training": {"micro_batch_size": 4, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
+                     "warmup_steps": 0},
+        "logging": {"progress": "none"},
+        "seed": 0,
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(recipe.get(key), dict):
+            recipe[key] = {**recipe[key], **value}
+        else:
+            recipe[key] = value
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
 @pytest.fixture()
 def make_recipe(tmp_path, tiny_model, alpaca_file):
     """Write a recipe for the tiny model; keyword sections are merged over sensible test defaults."""
 
     def make(name: str = "recipe.yaml", **sections) -> Path:
-        recipe = {
-            "model": {"name_or_path": str(tiny_model)},
-            "data": {"path": str(alpaca_file), "format": "alpaca", "max_length": 128, "sampler": "random"},
-            "peft": {"rank": 4},
-            "training": {"micro_batch_size": 4, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
-                         "warmup_steps": 0},
-            "logging": {"progress": "none"},
-            "seed": 0,
-        }
-        for key, value in sections.items():
-            if isinstance(value, dict) and isinstance(recipe.get(key), dict):
-                recipe[key] = {**recipe[key], **value}
-            else:
-                recipe[key] = value
-        path = tmp_path / name
-        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-        return path
+        return write_recipe(tmp_path / name, tiny_model, alpaca_file, **sections)
 
     return make
+
+
+def reference_runs(tmp_path_factory, tiny_model):
+    """`train(fault=None, **sections) -> run`: an uninterrupted run of the test recipe (on the same 48 rows
+    as `alpaca_file`), trained once per module and recipe, for the module's tests to compare with or copy. A
+    module fixture runs before the tests' own environment exists, so it sets its own cache and fault."""
+    root = tmp_path_factory.mktemp("reference")
+    data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
+    runs: dict[tuple, Path] = {}
+
+    def train(fault: str | None = None, **sections) -> Path:
+        key = (fault, repr(sections))
+        if key not in runs:
+            run = root / f"run-{len(runs)}"
+            recipe = write_recipe(root / f"recipe-{len(runs)}.yaml", tiny_model, data, **sections)
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                monkeypatch.setenv("GPUPOOR_CACHE", str(root / "cache"))
+                result = invoke("train", recipe, "--output-dir", run, fault=fault, monkeypatch=monkeypatch)
+            assert result.exit_code == 0, result.output
+            runs[key] = run
+        return runs[key]
+
+    return train
 
 
 # Every training method, and the last-N-layers variants (#14): recipe `peft` sections by name.

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import invoke, read_metrics
+from conftest import invoke, read_metrics, reference_runs
 from gpupoor.storage.checkpoint import STAGES
 
 
@@ -43,9 +43,28 @@ def assert_same_run(a: Path, b: Path) -> None:
         assert torch.equal(first[name], second[name]), name
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, tiny_model):
+    return reference_runs(tmp_path_factory, tiny_model)
+
+
 @pytest.fixture()
-def straight(make_recipe, tmp_path, monkeypatch):
-    """A recipe and its uninterrupted run, for comparison."""
+def straight(make_recipe, tmp_path, references):
+    """A recipe and its uninterrupted run, for comparison: a copy of the run the module trained once for that
+    recipe (a test may change its copy)."""
+
+    def run(fault: str | None = None, **sections) -> tuple[Path, Path]:
+        recipe = make_recipe("exact.yaml", **{**EXACT, **sections})
+        out = tmp_path / f"straight-{fault or 'plain'}".replace("@", "-").replace(",", "_")
+        shutil.copytree(references(fault, **{**EXACT, **sections}), out)
+        return recipe, out
+
+    return run
+
+
+@pytest.fixture()
+def straight_on_this_data(make_recipe, tmp_path, monkeypatch):
+    """A recipe and its uninterrupted run, trained here: for a test that changes the run's data file."""
 
     def run(fault: str | None = None, **sections) -> tuple[Path, Path]:
         recipe = make_recipe("exact.yaml", **{**EXACT, **sections})
@@ -154,8 +173,8 @@ def test_forced_learning_rate_change_takes_effect(straight, tmp_path, monkeypatc
     assert "learning_rate: 0.001" in (run / "recipe.yaml").read_text()
 
 
-def test_changed_data_is_refused(straight, alpaca_file, monkeypatch):
-    _, run = straight()
+def test_changed_data_is_refused(straight_on_this_data, alpaca_file, monkeypatch):
+    _, run = straight_on_this_data()
     shutil.rmtree(run / "final")
     alpaca_file.write_text(alpaca_file.read_text() + json.dumps({"instruction": "x", "output": "y"}) + "\n")
     result = invoke("resume", run, monkeypatch=monkeypatch)
