@@ -46,6 +46,7 @@ def test_plain_progress_lines_when_not_a_tty(make_recipe, tmp_path):
 
 def test_startup_summary_says_what_was_chosen_and_why(make_recipe, tmp_path):
     result = runner.invoke(app, ["train", str(make_recipe()), "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
     assert "device cpu (no CUDA GPU found)" in result.output
     assert "attention sdpa (flash-attn not installed" in result.output
     assert "trainable" in result.output and "%" in result.output

@@ -218,6 +218,7 @@ def test_generate_is_greedy_and_uses_the_run_format(lora_run, tmp_path):
     assert merge(lora_run, "--output", tmp_path / "merged").exit_code == 0
     merged = runner.invoke(app, ["generate", str(tmp_path / "merged"), "--format", "alpaca", "--prompt",
                                  "sort the lists", "--max-new-tokens", "8"])
+    assert merged.exit_code == 0, merged.output
     assert merged.output == first.output
 
 

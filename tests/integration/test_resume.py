@@ -256,6 +256,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(straight, tmp_path
     else:
         target.unlink()
     status = invoke("status", run, monkeypatch=monkeypatch)
+    assert status.exit_code == 0, status.output
     assert "step-000005  INVALID" in status.output and "step-000004  step 4" in status.output
     result = invoke("resume", run, "--set", "checkpoint.every_steps=2", monkeypatch=monkeypatch)
     assert result.exit_code == 0, result.output
@@ -337,8 +338,9 @@ def test_paged_8bit_optimizer_resumes_bitwise(straight, tmp_path, monkeypatch):
 def test_status_shows_progress_checkpoints_and_the_command(straight, tmp_path, monkeypatch):
     recipe, _ = straight()
     run = tmp_path / "s"
-    invoke("train", recipe, "--output-dir", run, "--set", "checkpoint.every_steps=3", fault="sigterm@4",
-           monkeypatch=monkeypatch)
+    stopped = invoke("train", recipe, "--output-dir", run, "--set", "checkpoint.every_steps=3", fault="sigterm@4",
+                     monkeypatch=monkeypatch)
+    assert stopped.exit_code == 75, stopped.output
     out = invoke("status", run, monkeypatch=monkeypatch).output
     assert "progress: step 4/9" in out and "step-000004  step 4  loss" in out and "valid" in out
     assert f"continue with: gpupoor resume {run}" in out
@@ -369,4 +371,4 @@ def test_bad_lines_in_metrics_never_block_a_resume(straight, tmp_path, monkeypat
 def run_cli(args: list, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "gpupoor", *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=120, **kwargs)
+                          text=True, timeout=300, **kwargs)

@@ -126,6 +126,7 @@ def test_a_damaged_cache_entry_is_a_miss_with_a_warning(make_recipe, tmp_path, d
     a, b = adapter(tmp_path / "first"), adapter(tmp_path / "second")
     assert all(torch.equal(a[k], b[k]) for k in a)
     third = invoke("train", recipe, "--output-dir", tmp_path / "third")  # the entry was written again
+    assert third.exit_code == 0, third.output
     assert "tokenized cache hit" in third.output and "invalid" not in third.output
     assert not [p for p in entry.parent.iterdir() if p.name.endswith(".tmp")]
 
@@ -382,6 +383,7 @@ def test_a_dotted_name_is_checked_against_the_built_model(make_recipe, tmp_path)
 
 def test_the_startup_summary_says_how_many_processes_train(finished_run, make_recipe, tmp_path):
     result = invoke("train", make_recipe(), "--output-dir", tmp_path / "again")
+    assert result.exit_code == 0, result.output
     assert "processes: 1 (no data parallelism)" in result.output
 
 

@@ -23,6 +23,7 @@ def test_version():
 
 def test_schema_is_json_with_every_section():
     result = runner.invoke(app, ["schema"])
+    assert result.exit_code == 0, result.output
     schema = json.loads(result.output)
     assert schema["additionalProperties"] is False and "training" in schema["properties"]
 

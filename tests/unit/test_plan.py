@@ -221,6 +221,7 @@ def test_quantization_and_checkpointing_lower_their_terms(monkeypatch):
     def terms(*sets):
         args = ["plan", recipe, "--device", "cuda", "--memory", "80GiB", "--json"]
         out = runner.invoke(app, args + [a for s in sets for a in ("--set", s)])
+        assert out.exit_code == 0, out.output
         return {k: v["bytes"] for k, v in json.loads(out.output)["terms"].items()}
 
     base = terms()
@@ -255,6 +256,7 @@ def test_not_fitting_lists_changes_and_fit_writes_a_recipe_that_fits(tmp_path, m
     assert plan["fit_changes"]["memory.gradient_checkpointing"] is True
 
     text = runner.invoke(app, args)
+    assert text.exit_code == 3, text.output
     assert "what to change" in text.output and "gradient_checkpointing: true" in text.output
 
     written = runner.invoke(app, args + ["--fit"])
@@ -289,6 +291,7 @@ def test_max_gpu_memory_caps_the_weights_and_an_adapted_head_uses_the_plain_loss
     def terms(*sets):
         out = runner.invoke(app, ["plan", recipe, "--device", "cuda", "--memory", "80GiB", "--json",
                                   *[a for s in sets for a in ("--set", s)]])
+        assert out.exit_code == 0, out.output
         return {k: v["bytes"] for k, v in json.loads(out.output)["terms"].items()}
 
     assert terms("memory.max_gpu_memory=1GiB")["base_weights"] == 2**30
