@@ -1,15 +1,13 @@
 """The integration tier of test_bad_input.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
+
 import json
-import os
+
 import pytest
-from typer.testing import CliRunner
+
 from gpupoor.cli import app
-from gpupoor.data.formats import Encoder
-from gpupoor.errors import UserError
 from gpupoor.commands.validate import PREFLIGHT_ROWS
-from gpupoor.recipe.schema import load_recipe
 
 from test_bad_input import SURROGATE_ROWS, runner, surrogate_recipe
 

@@ -1,12 +1,7 @@
 """The integration tier of test_cli.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
-import subprocess
-import sys
-from pathlib import Path
-from typer.testing import CliRunner
-from gpupoor import __version__
+
 from gpupoor.cli import app
 
 from test_cli import runner

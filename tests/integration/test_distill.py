@@ -11,9 +11,6 @@ from safetensors.torch import load_file
 from conftest import invoke, read_metrics
 
 
-
-
-
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory, tokenizer):
     """A wider model than the student, fully fine-tuned on the test data: it knows something the student does
@@ -81,26 +78,6 @@ def test_a_distilled_student_moves_toward_its_teacher(make_recipe, teacher, tiny
     after_ce = _kl_to_teacher(tmp_path / "ce" / "final", None, teacher, rows)
     assert after_kd < 0.8 * before, (before, after_kd, after_ce)
     assert after_kd < after_ce, (after_kd, after_ce)
-
-
-def test_a_distillation_run_resumes_bitwise(make_recipe, teacher, tmp_path, monkeypatch):
-    recipe = make_recipe(distill={"teacher": str(teacher), "weight": 0.5, "temperature": 2.0},
-                         training={"max_steps": 6, "gradient_accumulation_steps": 2}, peft={"rank": 4, "dropout": 0.1},
-                         data={"eval_rows": 8})
-    straight = tmp_path / "straight"
-    assert invoke("train", recipe, "--output-dir", straight, monkeypatch=monkeypatch).exit_code == 0
-    run = tmp_path / "run"
-    assert invoke("train", recipe, "--output-dir", run, monkeypatch=monkeypatch, fault="sigterm@3").exit_code == 75
-    assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0
-
-    def records(path):
-        return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(path)
-                if "loss" in r or "eval_loss" in r]
-
-    assert records(run) == records(straight)
-    a = load_file(straight / "final" / "adapter_model.safetensors")
-    b = load_file(run / "final" / "adapter_model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(make_recipe, tmp_path):

@@ -1,16 +1,7 @@
 """The integration tier of test_merge_methods.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
-import math
-import shutil
-from pathlib import Path
 import pytest
-import torch
-import yaml
-from typer.testing import CliRunner
-from conftest import alpaca_rows, write_jsonl
-from gpupoor.cli import app
 from test_merge import assert_merges_as_trained_only_into_the_dequantized_base
 
 from test_merge_methods import train_run

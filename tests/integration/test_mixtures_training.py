@@ -1,40 +1,12 @@
 """The integration tier of test_mixtures.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
+
 import pytest
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
+
 from conftest import alpaca_rows, invoke, read_metrics, write_jsonl
-from gpupoor.data.mixture import Mixture, Source, source_counts
 
-from test_mixtures import mixture_recipe, two_sources
-
-
-def test_a_three_to_one_mixture_draws_three_to_one_and_resumes_exactly(make_recipe, two_sources, tmp_path,
-                                                                      monkeypatch):
-    # 80 examples per epoch (both sources' size), 60 from main and 20 from extra; 4 examples a step.
-    recipe = mixture_recipe(make_recipe, two_sources, training={"max_steps": 25, "micro_batch_size": 4})
-    straight = invoke("train", recipe, "--output-dir", tmp_path / "straight", monkeypatch=monkeypatch)
-    assert straight.exit_code == 0, straight.output
-    assert "source main: 40 rows" in straight.output and "60 examples per epoch" in straight.output
-    assert "source extra: 40 rows" in straight.output and "20 examples per epoch" in straight.output
-    steps = [r for r in read_metrics(tmp_path / "straight") if "loss" in r]
-    by_epoch_end = steps[19]["examples_by_source"]  # 20 steps x 4 = one epoch of 80
-    assert by_epoch_end == {"main": 60, "extra": 20}
-    # Within an epoch the share follows 3:1 up to sampling error (a hypergeometric draw: sd ~ 3 at 40 examples).
-    halfway = steps[9]["examples_by_source"]
-    assert abs(halfway["main"] - 30) <= 10 and sum(halfway.values()) == 40
-    # Stopped in the middle of the first epoch and resumed: the same examples, the same weights.
-    stopped = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch, fault="sigterm@7")
-    assert stopped.exit_code == 75, stopped.output
-    resumed = invoke("resume", tmp_path / "run", monkeypatch=monkeypatch)
-    assert resumed.exit_code == 0, resumed.output
-    again = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
-    assert [(r["loss"], r["examples_by_source"]) for r in again] == [(r["loss"], r["examples_by_source"]) for r in steps]
-    a = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
-    b = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+from test_mixtures import two_sources
 
 
 def test_eval_is_reported_per_source_and_overall(make_recipe, two_sources, tmp_path):

@@ -1,13 +1,8 @@
 """The integration tier of test_packing.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import pytest
-import torch
-import torch.nn.functional as F
+
 from gpupoor.data.build import collate_packed
-from gpupoor.data.dataset import TokenizedDataset, TokenStats
-from gpupoor.data.formats import IGNORE_INDEX
-from gpupoor.data.sampler import BatchPlan
 
 
 def test_packed_training_trains_and_reports_no_padding(make_recipe, tmp_path):

@@ -1,19 +1,14 @@
 """The integration tier of test_plan.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
-import weakref
-from pathlib import Path
-import pytest
-import torch
-import yaml
-from typer.testing import CliRunner
+
 import gpupoor.plan.core as planning
 from gpupoor.cli import app
-from gpupoor.recipe.schema import LoadedRecipe, Recipe, load_recipe
-from conftest import PEFT_METHODS, read_metrics
+from gpupoor.recipe.schema import load_recipe
 
-from test_plan import runner, small_gpu
+from conftest import read_metrics
+
+from test_plan import runner
 
 
 def test_preflight_stops_train_and_validate_before_loading_on_a_gpu_that_is_too_small(small_gpu, make_recipe, tmp_path):

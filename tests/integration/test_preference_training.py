@@ -1,62 +1,16 @@
 """The integration tier of test_preference.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
+
 import json
-import os
-import random
-import subprocess
-import sys
-from pathlib import Path
+
 import pytest
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
-import gpupoor.objectives.preference as preference
-from conftest import WORDS, invoke, read_metrics, write_jsonl
-from gpupoor.data.build import collate_pairs, count_pairs
-from gpupoor.data.dataset import encoded_chunk, tokenize_rows
-from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
-from gpupoor.data.loading import Row
-from gpupoor.objectives.cross_entropy import find_fused_head
-from gpupoor.objectives.preference import PreferenceLoss, Reference, frozen_head
 
-from test_preference import _one_thread, close, dpo_recipe, pair_rows, pairs_file, steps
+from conftest import invoke, read_metrics, write_jsonl
+from gpupoor.data.formats import Encoder
 
-
-def test_dpo_resumes_bitwise_and_the_adapter_merges_and_generates(make_recipe, pairs_file, tmp_path, monkeypatch):
-    """Packed pairs, accumulation, dropout and evals: stopped mid-epoch (SIGTERM) and resumed, the run equals the
-    straight one bit for bit (losses, reward metrics, adapter); its adapter merges into the base like peft's own
-    merge and generates."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    recipe = dpo_recipe(make_recipe, pairs_file, "exact.yaml", data={"sampler": "packed", "eval_rows": 4},
-                        peft={"rank": 4, "dropout": 0.1},
-                        training={"max_steps": 6, "gradient_accumulation_steps": 2, "eval_every_steps": 3})
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert invoke("train", recipe, "--output-dir", straight, monkeypatch=monkeypatch).exit_code == 0
-    result = invoke("train", recipe, "--output-dir", stopped, fault="sigterm@4", monkeypatch=monkeypatch)
-    assert result.exit_code == 75, result.output
-    result = invoke("resume", stopped, monkeypatch=monkeypatch)
-    assert result.exit_code == 0, result.output
-    records = [r for r in read_metrics(straight) if "loss" in r or "eval_loss" in r]
-    assert records and all("rewards/margins" in r or "eval_rewards/margins" in r for r in records)
-    strip = ("tokens_per_s", "step_s", "elapsed_s", "peak_mem_mb", "predicted_peak_mb", "optimizer_state_mb")
-    assert [{k: v for k, v in r.items() if k not in strip} for r in records] == \
-        [{k: v for k, v in r.items() if k not in strip} for r in read_metrics(stopped) if "loss" in r or "eval_loss" in r]
-    first, second = (load_file(run / "final" / "adapter_model.safetensors") for run in (straight, stopped))
-    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
-
-    assert invoke("merge-lora", straight, "--output", tmp_path / "merged").exit_code == 0
-    base = AutoModelForCausalLM.from_pretrained(json.loads((straight / "final" / "adapter_config.json").read_text())
-                                                ["base_model_name_or_path"])
-    probe = torch.tensor([[1, 5, 9, 17, 33, 60, 2, 7]])
-    with torch.no_grad():
-        expected = PeftModel.from_pretrained(base, straight / "final").merge_and_unload()(probe).logits
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(probe).logits
-    assert close(merged, expected, 1e-5)
-    result = invoke("generate", straight, "--prompt", "sort the lists", "--max-new-tokens", "6")
-    assert result.exit_code == 0 and result.output.strip(), result.output
+from test_preference import dpo_recipe, pair_rows, pairs_file, steps
 
 
 def test_pairs_are_the_unit_of_accumulation(make_recipe, pairs_file, tmp_path):

@@ -25,8 +25,6 @@ from gpupoor.storage.checkpoint import STAGES
 EXACT = {"training": {"max_steps": 9, "gradient_accumulation_steps": 2}, "peft": {"rank": 4, "dropout": 0.1}}
 
 
-
-
 def losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
 
@@ -98,14 +96,6 @@ def test_resume_is_bitwise_exact(straight, tmp_path, monkeypatch, stops, nan):
         assert result.exit_code == (75 if later else 0), result.output
     if nan:
         assert any(r.get("skipped") for r in read_metrics(run))
-    assert_same_run(reference, run)
-
-
-def test_resume_is_bitwise_exact_with_packing(straight, tmp_path, monkeypatch):
-    recipe, reference = straight(data={"sampler": "packed"})
-    run = tmp_path / "packed"
-    assert invoke("train", recipe, "--output-dir", run, fault="sigterm@3", monkeypatch=monkeypatch).exit_code == 75
-    assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0
     assert_same_run(reference, run)
 
 
@@ -324,15 +314,6 @@ def test_a_run_whose_every_step_is_skipped_fails(make_recipe, tmp_path, monkeypa
     assert result.exit_code == 1, result.output
     assert "every one of the 3 optimizer steps had a non-finite loss or gradient norm" in result.output
     assert not (tmp_path / "run" / "final").exists()
-
-
-def test_paged_8bit_optimizer_resumes_bitwise(straight, tmp_path, monkeypatch):
-    pytest.importorskip("bitsandbytes")
-    recipe, reference = straight(training={**EXACT["training"], "optimizer": "paged_adamw_8bit"})
-    run = tmp_path / "paged"
-    assert invoke("train", recipe, "--output-dir", run, fault="sigterm@4", monkeypatch=monkeypatch).exit_code == 75
-    assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0
-    assert_same_run(reference, run)
 
 
 def test_status_shows_progress_checkpoints_and_the_command(straight, tmp_path, monkeypatch):

@@ -1,15 +1,17 @@
 """The integration tier of test_starting_points.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
+
 import json
-from pathlib import Path
+
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file, save_file
+
 from gpupoor.errors import UserError
 from gpupoor.recipe.schema import load_recipe
-from conftest import invoke, read_metrics
+
+from conftest import invoke
 
 from test_starting_points import STARTS, STILL, assert_close, final_eval_loss, foreign_adapter, tensors, train
 

@@ -1,22 +1,12 @@
 """The integration tier of test_tokenize.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
-import random
-from pathlib import Path
-import numpy as np
+
 import pytest
 import torch
 import yaml
-from conftest import _sentence, alpaca_rows, invoke, write_jsonl
-from gpupoor.data import tokenize as tokenize_module
-from gpupoor.data.dataset import (CacheEntryInvalid, Chunk, DatasetWriter, TokenizedDataset, TokenStats,
-                                  concat_datasets, tokenize_rows)
-from gpupoor.data.formats import Encoder
-from gpupoor.data.loading import DataSource, Row, iter_rows, read_rows
-from gpupoor.data.tokenize import (encode_rows, load_tokenized_dir, stream_tokenize, tokenize_source,
-                                   write_tokenized_dir)
-from gpupoor.errors import UserError
+
+from conftest import invoke
 
 from test_tokenize import _build_reads_tokenized_dirs, mixture_recipe
 

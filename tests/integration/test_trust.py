@@ -19,9 +19,6 @@ from conftest import invoke, read_metrics, reference_runs
 from gpupoor.train.optim import lr_factor
 
 
-
-
-
 def flip_byte(path: Path, where: float = 0.5) -> None:
     data = bytearray(path.read_bytes())
     data[int(len(data) * where)] ^= 0x01

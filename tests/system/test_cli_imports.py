@@ -1,13 +1,9 @@
 """The system tier of test_cli.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
+
 import subprocess
 import sys
-from pathlib import Path
-from typer.testing import CliRunner
-from gpupoor import __version__
-from gpupoor.cli import app
 
 
 def test_help_does_not_import_torch():

@@ -1,15 +1,10 @@
 """The system tier of test_memory.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
+
 import sys
+
 import pytest
-import torch
-import torch.nn.functional as F
-from typer.testing import CliRunner
-import gpupoor.decisions as decisions
-from conftest import masked_batch, read_metrics
-from gpupoor.cli import app
-from gpupoor.objectives.cross_entropy import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
 
 from test_memory import HEAP_PROBE
 

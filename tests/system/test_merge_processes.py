@@ -1,16 +1,10 @@
 """The system tier of test_merge.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
+
 import json
 import subprocess
 import sys
-from pathlib import Path
-import pytest
-import torch
-import yaml
-from typer.testing import CliRunner
-from conftest import alpaca_rows, write_jsonl
-from gpupoor.cli import app
 
 from test_merge import lora_run, merge
 

@@ -1,26 +1,17 @@
 """The system tier of test_preference.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
+
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
-import pytest
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
-import gpupoor.objectives.preference as preference
-from conftest import WORDS, invoke, read_metrics, write_jsonl
-from gpupoor.data.build import collate_pairs, count_pairs
-from gpupoor.data.dataset import encoded_chunk, tokenize_rows
-from gpupoor.data.formats import IGNORE_INDEX, Encoded, Encoder
-from gpupoor.data.loading import Row
-from gpupoor.objectives.cross_entropy import find_fused_head
-from gpupoor.objectives.preference import PreferenceLoss, Reference, frozen_head
 
-from test_preference import _one_thread, dpo_recipe, pairs_file
+import pytest
+
+from conftest import invoke, read_metrics
+
+from test_preference import dpo_recipe, pairs_file
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """The system tier of test_resume.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
+
 import json
-import os
 import re
 import shutil
 import signal
@@ -10,13 +10,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 import pytest
-import torch
-from safetensors.torch import load_file
+
 from conftest import invoke, read_metrics
 from gpupoor.storage.checkpoint import STAGES
 
-from test_resume import adapter, assert_same_run, losses, references, run_cli, straight
+from test_resume import adapter, assert_same_run, losses, run_cli, straight
 
 
 @pytest.mark.slow

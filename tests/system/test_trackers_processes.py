@@ -1,14 +1,17 @@
 """The system tier of test_trackers.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
+
 import json
 import os
 import subprocess
 import sys
+
 import pytest
+
 from conftest import invoke, read_metrics
 
-from test_trackers import REPORT_ALL, _quiet_wandb, mlflow_history, steps_and_losses, tensorboard_scalars
+from test_trackers import REPORT_ALL, mlflow_history, steps_and_losses, tensorboard_scalars
 
 
 def test_every_tracker_gets_every_record_offline_and_a_resume_continues_the_same_runs(make_recipe, tmp_path,

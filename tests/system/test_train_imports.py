@@ -1,13 +1,8 @@
 """The system tier of test_train.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
-import math
+
 import pytest
-import torch
-from typer.testing import CliRunner
-from conftest import read_metrics
-from gpupoor.cli import app
 
 
 def test_a_recipe_without_quantization_never_imports_bitsandbytes_and_a_later_one_still_can(make_recipe, tmp_path):

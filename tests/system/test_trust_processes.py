@@ -1,19 +1,15 @@
 """The system tier of test_trust.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
+
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
+
 import pytest
 import torch
-from safetensors.torch import load_file
+
 from conftest import invoke, read_metrics
-from gpupoor.train.optim import lr_factor
 
 from test_trust import _torchrun, _train_process, adapter, steps_and_losses
 

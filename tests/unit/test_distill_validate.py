@@ -1,11 +1,8 @@
 """The unit tier of test_distill.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import pytest
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
-from conftest import invoke, read_metrics
+
+from conftest import invoke
 
 
 def test_a_missing_teacher_fails_validate(make_recipe, tmp_path):

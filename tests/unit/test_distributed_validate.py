@@ -1,20 +1,10 @@
 """The unit tier of test_distributed.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
+
 import pytest
-import torch
-import yaml
-from safetensors.torch import load_file
-from conftest import alpaca_rows, invoke, read_metrics, write_jsonl
+
+from conftest import invoke
 
 
 @pytest.mark.parametrize("key, value, named", [

@@ -1,11 +1,11 @@
 """The unit tier of test_evaluation.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
+
 import pytest
 import torch
-from safetensors.torch import load_file
-from conftest import invoke, masked_batch, read_metrics
+
+from conftest import invoke, masked_batch
 
 
 def test_fused_eval_accuracy_equals_the_full_logits_one(tiny_model, tokenizer):

@@ -121,9 +121,6 @@ def test_activation_checkpointing_gives_bitwise_equal_lora_gradients(tiny_model,
         assert torch.equal(plain[name], checkpointed[name]), name
 
 
-OPTIMIZERS = ["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd", "lion_8bit"]
-
-
 def test_max_gpu_memory_must_be_a_size(make_recipe):
     result = runner.invoke(app, ["validate", str(make_recipe(memory={"max_gpu_memory": "lots"}))])
     assert result.exit_code == 2 and "memory.max_gpu_memory" in result.output and "10GiB" in result.output

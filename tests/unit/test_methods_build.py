@@ -1,10 +1,10 @@
 """The unit tier of test_methods.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
+
 import pytest
-import torch
-from safetensors.torch import load_file
-from conftest import PEFT_METHODS, invoke, read_metrics
+
+from conftest import invoke
 
 from test_methods import BATCH, _build, _saved_bytes
 

@@ -1,15 +1,6 @@
 """The unit tier of test_outputs.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import os
-import re
-import stat
-from pathlib import Path
-import pytest
-import yaml
-from typer.testing import CliRunner
-from conftest import alpaca_rows, write_jsonl
-from gpupoor.cli import app
 
 from test_outputs import TYPE_TOKEN, _type_cells
 

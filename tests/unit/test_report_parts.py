@@ -1,16 +1,8 @@
 """The unit tier of test_report.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import base64
-import json
-import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-import pytest
-import yaml
-from conftest import alpaca_rows, invoke, write_jsonl
+
+from conftest import invoke
 
 
 def test_labels_tell_same_named_runs_apart(tmp_path):

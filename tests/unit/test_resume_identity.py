@@ -1,20 +1,8 @@
 """The unit tier of test_resume.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
-import os
-import re
+
 import shutil
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-import pytest
-import torch
-from safetensors.torch import load_file
-from conftest import invoke, read_metrics
-from gpupoor.storage.checkpoint import STAGES
 
 
 def test_model_identity_reuses_hashes_of_unchanged_files_and_names_hub_commits(tiny_model, tmp_path, monkeypatch):

@@ -1,14 +1,8 @@
 """The unit tier of test_trackers.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
-import os
-import subprocess
-import sys
-import pytest
-from conftest import invoke, read_metrics
 
-from test_trackers import _quiet_wandb
+from conftest import invoke
 
 
 def test_a_tracker_that_is_not_installed_is_exit_2_at_validate_with_the_pip_command(make_recipe, monkeypatch):

@@ -1,13 +1,6 @@
 """The unit tier of test_train.py (the tiers are described in tests/conftest.py)."""
 
 from __future__ import annotations
-import json
-import math
-import pytest
-import torch
-from typer.testing import CliRunner
-from conftest import read_metrics
-from gpupoor.cli import app
 
 
 def test_shrink_config_keeps_architecture_and_vocab():
