@@ -18,7 +18,7 @@ from test_resume import EXACT
 # fixtures the cases ask for by name (request.getfixturevalue)
 from test_distill import teacher
 from test_mixtures import two_sources
-from test_preference import pairs_file
+from test_preference import _one_thread, pairs_file  # _one_thread: autouse, as for the DPO test
 
 # The methods' recipe. 48 rows, micro batch 4, accumulation 2: 6 optimizer steps per epoch; 8 steps cross an
 # epoch boundary.

@@ -16,7 +16,7 @@ import pytest
 from conftest import invoke, read_metrics
 from gpupoor.storage.checkpoint import STAGES
 
-from test_resume import adapter, assert_same_run, losses, run_cli, straight
+from test_resume import adapter, assert_same_run, losses, references, run_cli, straight
 
 
 @pytest.mark.slow
