@@ -1,4 +1,6 @@
 # Two commands do all setup on a fresh machine: `make demo` and `make test`.
+# `make test` is the fast tier (tests/unit: no training run, no subprocess) a contributor runs after every change;
+# `make test-all` runs every tier (what CI runs). tests/conftest.py says what goes in which tier.
 # torch is installed before the project so pip does not pull a CUDA build of several GB: on a CPU machine
 # we take the CPU wheel; a GPU user installs their CUDA torch into the venv first and it is kept.
 VENV ?= .venv
@@ -6,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.gpupoor-installed
 
-.PHONY: install demo test docs clean bench
+.PHONY: install demo test test-all docs clean bench
 
 install: $(STAMP)
 
@@ -20,8 +22,18 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) -m gpupoor.commands.demo
 
+# Two xdist workers of one torch thread each (tests/conftest.py sets it): the unit tests are many and short.
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/unit
+
+# Unit and integration tests in two workers, a test file per worker (a module's reference runs are trained
+# once, on the worker that runs the file); then the system tier one test at a time: its tests start two
+# processes each, kill them or measure them, and two such tests at once on two cores would race for time.
+# The 25 slowest tests of each are printed (what to look at when CI time grows).
+SERIAL_TIERS := $(wildcard tests/system tests/gpu tests/real)
+test-all: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests/unit tests/integration
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -p no:xdist --durations=25 $(SERIAL_TIERS)
 
 docs: install
 	$(PY) -m gpupoor.commands.docs

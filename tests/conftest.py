@@ -1,5 +1,13 @@
 """Fixtures: a tokenizer trained here, tiny random-weight Llamas saved with save_pretrained, data files,
-and a helper that writes recipes. Nothing is downloaded: HF_HUB_OFFLINE makes an accidental download fail."""
+and a helper that writes recipes. Nothing is downloaded: HF_HUB_OFFLINE makes an accidental download fail.
+
+The tests are in tiers, one directory each, and every test is marked with its directory's name:
+  unit/         no training run, no subprocess: `make test`, after every change (under 2 minutes, xdist workers)
+  integration/  in-process CLI runs and training
+  system/       subprocesses, torchrun, SIGKILL and signals, learning quality
+  gpu/          needs a CUDA GPU (skipped elsewhere)
+  real/         pretrained models
+`make test-all` runs every tier (what CI runs). A test that trains or starts a process is not a unit test."""
 
 from __future__ import annotations
 
@@ -13,6 +21,13 @@ import yaml
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+if "PYTEST_XDIST_WORKER" in os.environ:  # several workers on a few cores: one thread each, or they fight
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+TIERS = ("unit", "integration", "system", "gpu", "real")
 
 WORDS = ("the model learns to stop when the answer is done and every token counts toward the loss "
          "python lists sort reverse add numbers quickly small large data memory speed resume").split()
@@ -76,30 +91,57 @@ def alpaca_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "train.jsonl", alpaca_rows(48))
 
 
+def write_recipe(path: Path, model_dir: Path, data_file: Path, **sections) -> Path:
+    """A recipe for `model_dir` on `data_file`; keyword sections are merged over sensible test defaults."""
+    recipe = {
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"path": str(data_file), "format": "alpaca", "max_length": 128, "sampler": "random"},
+        "peft": {"rank": 4},
+        "training": {"micro_batch_size": 4, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
+                     "warmup_steps": 0},
+        "logging": {"progress": "none"},
+        "seed": 0,
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(recipe.get(key), dict):
+            recipe[key] = {**recipe[key], **value}
+        else:
+            recipe[key] = value
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
 @pytest.fixture()
 def make_recipe(tmp_path, tiny_model, alpaca_file):
     """Write a recipe for the tiny model; keyword sections are merged over sensible test defaults."""
 
     def make(name: str = "recipe.yaml", **sections) -> Path:
-        recipe = {
-            "model": {"name_or_path": str(tiny_model)},
-            "data": {"path": str(alpaca_file), "format": "alpaca", "max_length": 128, "sampler": "random"},
-            "peft": {"rank": 4},
-            "training": {"micro_batch_size": 4, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
-                         "warmup_steps": 0},
-            "logging": {"progress": "none"},
-            "seed": 0,
-        }
-        for key, value in sections.items():
-            if isinstance(value, dict) and isinstance(recipe.get(key), dict):
-                recipe[key] = {**recipe[key], **value}
-            else:
-                recipe[key] = value
-        path = tmp_path / name
-        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-        return path
+        return write_recipe(tmp_path / name, tiny_model, alpaca_file, **sections)
 
     return make
+
+
+def reference_runs(tmp_path_factory, tiny_model):
+    """`train(fault=None, **sections) -> run`: an uninterrupted run of the test recipe (on the same 48 rows
+    as `alpaca_file`), trained once per module and recipe, for the module's tests to compare with or copy. A
+    module fixture runs before the tests' own environment exists, so it sets its own cache and fault."""
+    root = tmp_path_factory.mktemp("reference")
+    data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
+    runs: dict[tuple, Path] = {}
+
+    def train(fault: str | None = None, **sections) -> Path:
+        key = (fault, repr(sections))
+        if key not in runs:
+            run = root / f"run-{len(runs)}"
+            recipe = write_recipe(root / f"recipe-{len(runs)}.yaml", tiny_model, data, **sections)
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                monkeypatch.setenv("GPUPOOR_CACHE", str(root / "cache"))
+                result = invoke("train", recipe, "--output-dir", run, fault=fault, monkeypatch=monkeypatch)
+            assert result.exit_code == 0, result.output
+            runs[key] = run
+        return runs[key]
+
+    return train
 
 
 # Every training method, and the last-N-layers variants (#14): recipe `peft` sections by name.
@@ -154,6 +196,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    here = Path(__file__).parent
+    for item in items:
+        tier = Path(item.fspath).relative_to(here).parts[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

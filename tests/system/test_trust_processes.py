@@ -1,0 +1,92 @@
+"""The system tier of test_trust.py (the tiers are described in tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import invoke, read_metrics
+
+from test_trust import _torchrun, _train_process, adapter, steps_and_losses
+
+
+def test_an_eval_lost_to_a_crash_after_its_checkpoint_is_run_again(make_recipe, tmp_path, monkeypatch):
+    sections = {"training": {"max_steps": 6, "eval_every_steps": 2}, "data": {"eval_rows": 8},
+                "checkpoint": {"every_steps": 2}}
+    straight = tmp_path / "straight"
+    assert invoke("train", make_recipe("s.yaml", **sections), "--output-dir", straight,
+                  monkeypatch=monkeypatch).exit_code == 0
+    run = tmp_path / "crashed"
+    # SIGKILL right after checkpoint step-4 is committed (the rotate stage), before the eval of step 4 is written.
+    env = {**os.environ, "GPUPOOR_FAULT": "kill@rotate:4"}
+    crashed = subprocess.run([sys.executable, "-m", "gpupoor", "train", str(make_recipe("c.yaml", **sections)),
+                              "--output-dir", str(run)], env=env, capture_output=True, text=True)
+    assert crashed.returncode == -9, crashed.stderr
+    assert [r["step"] for r in read_metrics(run) if "eval_loss" in r] == [2]
+    result = invoke("resume", run, monkeypatch=monkeypatch)
+    assert result.exit_code == 0, result.output
+    evals = [(r["step"], r["eval_loss"]) for r in read_metrics(run) if "eval_loss" in r]
+    assert evals == [(r["step"], r["eval_loss"]) for r in read_metrics(straight) if "eval_loss" in r]
+    assert [s for s, _ in evals] == [2, 4, 6]
+
+
+def test_sigterm_during_startup_stops_at_step_0_with_a_checkpoint(make_recipe, tmp_path):
+    run = tmp_path / "run"
+    result = _train_process(make_recipe("s.yaml"), run, "sigterm@startup")
+    assert result.returncode == 75, result.stderr
+    assert (run / "checkpoints" / "step-000000" / "manifest.json").is_file()
+    resumed = invoke("resume", run)
+    assert resumed.exit_code == 0, resumed.output
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_sigterm_after_the_stop_checkpoint_still_exits_75(make_recipe, tmp_path):
+    run = tmp_path / "run"
+    result = _train_process(make_recipe("s.yaml"), run, "sigterm@2,sigterm@stopped")
+    assert result.returncode == 75, result.stderr
+    assert "stopped after step 2 with checkpoint checkpoints/step-000002" in result.stdout
+
+
+@pytest.mark.parametrize("fault, outcome, code", [("sigterm@3,", "continue with:", 75), ("", "done:", 0)])
+def test_a_sigterm_while_resume_exits_keeps_the_exit_code(make_recipe, tmp_path, fault, outcome, code):
+    """Once the outcome is committed (the stop checkpoint, or final/), a signal while the process exits (a
+    scheduler's second SIGTERM during the interpreter's shutdown) leaves the outcome's code, never a bare 143.
+    The signal comes from the process itself once the command has returned (GPUPOOR_FAULT sigterm@exiting), so
+    it always lands in the exit, however fast the machine."""
+    run = tmp_path / "run"
+    assert _train_process(make_recipe("s.yaml"), run, "sigterm@2").returncode == 75
+    result = subprocess.run([sys.executable, "-m", "gpupoor", "resume", str(run)], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "GPUPOOR_FAULT": fault + "sigterm@exiting"})
+    assert result.returncode == code, result.stderr[-3000:]
+    assert outcome in result.stdout
+
+
+def test_accelerate_launch_cpu_with_two_processes_is_refused_with_how_to_launch(make_recipe, tmp_path):
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+                             "-m", "gpupoor", "train", str(make_recipe()), "--output-dir", str(run)],
+                            capture_output=True, text=True, env={**os.environ, "GPUPOOR_FAULT": ""})
+    # gpupoor exits 2 with the message; accelerate's launcher then reports its child's failure as its own exit 1.
+    assert result.returncode != 0 and "returned non-zero exit status 2" in result.stderr, result.stderr
+    assert "single process" in result.stderr and "torchrun --nproc-per-node" in result.stderr
+    assert not run.exists()
+
+
+@pytest.mark.slow
+def test_two_processes_stop_resume_and_evaluate_together(make_recipe, tmp_path):
+    # One eval batch for two processes: the second has none of its own and must not hang the first.
+    recipe = make_recipe(training={"max_steps": 6, "micro_batch_size": 2, "eval_every_steps": 2},
+                         data={"eval_rows": 2})
+    straight = _torchrun("train", recipe, "--output-dir", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
+    stopped = _torchrun("train", recipe, "--output-dir", tmp_path / "run", fault="sigterm@3")
+    assert stopped.returncode != 0 and "stopped after step 3" in stopped.stdout, stopped.stderr[-2000:]
+    resumed = _torchrun("resume", tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert steps_and_losses(tmp_path / "run") == steps_and_losses(tmp_path / "straight")
+    a, b = adapter(tmp_path / "straight"), adapter(tmp_path / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same layout: bitwise

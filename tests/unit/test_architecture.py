@@ -1,0 +1,141 @@
+"""The shape docs/architecture.md describes: packages in one import order, no import cycles (function-level
+imports included), leaves that import nothing upward, no function longer than a page and a half, no module
+longer than ~600 lines unless its first lines say why."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "gpupoor"
+MAX_FUNCTION_LINES = 80
+LEAVES = {"gpupoor.errors": set(), "gpupoor.storage.files": set(), "gpupoor.units": {"gpupoor.errors"},
+          "gpupoor.train.state": set(), "gpupoor.optimizers": set(),
+          "gpupoor.decisions": {"gpupoor.errors", "gpupoor.optimizers"},
+          "gpupoor.storage.rundir": {"gpupoor.errors", "gpupoor.storage.files", "gpupoor.recipe.schema",
+                                     "gpupoor.recipe.loading", "gpupoor.units"},
+          "gpupoor.recipe.rules": {"gpupoor.errors", "gpupoor.decisions", "gpupoor.optimizers"},
+          "gpupoor.recipe.schema": {"gpupoor.errors", "gpupoor.optimizers", "gpupoor.units", "gpupoor.recipe.rules"},
+          "gpupoor.recipe.loading": {"gpupoor.errors", "gpupoor.recipe.schema"},
+          "gpupoor.recipe.diff": {"gpupoor.recipe.schema"}}
+# The import order of docs/architecture.md: a part imports only the parts before it (and itself). The top-level
+# modules before `recipe` are utilities any part may use; `cli` (and `__main__`) come last.
+ORDER = ["errors", "units", "faults", "profiling", "quiet", "optimizers", "decisions", "hardware", "recipe", "storage",
+         "data", "model", "objectives", "train", "plan", "run", "commands", "cli", "__main__"]
+MAX_MODULE_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Modules of ours that `path` imports anywhere (top level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            if name in modules and name != "gpupoor":
+                found.add(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {name: _imports(path, modules) for name, path in modules.items()}
+    # `from gpupoor.x import y` names both gpupoor.x and (when it exists) gpupoor.x.y: keep the deepest only
+    for name, targets in graph.items():
+        graph[name] = {t for t in targets if not any(o != t and o.startswith(t + ".") for o in targets)} - {name}
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target):] + [target]))
+            if state.get(target) is None:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_leaves_import_only_leaves():
+    graph = _graph()
+    for leaf, allowed in LEAVES.items():
+        assert graph[leaf] <= allowed, f"{leaf} imports {sorted(graph[leaf] - allowed)}"
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_every_module_is_in_a_known_part():
+    unknown = sorted(name for name in _modules() if name != "gpupoor" and _part(name) not in ORDER)
+    assert not unknown, f"add these to ORDER and to docs/architecture.md: {unknown}"
+
+
+def test_parts_import_only_the_parts_before_them():
+    graph = _graph()
+    upward = [f"{name} -> {target}" for name, targets in sorted(graph.items()) for target in sorted(targets)
+              if ORDER.index(_part(target)) > ORDER.index(_part(name))]
+    assert not upward, upward
+
+
+def test_no_module_is_longer_than_600_lines_without_saying_why():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        if len(lines) > MAX_MODULE_LINES and not any("longer than 600 lines" in line for line in lines[:15]):
+            long.append(f"{path.relative_to(PACKAGE)} ({len(lines)} lines)")
+    assert not long, long
+
+
+def test_no_verb_borrows_from_the_orchestrator():
+    graph = _graph()
+    # the CLI and the train verb's glue (commands/train.py) start processes
+    launching = {"gpupoor.run.launch", "gpupoor.run.signals", "gpupoor.run.startup"}
+    orchestration = {name for name in _modules() if name.startswith("gpupoor.run.")} - launching
+    users = sorted(name for name, targets in graph.items() if not name.startswith("gpupoor.run.")
+                   and targets & orchestration)
+    assert users == ["gpupoor.cli", "gpupoor.commands.demo"], users
+    launchers = sorted(name for name, targets in graph.items() if not name.startswith("gpupoor.run.")
+                       and targets & launching)
+    assert launchers == ["gpupoor.cli", "gpupoor.commands.train"], launchers
+
+
+def test_no_function_is_longer_than_a_page_and_a_half():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.name}::{node.name} ({length} lines)")
+    assert not long, long
+
+
+def test_the_import_checker_sees_function_level_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from gpupoor.run.orchestrate import train_from_recipe\n    import gpupoor.storage.files\n")
+    assert _imports(source, _modules()) == {"gpupoor.run.orchestrate", "gpupoor.storage.files"}

@@ -1,0 +1,83 @@
+"""The CLI surface: validate, schema, --version, output modes, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from gpupoor import __version__
+from gpupoor.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"gpupoor {__version__}"
+
+
+def test_schema_is_json_with_every_section():
+    result = runner.invoke(app, ["schema"])
+    assert result.exit_code == 0, result.output
+    schema = json.loads(result.output)
+    assert schema["additionalProperties"] is False and "training" in schema["properties"]
+
+
+def test_validate_ok(make_recipe):
+    result = runner.invoke(app, ["validate", str(make_recipe())])
+    assert result.exit_code == 0 and ": ok (predicted peak " in result.output
+
+
+def test_validate_reports_each_bad_recipe_and_exits_2(make_recipe, tmp_path):
+    bad_data = tmp_path / "bad.jsonl"
+    bad_data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a"}\n')
+    good = make_recipe("good.yaml")
+    bad = make_recipe("bad.yaml", data={"path": str(bad_data)})
+    result = runner.invoke(app, ["validate", str(good), str(bad)])
+    assert result.exit_code == 2
+    assert f"{good}: ok" in result.output
+    assert "bad.jsonl:2: missing field 'output'" in result.output
+
+
+def test_validate_missing_model_directory(make_recipe, tmp_path):
+    result = runner.invoke(app, ["validate", str(make_recipe(model={"name_or_path": "./no-such-model"}))])
+    assert result.exit_code == 2 and "model.name_or_path" in result.output and "does not exist" in result.output
+
+
+def test_validate_model_path_that_is_a_file(make_recipe, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    result = runner.invoke(app, ["validate", str(make_recipe(model={"name_or_path": "model.safetensors"}))])
+    assert result.exit_code == 2, result.output
+    assert (f"model.name_or_path: {tmp_path / 'model.safetensors'} is a file; expected a model directory "
+            "(config.json and weights") in result.output and "does not exist" not in result.output
+
+
+def test_cache_that_is_a_file_is_named_when_a_builtin_model_is_built(make_recipe, tmp_path, monkeypatch):
+    (tmp_path / "cache-file").write_text("")
+    monkeypatch.setenv("GPUPOOR_CACHE", str(tmp_path / "cache-file"))
+    result = runner.invoke(app, ["validate", str(make_recipe(model={"name_or_path": "gpupoor:demo"}))])
+    assert result.exit_code == 2, result.output
+    assert f"{tmp_path / 'cache-file'} is a file, not a directory" in result.output
+    assert "remove it, or set $GPUPOOR_CACHE" in result.output
+
+
+def test_validate_model_dir_without_config(make_recipe, tmp_path):
+    (tmp_path / "empty-model").mkdir()
+    result = runner.invoke(app, ["validate", str(make_recipe(model={"name_or_path": "empty-model"}))])
+    assert result.exit_code == 2 and "no config.json" in result.output
+
+
+def test_validate_offline_hub_id_is_a_warning_not_an_error(make_recipe):
+    result = runner.invoke(app, ["validate", str(make_recipe(model={"name_or_path": "Qwen/Qwen2.5-1.5B"}))])
+    assert result.exit_code == 0 and "warning: model.name_or_path" in result.output
+
+
+def test_every_shipped_recipe_passes_validate(tiny_model):
+    for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        result = runner.invoke(app, ["validate", str(path)])  # as shipped: the demo's model is built on first use
+        assert result.exit_code == 0, result.output

@@ -1,0 +1,32 @@
+"""The unit tier of test_report.py (the tiers are described in tests/conftest.py)."""
+
+from __future__ import annotations
+
+from conftest import invoke
+
+
+def test_labels_tell_same_named_runs_apart(tmp_path):
+    from gpupoor.commands.report import run_labels
+
+    assert run_labels([tmp_path / "a" / "out", tmp_path / "b" / "out"]) == ["a/out", "b/out"]
+    assert run_labels([tmp_path / "x", tmp_path / "y"]) == ["x", "y"]
+
+
+def test_not_a_run_dir_is_exit_2(tmp_path):
+    result = invoke("report", tmp_path)
+    assert result.exit_code == 2 and "not a gpupoor run directory" in result.output
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_sparkline_averages_into_at_most_40_marks_and_skips_non_finite():
+    from gpupoor.commands.status import loss_sparkline
+
+    line = loss_sparkline([{"step": s, "loss": 10.0 / s} for s in range(1, 1201)])
+    marks = line.split()[1]
+    assert len(marks) == 40 and marks[0] == "█" and marks[-1] == "▁" and set(marks) <= set("▁▂▃▄▅▆▇█")
+    assert line.endswith("(steps 1-1200, 30 per mark)") and " -> " in line
+    records = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": None}, {"step": 3, "loss": float("nan")},
+               {"step": 4, "loss": 1.0}]
+    assert loss_sparkline(records) == "loss █▁ 3 -> 1 (steps 1-4)"
+    assert loss_sparkline([{"step": 1, "loss": None}]) is None and loss_sparkline([]) is None
+    assert loss_sparkline([{"step": s, "loss": 2.0} for s in range(1, 4)]) == "loss ▄▄▄ 2 -> 2 (steps 1-3)"
