@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gpupoor.plan.core as planning
 from gpupoor.cli import app
 from gpupoor.recipe.loading import load_recipe
 
