@@ -2,7 +2,7 @@
 
 Each decision is a function of plain facts (what the recipe requests, what the machine has, what the model
 is) that returns what to use and why. Training gathers the facts from torch and the loaded model
-(`gpupoor.hardware`, `gpupoor.objectives.cross_entropy`, `gpupoor.train.optim`, `gpupoor.model.build`); `gpupoor plan` gathers them from
+(`gpupoor.hardware`, `gpupoor.objectives`, `gpupoor.train.optim`, `gpupoor.model`); `gpupoor plan` gathers them from
 nvidia-smi, the model's config.json and the recipe, without importing torch. Both call these functions, so a
 memory plan cannot describe a stack that training does not build.
 

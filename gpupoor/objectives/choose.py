@@ -44,7 +44,7 @@ def _preference_loss(recipe: Recipe, model, reference_copy, head, reason: str, *
                               eval_mode=not evaluates_in_train_mode(recipe.quantization.bits, device))
     elif choice.value == "copy":
         reference_head, _ = find_fused_head(reference_copy, enabled=recipe.memory.fused_cross_entropy)
-        # The copy stays in the mode gpupoor.model.build.build_reference chose (eval, but train for 4-bit on a CPU).
+        # The copy stays in the mode gpupoor.model.frozen.build_reference chose (decisions.evaluates_in_train_mode).
         reference = Reference(reference_copy, reference_head, adapter_off=False, eval_mode=False)
     loss = PreferenceLoss(objective, head, reference, preference.beta, preference.loss_type,
                           preference.label_smoothing, preference.orpo_lambda)

@@ -1,5 +1,5 @@
 """What trains, resolved against the model's shape: the adapters, weights and norms of each decoder layer for a
-recipe's `peft` section, as gpupoor.model.build builds them."""
+recipe's `peft` section, as gpupoor.model.methods builds them."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def module_table(shape: Shape) -> list[tuple[str, int, str]]:
 
 
 def resolve_training(shape: Shape, peft) -> Training:
-    """What trains for a recipe's `peft` section on this model, as gpupoor.model.build builds it: adapters on the
+    """What trains for a recipe's `peft` section on this model, as gpupoor.model.methods builds it: adapters on the
     targets of the trained layers plus peft's trained copies of modules_to_save, or for `full` the model's own
     tensors (all, or those of the last layers and the named modules)."""
     indices = trained_layer_indices(peft.last_layers, shape.layers)

@@ -10,7 +10,7 @@ One run is a few stages, each in its module of gpupoor.run, in the order they ha
     train           the loop with RunHooks: Reporter, EvalJudge, CheckpointSaver      hooks.py (and saving.py)
     finish          the final adapter, or why it stopped and how to continue          finish.py
 
-Where new things go: a training method is built in gpupoor.model.build (its rules in decisions.py); a tracker is
+Where new things go: a training method is built in gpupoor.model.methods (its rules in decisions.py); a tracker is
 a writer beside MetricsWriter, called from Reporter.write; a distributed strategy is chosen in
 session.make_accelerator (its rules in decisions.py); a data source or mixture lands in gpupoor/data.
 """

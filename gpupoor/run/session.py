@@ -2,7 +2,7 @@
 which builds it from the recipe in the order that keeps the RNG stream fixed; with the recipe's own adjustments
 (smoke_recipe, total_steps), the launch check and the loop's settings drawn from a session.
 
-Where new things go: a training method is built in gpupoor.model.build (its rules in decisions.py); a distributed
+Where new things go: a training method is built in gpupoor.model.methods (its rules in decisions.py); a distributed
 strategy is chosen in make_accelerator (its rules in decisions.py); a data source or mixture lands in gpupoor/data.
 """
 

@@ -27,7 +27,7 @@ class LoopSettings:
     eval_every: int | None
     pad_id: int
     eval_micro_batch_size: int
-    eval_in_train_mode: bool = False  # bitsandbytes 4-bit layers repack their weights in eval mode on CPU
+    eval_in_train_mode: bool = False  # gpupoor.decisions.evaluates_in_train_mode: quantized layers on the CPU
     max_consecutive_skips: int = 10
     loss_fn: Callable = plain_loss_sum  # (model, batch) -> summed loss over target tokens
     # (model, batch) -> (summed cross-entropy, targets ranked first): eval_loss and eval_accuracy. The training
