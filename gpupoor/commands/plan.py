@@ -20,7 +20,7 @@ def plan_recipe(recipe: Path, overrides: list[str], device: str | None, limit: i
     from gpupoor.recipe.loading import load_recipe
 
     loaded = load_recipe(recipe, overrides)
-    result = make_plan(loaded, device, limit, processes, nodes)
+    result = make_plan(loaded, device, memory=limit, processes=processes, nodes=nodes)
     say(json.dumps(result.to_json(), indent=2) if as_json else render(result, str(recipe)))
     if fit and result.fits is False:
         if not result.fit_changes:

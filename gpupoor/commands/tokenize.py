@@ -26,8 +26,8 @@ def tokenize_recipe(recipe: Path, overrides: list[str], output: Path, warn: Call
     check_writable(output.absolute().parent, f"--output {output}",
                    hint="give --output a directory in a writable location")
     tokenizer = load_tokenizer(model_location(settings.model, loaded.base_dir), settings.model)
-    bundle = build_data(settings.data, tokenizer, settings.training.micro_batch_size, settings.seed,
-                        loaded.base_dir)
+    bundle = build_data(settings.data, tokenizer, micro_batch_size=settings.training.micro_batch_size,
+                        seed=settings.seed, base_dir=loaded.base_dir)
     for warning in bundle.warnings:
         warn(warning)
     manifest = write_tokenized_dir(output, bundle, settings.data, tokenizer, settings.seed)

@@ -7,7 +7,6 @@ allows, the hub itself. `validate --show` (show_rows) loads the tokenizer, never
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path

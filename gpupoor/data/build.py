@@ -127,7 +127,7 @@ def _split_stats(whole: TokenStats, held_out: TokenizedDataset) -> tuple[TokenSt
                       target_tokens=whole.target_tokens - targets), held
 
 
-def build_data(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,
+def build_data(data: DataSection, tokenizer, *, micro_batch_size: int, seed: int, base_dir: Path,
                use_cache: bool = True, sampler: str | None = None, resuming: bool = False) -> DataBundle:
     """`sampler`: the concrete sampler when data.sampler is `auto` (the run resolves it from the model).
     `resuming`: a run that started before its recipe's settings were checked against a tokenized directory's

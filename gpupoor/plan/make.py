@@ -24,7 +24,7 @@ from gpupoor.recipe.loading import LoadedRecipe
 from gpupoor.units import format_bytes
 
 
-def make_plan(loaded: LoadedRecipe, device: str | None = None, memory: int | None = None, processes: int = 1,
+def make_plan(loaded: LoadedRecipe, device: str | None = None, *, memory: int | None = None, processes: int = 1,
               nodes: int = 1) -> Plan:
     """The plan of one process out of `processes` (on `nodes`), each `auto` decided as training decides it."""
     recipe = loaded.recipe
@@ -70,17 +70,17 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, memory: int | Non
     return plan
 
 
-def _launched() -> tuple[None, None, int, int]:
-    """make_plan's (device, memory, processes, nodes) for a run this launcher started: one of its processes."""
+def _launched() -> dict:
+    """make_plan's settings for a run this launcher started: one of its processes."""
     processes, nodes = launch_layout(os.environ)
-    return None, None, processes, nodes
+    return {"processes": processes, "nodes": nodes}
 
 
 def preflight_plan(loaded: LoadedRecipe, force: bool, warn) -> Plan | None:
     """The plan before anything is loaded. On CUDA a recipe predicted not to fit stops here (exit 2) unless
     `force`; elsewhere a predicted miss is a warning. A model the plan cannot describe is a warning too."""
     try:
-        plan = make_plan(loaded, *_launched())
+        plan = make_plan(loaded, **_launched())
     except Exception as exc:  # the plan advises; a model it cannot describe must not stop the run
         warn(f"no memory plan: {exc}")
         return None

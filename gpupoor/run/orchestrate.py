@@ -158,7 +158,8 @@ def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
     from gpupoor.plan.make import make_plan
 
     try:
-        return make_plan(loaded, device, None, *launch_layout(os.environ))
+        processes, nodes = launch_layout(os.environ)
+        return make_plan(loaded, device, processes=processes, nodes=nodes)
     except Exception:  # advisory: never let the plan stop a run
         return None
 

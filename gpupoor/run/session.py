@@ -228,8 +228,8 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     tokenizer = load_tokenizer(location, recipe.model)
     clock.mark("accelerator and tokenizer")
     sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code)
-    data = build_data(recipe.data, tokenizer, recipe.training.micro_batch_size, recipe.seed, Path.cwd(),
-                      sampler=sampler.value, resuming=resuming)
+    data = build_data(recipe.data, tokenizer, micro_batch_size=recipe.training.micro_batch_size, seed=recipe.seed,
+                      base_dir=Path.cwd(), sampler=sampler.value, resuming=resuming)
     clock.mark("data")
     for warning in data.warnings:
         say(f"warning: {warning}")
@@ -248,8 +248,8 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
         from gpupoor.train.distributed import shard_model
 
         dist = recipe.distributed
-        model = shard_model(model, precision.value, device.value, dist.shard_frozen, dist.reshard_after_forward,
-                            dist.cpu_offload)
+        model = shard_model(model, precision=precision.value, device=device.value, shard_frozen=dist.shard_frozen,
+                            reshard_after_forward=dist.reshard_after_forward, cpu_offload=dist.cpu_offload)
     raw_optimizer = build_optimizer(recipe.training, model, device.value)
     steps = total_steps(recipe, len(data.plan), accelerator.num_processes)
     if strategy.value == "fsdp":

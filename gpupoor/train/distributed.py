@@ -13,7 +13,6 @@ Everything here that takes a model is collective under FSDP: every process must 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model, precision: str, device: str, shard_frozen: bool, reshard_after_forward: bool,
+def shard_model(model, *, precision: str, device: str, shard_frozen: bool, reshard_after_forward: bool,
                 cpu_offload: bool):
     """Apply FSDP2 in place: each decoder layer is one unit (gathered for its forward and backward, then
     freed), the root holds the rest (embeddings, final norm, head). Returns the model (now an FSDPModule)."""

@@ -24,8 +24,8 @@ def test_packed_training_trains_and_reports_no_padding(make_recipe, tmp_path):
 
     loaded = load_recipe(recipe).recipe
     tokenizer = load_tokenizer(loaded.model.name_or_path, loaded.model)
-    data = build_data(loaded.data, tokenizer, loaded.training.micro_batch_size, loaded.seed, tmp_path,
-                      use_cache=False, sampler="packed")
+    data = build_data(loaded.data, tokenizer, micro_batch_size=loaded.training.micro_batch_size, seed=loaded.seed,
+                      base_dir=tmp_path, use_cache=False, sampler="packed")
     batches = [b for epoch in range(len(steps)) for b in data.plan.epoch(epoch)][:len(steps)]
     assert [r["tokens"] for r in steps] == [sum(data.train.lengths[i] for i in b) for b in batches]
     # The check can tell: some of these micro-batches have rows of unequal length, so fillers were there.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gpupoor.cli import app
+from gpupoor.plan.make import make_plan
 from gpupoor.recipe.loading import load_recipe
 
 from conftest import read_metrics

@@ -117,26 +117,26 @@ def test_json_csv_parquet_and_saved_dataset_read_the_same_rows(tmp_path):
 
 def test_tokenized_cache_hits_and_keys_on_settings(tmp_path, tokenizer, alpaca_file):
     section = DataSection(path=str(alpaca_file), format="alpaca", max_length=64, cache_dir=str(tmp_path / "c"))
-    first = build_data(section, tokenizer, 4, 0, tmp_path)
-    second = build_data(section, tokenizer, 4, 0, tmp_path)
+    first = build_data(section, tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path)
+    second = build_data(section, tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path)
     assert not first.cache_hit and second.cache_hit
     assert first.train.ids.tolist() == second.train.ids.tolist()
-    longer = build_data(section.model_copy(update={"max_length": 65}), tokenizer, 4, 0, tmp_path)
+    longer = build_data(section.model_copy(update={"max_length": 65}), tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path)
     assert not longer.cache_hit
     alpaca_file.write_text(alpaca_file.read_text() + json.dumps({"instruction": "x", "output": "y"}) + "\n")
-    assert not build_data(section, tokenizer, 4, 0, tmp_path).cache_hit  # the data bytes changed
+    assert not build_data(section, tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path).cache_hit  # the data bytes changed
 
 
 def test_eval_rows_are_held_out(tmp_path, tokenizer, alpaca_file):
     section = DataSection(path=str(alpaca_file), format="alpaca", max_length=256, eval_rows=8)
-    bundle = build_data(section, tokenizer, 4, 0, tmp_path)
+    bundle = build_data(section, tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path)
     assert len(bundle.eval) == 8 and len(bundle.train) == 40
     train_examples = {tuple(bundle.train[i][0].tolist()) for i in range(len(bundle.train))}
     assert not any(tuple(bundle.eval[i][0].tolist()) in train_examples for i in range(len(bundle.eval)))
 
 
 def test_collate_pads_and_masks(tmp_path, tokenizer, alpaca_file):
-    bundle = build_data(DataSection(path=str(alpaca_file), format="alpaca", max_length=64), tokenizer, 4, 0, tmp_path)
+    bundle = build_data(DataSection(path=str(alpaca_file), format="alpaca", max_length=64), tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path)
     batch = collate(bundle.train, [0, 1, 2], tokenizer.pad_token_id)
     lengths = [bundle.train.lengths[i] for i in (0, 1, 2)]
     assert batch["input_ids"].shape == (3, max(lengths))
@@ -176,10 +176,10 @@ def test_eval_split_of_a_saved_dataset(tmp_path, tokenizer):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:8]),
                           "test": datasets.Dataset.from_list(rows[8:])}).save_to_disk(tmp_path / "saved")
     section = DataSection(path="saved", format="alpaca", max_length=256, eval_split="test")
-    bundle = build_data(section, tokenizer, 4, 0, tmp_path)
+    bundle = build_data(section, tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path)
     assert len(bundle.train) == 8 and len(bundle.eval) == 4
     with pytest.raises(UserError, match="no split 'validation'"):
-        build_data(section.model_copy(update={"eval_split": "validation"}), tokenizer, 4, 0, tmp_path)
+        build_data(section.model_copy(update={"eval_split": "validation"}), tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path)
 
 
 def test_completion_format_joins_prompt_and_completion(tokenizer):

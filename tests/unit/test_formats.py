@@ -415,4 +415,4 @@ def test_mixture_amounts_beyond_a_hundred_passes_are_refused(make_recipe, tmp_pa
     recipe = load_recipe(make_recipe(data=mixture(alpaca_file, {"path": str(alpaca_file), "rows": 4801}))).recipe
     with pytest.raises(UserError, match=r"data.datasets\[1\].rows: 4,801 examples per epoch is more than 100 "
                                         r"passes over the source's 48 examples"):
-        build_data(recipe.data, tokenizer, 4, 0, tmp_path)
+        build_data(recipe.data, tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path)

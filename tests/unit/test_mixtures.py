@@ -112,7 +112,8 @@ def test_held_out_rows_are_not_counted_as_training_examples(tokenizer, two_sourc
                        format="alpaca", max_length=128, sampler="random")
     bundle = build_data(data, tokenizer, micro_batch_size=1, seed=0, base_dir=tmp_path, use_cache=False)
     whole = build_data(DataSection(datasets=[{"path": str(main)}, {"path": str(extra)}], format="alpaca",
-                                   max_length=128, sampler="random"), tokenizer, 1, 0, tmp_path, use_cache=False)
+                                   max_length=128, sampler="random"), tokenizer, micro_batch_size=1, seed=0, base_dir=tmp_path,
+                       use_cache=False)
 
     def counted(dataset):  # tokens and targets counted example by example (the first token is never a target)
         examples = [dataset[i] for i in range(len(dataset))]

@@ -367,7 +367,7 @@ def test_trainable_parameter_count_is_what_peft_and_transformers_train(case, tin
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     recipe = Recipe.model_validate({"model": {"name_or_path": str(tiny_model)}, "data": {"path": "x.jsonl"},
                                     "peft": peft})
-    plan = make_plan(LoadedRecipe(recipe, None), "cpu", 2**40)
+    plan = make_plan(LoadedRecipe(recipe, None), "cpu", memory=2**40)
     assert plan.trainable_params == trained
     assert next(t.bytes for t in plan.terms if t.key == "trainable") == 4 * trained
     assert plan.method == peft["method"] and f"{trained:,} trainable parameters" in plan.method_detail
@@ -592,7 +592,7 @@ def test_fit_file_says_what_was_predicted_and_follows_the_users_recipe(tmp_path,
     source = tmp_path / "qwen.yaml"
     source.write_text((RECIPES / "qwen2.5-1.5b-lora.yaml").read_text())
     loaded = load_recipe(source, ["memory.gradient_checkpointing=false", "training.learning_rate=3e-4"])
-    plan = make_plan(loaded, "cuda", 4 * 2**30)
+    plan = make_plan(loaded, "cuda", memory=4 * 2**30)
     assert plan.fits is False and plan.fit_changes and plan.fit_peak <= 4 * 2**30
     text = write_fit(loaded, plan.fit_changes, plan).read_text()
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))

@@ -291,7 +291,7 @@ def test_tokenize_writes_a_verified_directory_with_the_examples_of_the_raw_data(
     for name, entry in manifest["files"].items():
         assert entry == {"size": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
     recipe_data = load_recipe(recipe).recipe
-    raw = build_data(recipe_data.data, tokenizer, 4, recipe_data.seed, tmp_path)
+    raw = build_data(recipe_data.data, tokenizer, micro_batch_size=4, seed=recipe_data.seed, base_dir=tmp_path)
     train, evaluation, manifest = load_tokenized_dir(out, tokenizer)
     assert examples(train) == examples(raw.train) and examples(evaluation) == examples(raw.eval)
     assert manifest["data_fingerprint"] == raw.fingerprint and manifest["max_length"] == 128
