@@ -146,7 +146,7 @@ def build_data(data: DataSection, tokenizer, *, micro_batch_size: int, seed: int
     evals = [part.eval for part in parts if part.eval is not None]
     evaluation = concat_datasets(evals) if evals else None
     kind = sampler or (data.sampler if data.sampler != "auto" else "random")
-    pairs = all(FORMATS[source.format].pairs for source in sources)
+    pairs = bool(sources) and all(FORMATS[source.format].pairs for source in sources)
     # A pair is two sequences of up to max_length each: packed rows hold at least one whole pair.
     plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length * (2 if pairs else 1), mixture)
     fingerprint = parts[0].fingerprint if data.datasets is None else _mixture_fingerprint(mixture, parts)
