@@ -6,8 +6,10 @@ The tests are in tiers, one directory each, and every test is marked with its di
   integration/  in-process CLI runs and training
   system/       subprocesses, torchrun, SIGKILL and signals, learning quality
   gpu/          needs a CUDA GPU (skipped elsewhere)
-  real/         pretrained models
-`make test-all` runs every tier (what CI runs). A test that trains or starts a process is not a unit test."""
+  real/         pretrained models: the real model `make fetch-real` puts in the cache (fixture `real_gguf`)
+`make test-all` runs every tier (what CI runs). A test that trains or starts a process is not a unit test.
+The tiers' fixtures are all here: a second conftest.py in a tier's directory would replace this module as
+`conftest` in sys.modules, and the `from conftest import ...` of every test file collected after it would fail."""
 
 from __future__ import annotations
 
@@ -28,6 +30,11 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # several workers on a few cores: one t
     torch.set_num_threads(1)
 
 TIERS = ("unit", "integration", "system", "gpu", "real")
+
+# Where `make fetch-real` put the real model, read before `_isolated_cache` points each test at its own cache.
+from gpupoor.commands.fetch_real import SMOLLM2, is_verified, real_model_path  # noqa: E402 (after the env)
+
+REAL_GGUF = real_model_path()
 
 WORDS = ("the model learns to stop when the answer is done and every token counts toward the loss "
          "python lists sort reverse add numbers quickly small large data memory speed resume").split()
@@ -57,6 +64,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUPOOR_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    """The real model's GGUF file (SmolLM2-135M-Instruct, Q4_1), checked against its pinned sha256."""
+    if not is_verified(REAL_GGUF, SMOLLM2):
+        pytest.fail(f"the real model is not in the cache ({REAL_GGUF} is missing or not the pinned file): run "
+                    "`make fetch-real` first (`make test-all` does)", pytrace=False)
+    return REAL_GGUF
 
 
 @pytest.fixture(scope="session")
