@@ -26,7 +26,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 def run_models(recipe) -> dict[str, tuple[str, str | None]]:
     """The models a recipe loads, by recipe key: (name_or_path, revision). DPO's reference copy is the base."""
-    models = {"model.name_or_path": (gguf.joined(recipe.model.name_or_path, recipe.model.gguf_file),
+    models = {"model.name_or_path": (gguf.joined(recipe.model.name_or_path, getattr(recipe.model, "gguf_file", None)),
                                      recipe.model.revision)}
     if recipe.distill is not None:
         models["distill.teacher"] = (recipe.distill.teacher, recipe.distill.revision)

@@ -13,7 +13,7 @@ def _dequantized(recipe, precision: str) -> str:
     from gpupoor.model import gguf
     from gpupoor.model.builtin import resolve_model_path
 
-    local = resolve_model_path(gguf.joined(recipe.model.name_or_path, recipe.model.gguf_file), Path.cwd())
+    local = resolve_model_path(gguf.joined(recipe.model.name_or_path, getattr(recipe.model, "gguf_file", None)), Path.cwd())
     if local is None or not gguf.is_gguf(str(local)):
         return ""
     return f" (GGUF, dequantized from {gguf.read_gguf(local).quantization} to {precision})"
