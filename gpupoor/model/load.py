@@ -153,8 +153,6 @@ def load_base_model(location: str, model_cfg: ModelSection, *, quant: Quantizati
                     location, config=config, dtype=dtype, revision=model_cfg.revision,
                     quantization_config=quantization, **placement, **common)
         except (OSError, ValueError) as exc:
-            if gguf.is_gguf(location):
-                raise gguf.gguf_error(location, "model.name_or_path", "model weights", exc) from None
             raise UserError(f"model.name_or_path: cannot load model weights from {location!r}: {exc}") from None
     if quantization is None and not cpu_offload:
         model.to(device)
@@ -170,11 +168,35 @@ def load_gguf_model(location: str, dtype, *, config=None, quantization=None, dev
     --smoke uses: the GGUF loader does not take a quantization config."""
     from transformers import AutoModelForCausalLM
 
+    gguf.read_gguf(Path(location))  # the clear errors first: no gguf package, a damaged file, its architecture
     placement, common = placement or {}, common or {}
     directory, name = gguf.split(location)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=dtype,
-                                                 **({} if quantization is not None else placement), **common)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=dtype,
+                                                     **({} if quantization is not None else placement), **common)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise gguf.gguf_error(location, "model.name_or_path", "model weights", exc) from None
+    _forget_gguf(model)
     return _requantize(model, quantization, dtype, device, common) if quantization is not None else model
+
+
+def _forget_gguf(model) -> None:
+    """Every tensor is dequantized by now, yet transformers keeps a GGUF "quantizer" on the model and its config,
+    and refuses to save_pretrained it (merge-lora, the QLoRA round trip) and would write quantization_config into
+    a merged config.json: drop those marks, the model is an ordinary one in its dtype."""
+    model.hf_quantizer = None
+    if "is_quantized" in vars(model):
+        model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def save_dequantized(location: str, target: Path, dtype) -> Path:
+    """A GGUF base written as an ordinary transformers directory (safetensors, config, tokenizer) in `dtype`."""
+    model = load_gguf_model(location, dtype)
+    model.save_pretrained(target)
+    load_tokenizer(location, ModelSection(name_or_path=location)).save_pretrained(target)
+    return target
 
 
 def _prepare_quantized(model) -> None:
