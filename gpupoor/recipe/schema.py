@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpupoor.errors import UserError
-from gpupoor.recipe.rules import MAX_PASSES, check_data, check_peft, check_recipe, check_source
+from gpupoor.recipe.rules import MAX_PASSES, check_data, check_model, check_peft, check_recipe, check_source
 from gpupoor.optimizers import OPTIMIZER_NAMES, optimizers_doc
 from gpupoor.units import MiB, parse_duration, parse_size
 
@@ -72,13 +72,8 @@ class ModelSection(_Section):
     )
 
     @model_validator(mode="after")
-    def _gguf_file(self) -> "ModelSection":
-        if self.gguf_file is not None and not self.gguf_file.lower().endswith(".gguf"):
-            raise UserError(f"model.gguf_file: {self.gguf_file!r} is not a .gguf file name",
-                            hint="name the GGUF file inside the directory model.name_or_path")
-        if self.gguf_file is not None and self.name_or_path.lower().endswith(".gguf"):
-            raise UserError("model.gguf_file: model.name_or_path already names a .gguf file",
-                            hint="set one: the file in model.name_or_path, or its directory there and the file here")
+    def _rules(self) -> "ModelSection":
+        check_model(self)
         return self
 
 
