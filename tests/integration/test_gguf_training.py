@@ -89,3 +89,15 @@ def test_merge_lora_writes_a_transformers_directory(gguf_run, tiny_model, tmp_pa
     probe = torch.tensor([[1, 5, 9, 17, 33, 60, 2, 7]])
     with torch.no_grad():
         assert torch.allclose(merged(probe).logits, trained(probe).logits, atol=1e-5)
+
+
+def test_qlora_on_a_dequantized_gguf_base_trains_and_merges(tiny_gguf, tmp_path, monkeypatch):
+    from conftest import alpaca_rows, write_jsonl
+
+    data = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(16))
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_gguf, data, quantization={"bits": 4},
+                          training={**STEPS["training"], "max_steps": 1})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
+    assert result.exit_code == 0, result.output
+    result = invoke("merge-lora", tmp_path / "run", "--output", tmp_path / "merged")
+    assert result.exit_code == 0 and "4-bit, dequantized" in result.output, result.output
