@@ -123,8 +123,11 @@ def load_base_model(location: str, model_cfg: ModelSection, *, quant: Quantizati
     (a shrunken random-weight copy for --smoke)."""
     from transformers import AutoModelForCausalLM
 
-    config = load_config(location, model_cfg)
-    config.use_cache = False  # no KV cache in training: it costs memory and breaks packed attention
+    # A GGUF's loader builds the config from the file itself: reading it here too would parse the file's
+    # metadata (its whole vocabulary) once more.
+    config = None if gguf.is_gguf(location) and not smoke else load_config(location, model_cfg)
+    if config is not None:
+        config.use_cache = False  # no KV cache in training: it costs memory and breaks packed attention
     dtype = dtype_of(precision)
     cpu_offload = bool(max_gpu_memory) and device == "cuda"
     quantization = quantization_config(quant, precision, cpu_offload)
@@ -154,6 +157,7 @@ def load_base_model(location: str, model_cfg: ModelSection, *, quant: Quantizati
                     quantization_config=quantization, **placement, **common)
         except (OSError, ValueError) as exc:
             raise UserError(f"model.name_or_path: cannot load model weights from {location!r}: {exc}") from None
+    model.config.use_cache = False  # (a GGUF's config is built by its loader)
     if quantization is None and not cpu_offload:
         model.to(device)
     elif quantization is not None:

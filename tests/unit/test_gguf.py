@@ -20,8 +20,15 @@ def no_tensor_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("validate/plan loaded weights")
 
+    metadata_only = gguf_utils.load_gguf_checkpoint
+
+    def no_tensors(path, return_tensors=False, **kwargs):  # the tokenizer's loader reads the metadata alone
+        if return_tensors:
+            refuse()
+        return metadata_only(path, return_tensors=False, **kwargs)
+
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", refuse)
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", no_tensors)
 
 
 def test_plan_and_validate_read_the_architecture_from_the_metadata(tiny_gguf, alpaca_file, tmp_path,
@@ -133,3 +140,19 @@ def test_model_identity_is_the_gguf_file(tiny_gguf, tmp_path):
     copy.write_bytes(bytes(data))
     assert identity.model_changes(first, identity.model_identities(recipe, first)) == {
         "model.name_or_path": f"{copy}: base.gguf changed"}
+
+
+def test_validate_show_renders_rows_with_the_gguf_tokenizer(tiny_gguf, alpaca_file, tmp_path, no_tensor_loads):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_gguf, alpaca_file)
+    result = invoke("validate", recipe, "--show", "1")
+    assert result.exit_code == 0 and "trained" in result.output and "Traceback" not in result.output, result.output
+
+
+def test_a_gguf_teacher_is_planned_from_its_metadata(tiny_gguf, tiny_model, alpaca_file, tmp_path, no_tensor_loads):
+    from gpupoor.plan.shape import load_teacher_shape
+    from gpupoor.recipe.loading import load_recipe
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_model, alpaca_file, distill={"teacher": str(tiny_gguf)})
+    shape, source = load_teacher_shape(load_recipe(recipe))
+    assert source == str(tiny_gguf) and shape.layers == 2 and shape.hidden == 32
+    assert invoke("validate", recipe).exit_code == 0
