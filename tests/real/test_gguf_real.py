@@ -59,3 +59,19 @@ def test_smollm2_loads_dequantized_with_its_tokenizer_and_chat_template(real_ggu
     with torch.no_grad():
         logits = model(ids).logits[0, -1]
     assert tokenizer.decode(logits.argmax()).strip() == "Paris"  # real weights, correctly dequantized
+
+
+def test_train_from_smollm2_gguf_and_merge_into_a_transformers_directory(real_gguf, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("GPUPOOR_CACHE", str(tmp_path / "cache"))
+    recipe = write_recipe(tmp_path, real_gguf)
+    result = CliRunner().invoke(app, ["train", str(recipe), "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert "(GGUF, dequantized from Q4_1, Q8_0 to fp32)" in result.output
+    result = CliRunner().invoke(app, ["merge-lora", str(tmp_path / "run"), "--output", str(tmp_path / "merged"),
+                                      "--verify"])
+    assert result.exit_code == 0, result.output
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # plain transformers, no GGUF
+    assert merged.config.tie_word_embeddings and merged.config.num_hidden_layers == 30
+    assert "<|im_start|>" in AutoTokenizer.from_pretrained(tmp_path / "merged").chat_template
