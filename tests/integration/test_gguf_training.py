@@ -101,3 +101,14 @@ def test_qlora_on_a_dequantized_gguf_base_trains_and_merges(tiny_gguf, tmp_path,
     assert result.exit_code == 0, result.output
     result = invoke("merge-lora", tmp_path / "run", "--output", tmp_path / "merged")
     assert result.exit_code == 0 and "4-bit, dequantized" in result.output, result.output
+
+
+def test_train_on_a_truncated_gguf_exits_2_and_writes_nothing(tiny_gguf, tmp_path, monkeypatch):
+    from conftest import alpaca_rows, write_jsonl
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:-100])  # the last tensor's end missing
+    recipe = write_recipe(tmp_path / "r.yaml", cut, write_jsonl(tmp_path / "t.jsonl", alpaca_rows(8)), **STEPS)
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
+    assert result.exit_code == 2 and str(cut) in result.output and "truncated" in result.output, result.output
+    assert not (tmp_path / "run").exists()
