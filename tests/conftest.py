@@ -102,6 +102,14 @@ def tiny_tied_model(tmp_path_factory, tokenizer) -> Path:
                             heads=4, kv_heads=2, seed=1, tie_embeddings=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory, tiny_model) -> Path:
+    """The tiny Llama written as one GGUF file (F32 tensors, its tokenizer and a chat template in the metadata)."""
+    from gpupoor.model.tiny import write_tiny_gguf
+
+    return write_tiny_gguf(tiny_model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
 @pytest.fixture()
 def alpaca_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "train.jsonl", alpaca_rows(48))

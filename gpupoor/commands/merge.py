@@ -1,4 +1,5 @@
 """`gpupoor merge-lora`: a standalone model directory from base + adapter (LoRA, DoRA or IA3), merged shard by shard.
+A GGUF base is dequantized once into a temporary safetensors directory first (`_base_directory`).
 
 Peak RAM is about one output shard plus the adapter, not the whole model: tensors are read one at a time from
 the base's safetensors shards, each tensor the adapter targets is replaced by its merged form computed in fp32
@@ -10,11 +11,13 @@ model reproduces the trained one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,6 +27,7 @@ import torch
 from gpupoor.decisions import evaluates_in_train_mode
 from gpupoor.errors import UserError
 from gpupoor.hardware import DTYPES
+from gpupoor.model.gguf import is_gguf
 from gpupoor.model.identity import config_facts
 from gpupoor.storage.checkpoint import read_manifest
 from gpupoor.storage.files import atomic_dir
@@ -382,9 +386,8 @@ class MergePlan:
 
 def merge_lora(source: RunWeights, output: Path, dtype: str = "auto", base: str | None = None,
                max_shard_bytes: int = 2 * 10**9, qlora_base: str = "dequantized", say=print) -> Path:
-    """Merge a LoRA, DoRA or IA3 adapter into its base: a new standard model directory at `output`."""
-    from transformers import AutoConfig
-
+    """Merge a LoRA, DoRA or IA3 adapter into its base (a model directory, a hub id or a GGUF file): a new
+    standard model directory at `output`."""
     from gpupoor.storage.rundir import check_writable
 
     output = output.expanduser().resolve()
@@ -396,7 +399,32 @@ def merge_lora(source: RunWeights, output: Path, dtype: str = "auto", base: str 
     if not base_name:
         raise UserError("the adapter does not name its base model", hint="pass --base MODEL")
     # The hub revision the run trained on (recorded in the adapter config), unless another base was given.
-    base_dir = base_files(base_name, None if base else adapter.config.get("revision"))
+    with _base_directory(base_name, None if base else adapter.config.get("revision"), source, output) as base_dir:
+        _merge_from(base_dir, base_name, adapter, source, output, dtype, max_shard_bytes, qlora_base, say)
+    return output
+
+
+@contextlib.contextmanager
+def _base_directory(base_name: str, revision: str | None, source: RunWeights, output: Path):
+    """The base as a directory of safetensors shards the merge streams: itself, a hub snapshot, or for a GGUF
+    base, the GGUF dequantized once into a temporary directory beside the output (removed after), in the dtype
+    the run loaded it in. That loads the whole base (transformers' GGUF loader dequantizes every tensor in memory
+    anyway); the merge then streams it like any other."""
+    if not is_gguf(base_name):
+        yield base_files(base_name, revision)
+        return
+    from gpupoor.model.load import save_dequantized
+
+    dtype = DTYPES[read_manifest(source.path).get("precision") or "fp32"]
+    output.parent.mkdir(parents=True, exist_ok=True)  # (the output's own atomic_dir would make it too)
+    with tempfile.TemporaryDirectory(prefix=f".tmp-gguf-base-{os.getpid()}-", dir=output.parent) as tmp:
+        yield save_dequantized(base_name, Path(tmp), dtype)
+
+
+def _merge_from(base_dir: Path, base_name: str, adapter: AdapterWeights, source: RunWeights, output: Path,
+                dtype: str, max_shard_bytes: int, qlora_base: str, say) -> None:
+    from transformers import AutoConfig
+
     check_base_fits(source.path, base_config(str(base_dir)), base_name)
     config = AutoConfig.from_pretrained(base_dir)
     recipe, metrics = _run_summary(source.run_dir)
@@ -415,7 +443,6 @@ def merge_lora(source: RunWeights, output: Path, dtype: str = "auto", base: str 
     with atomic_dir(output, f".tmp-{output.name}-{os.getpid()}") as tmp:  # the output appears whole or not at all
         untied = _write_merged_weights(plan, tmp, max_shard_bytes)
         _write_model_files(plan, tmp, config, untied, source, recipe, metrics, qlora_base)
-    return output
 
 
 def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int) -> bool:
@@ -499,9 +526,15 @@ def verify_merge(source: RunWeights, merged: Path, base: str | None = None) -> f
     # 4-bit matmuls in the precision the run trained with (the reference is what training computed).
     precision = read_manifest(source.path).get("precision", "fp32")
     quantization = quantization_config(quant, precision) if quant.bits else None
-    trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32, quantization_config=quantization,
-                                                   revision=None if base else adapter.revision,
-                                                   device_map={"": "cpu"} if quantization else None)
+    if is_gguf(base_name):
+        from gpupoor.model.load import load_gguf_model
+
+        trained = load_gguf_model(base_name, torch.float32, quantization=quantization)
+    else:
+        trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32,
+                                                       quantization_config=quantization,
+                                                       revision=None if base else adapter.revision,
+                                                       device_map={"": "cpu"} if quantization else None)
     with bitsandbytes_unless_loaded():
         trained = PeftModel.from_pretrained(trained, source.path, config=adapter)
     merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)

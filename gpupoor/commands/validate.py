@@ -11,6 +11,7 @@ import os
 import re
 from pathlib import Path
 
+from gpupoor.model import gguf
 from gpupoor.model.builtin import resolve_model_path
 from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.data.formats import FORMATS, FieldNames, Format
@@ -29,8 +30,16 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+def _named(model) -> str:
+    """The base as one value: model.name_or_path, or the GGUF file model.gguf_file inside it."""
+    return gguf.joined(model.name_or_path, model.gguf_file)
+
+
 def check_model(value: str, base_dir: Path, key: str = "model.name_or_path") -> list[str]:
     local = resolve_model_path(value, base_dir)
+    if local is not None and gguf.is_gguf(str(local)):
+        gguf.require_tokenizer(gguf.read_gguf(local, key), key)  # its metadata only: the architecture, a tokenizer
+        return []
     if local is not None:
         from gpupoor.plan.shape import require_model_dir
 
@@ -193,7 +202,7 @@ def source_format(source: SourceSection, data: DataSection) -> Format:
 
 def _check_tokenizer_renders(loaded: LoadedRecipe, formats: str) -> None:
     model = loaded.recipe.model
-    if tokenizer_has_chat_template(model.name_or_path, loaded.base_dir, model.revision) is False:
+    if tokenizer_has_chat_template(_named(model), loaded.base_dir, model.revision) is False:
         raise missing_template_error(f"{model.name_or_path}'s tokenizer", formats)
 
 
@@ -280,7 +289,7 @@ def check_tokenizer_template(loaded: LoadedRecipe) -> list[str]:
     formats = sorted({source.format for source in recipe.data.sources() if FORMATS[source.format].needs_chat_template})
     if recipe.data.chat_template is not None or not formats:
         return []
-    name = recipe.model.name_or_path
+    name = _named(recipe.model)
     has_template = tokenizer_has_chat_template(name, loaded.base_dir, recipe.model.revision)
     if has_template is None:
         return [f"data.chat_template: not set, and {name}'s tokenizer files are not in the local hub cache, so "
@@ -295,6 +304,8 @@ def tokenizer_has_chat_template(name_or_path: str, base_dir: Path, revision: str
     5 saves it), additional_chat_templates/, or "chat_template" in tokenizer_config.json. None: cannot tell
     (a hub model whose files are not cached; validate does not download)."""
     local = resolve_model_path(name_or_path, base_dir)
+    if local is not None and gguf.is_gguf(str(local)):
+        return gguf.read_gguf(local).has_chat_template
     if local is not None:
         if (local / "chat_template.jinja").is_file() or any((local / "additional_chat_templates").glob("*.jinja")):
             return True
@@ -345,7 +356,7 @@ def check_module_names(loaded: LoadedRecipe) -> list[str]:
     if not any(wanted.values()):
         return []
     try:
-        config, _ = find_config(loaded.recipe.model.name_or_path, loaded.base_dir, loaded.recipe.model.revision)
+        config, _ = find_config(_named(loaded.recipe.model), loaded.base_dir, loaded.recipe.model.revision)
     except UserError:
         return []  # the plan reports a config it cannot read
     if config.get("model_type") not in LLAMA_FAMILY:
@@ -370,7 +381,7 @@ def check_last_layers(loaded: LoadedRecipe) -> list[str]:
     if recipe.peft.last_layers is None:
         return []
     try:
-        config, _ = find_config(recipe.model.name_or_path, loaded.base_dir, recipe.model.revision)
+        config, _ = find_config(_named(recipe.model), loaded.base_dir, recipe.model.revision)
     except UserError:
         return []  # the plan reports a config it cannot read
     layers = (config.get("text_config") or config).get("num_hidden_layers")
@@ -393,7 +404,7 @@ def preflight(loaded: LoadedRecipe) -> list[str]:
     """Raise UserError on the first definite problem; return warnings for what could not be checked."""
     recipe = loaded.recipe
     check_trackers(recipe.logging.report_to)
-    warnings = check_model(recipe.model.name_or_path, loaded.base_dir)
+    warnings = check_model(_named(recipe.model), loaded.base_dir)
     warnings += check_module_names(loaded)
     warnings += check_last_layers(loaded)
     if recipe.distill is not None:

@@ -4,6 +4,7 @@ activation checkpointing set up and every trainable tensor in fp32; and a summar
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,10 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, *
         # What a user loads the adapter onto: the hub id as named, or the local directory as an absolute path.
         model.peft_config["default"].base_model_name_or_path = location
         model.peft_config["default"].revision = model_cfg.revision
+        if location.lower().endswith(".gguf"):
+            # peft looks for config.json beside the base at each save (to tell a resized vocabulary) and warns that
+            # a GGUF file has none; gpupoor never resizes it.
+            warnings.filterwarnings("ignore", message=r"Could not find a config file in .*\.gguf")
     return model
 
 

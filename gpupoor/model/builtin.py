@@ -59,8 +59,8 @@ def builtin_model(name: str) -> Path:
 
 
 def resolve_model_path(value: str, base_dir: Path) -> Path | None:
-    """The local directory a model.name_or_path names (a built-in model, built on first use, or a local path),
-    or None for a hub id."""
+    """The local directory (or .gguf file) a model.name_or_path names (a built-in model, built on first use, or a
+    local path), or None for a hub id."""
     if value.startswith(PREFIX):
         return builtin_model(value[len(PREFIX):])
-    return resolve_local_path(value, base_dir)
+    return resolve_local_path(value, base_dir, (".gguf",))

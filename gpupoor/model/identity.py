@@ -2,7 +2,7 @@
 teacher (`distill.teacher`), recorded in every checkpoint's manifest ("models") so that a resume notices weights
 replaced at the same path (docs/resume.md).
 
-A local directory is its config.json and weight files, each by sha256; a hub id is the commit of the cached
+A local directory is its config.json and weight files, each by sha256 (a GGUF file is that one file); a hub id is the commit of the cached
 snapshot it resolves to (unknown when nothing is cached: never compared); a built-in `gpupoor:NAME` model is the
 hashes of its manifest, verified when it was resolved. Hashing gigabytes at every start would be slow, so a
 file's hash is reused while its size, mtime, ctime and inode are those it was hashed at (the previous record, or
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gpupoor.model import gguf
 from gpupoor.model.builtin import PREFIX, resolve_model_path
 from gpupoor.storage.files import default_cache_dir, sha256_file, write_text_atomic
 
@@ -25,7 +26,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 def run_models(recipe) -> dict[str, tuple[str, str | None]]:
     """The models a recipe loads, by recipe key: (name_or_path, revision). DPO's reference copy is the base."""
-    models = {"model.name_or_path": (recipe.model.name_or_path, recipe.model.revision)}
+    models = {"model.name_or_path": (gguf.joined(recipe.model.name_or_path, getattr(recipe.model, "gguf_file", None)),
+                                     recipe.model.revision)}
     if recipe.distill is not None:
         models["distill.teacher"] = (recipe.distill.teacher, recipe.distill.revision)
     return models
@@ -53,13 +55,22 @@ def model_identity(value: str, revision: str | None, base_dir: Path, known: dict
     if value.startswith(PREFIX):  # verified against its manifest when resolved
         manifest = json.loads((local / "manifest.json").read_text())
         builtin = {name: entry["sha256"] for name, entry in manifest["files"].items()}
+    if gguf.is_gguf(str(local)) and local.is_file():  # one file: its config and weights both
+        return {"path": str(local), "files": {local.name: _hashed(local, builtin, known)},
+                "config": config_facts(gguf.read_gguf(local).config)}
     files = {}
     for path in sorted(local.iterdir()) if local.is_dir() else []:
         if path.is_file() and (path.name == "config.json" or path.name.endswith(WEIGHT_SUFFIXES)):
-            stat = path.stat()
-            key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}"
-            files[path.name] = {"sha256": builtin.get(path.name) or known.get(key) or sha256_file(path), "stat": key}
+            files[path.name] = _hashed(path, builtin, known)
     return {"path": str(local), "files": files, "config": _facts(local / "config.json")}
+
+
+def _hashed(path: Path, builtin: dict[str, str], known: dict[str, str]) -> dict:
+    """A file's sha256 (a built-in's from its manifest, else one known for this very file, else computed) and the
+    stat it was taken at."""
+    stat = path.stat()
+    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}"
+    return {"sha256": builtin.get(path.name) or known.get(key) or sha256_file(path), "stat": key}
 
 
 # What says which model an adapter fits: its family, depth and width (config key, and the GPT-2 style name).

@@ -1,5 +1,5 @@
-"""The base model and its tokenizer as the recipe loads them: from a local directory, a built-in or the hub, in the
-precision's dtype, quantized by bitsandbytes when asked, on the run's device (or shrunken with random weights for
+"""The base model and its tokenizer as the recipe loads them: from a local directory, a GGUF file (gpupoor.model.gguf),
+a built-in or the hub, in the precision's dtype, quantized by bitsandbytes when asked, on the run's device (or shrunken with random weights for
 `--smoke`), through transformers' public API."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from gpupoor.errors import UserError
+from gpupoor.model import gguf
 from gpupoor.hardware import dtype_of
 from gpupoor.recipe.schema import ModelSection, QuantizationSection
 from gpupoor.units import parse_size
@@ -21,21 +22,29 @@ SMOKE_DIMS = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_he
 
 
 def model_location(model: ModelSection, base_dir: Path) -> str:
-    """A local directory (absolute) or the hub id, as transformers' from_pretrained takes it."""
+    """A local directory or GGUF file (absolute) or the hub id, as transformers' from_pretrained takes it."""
     from gpupoor.model.builtin import resolve_model_path
 
-    local = resolve_model_path(model.name_or_path, base_dir)
+    local = resolve_model_path(gguf.joined(model.name_or_path, model.gguf_file), base_dir)
     return str(local) if local is not None else model.name_or_path
 
 
-def load_tokenizer(location: str, model: ModelSection):
+def load_tokenizer(location: str, model: ModelSection, key: str = "model.name_or_path"):
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(location, revision=model.revision,
-                                                  trust_remote_code=model.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"model.name_or_path: cannot load a tokenizer from {location!r}: {exc}") from None
+    if gguf.is_gguf(location):
+        gguf.require_tokenizer(gguf.read_gguf(Path(location), key), key)
+        directory, name = gguf.split(location)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise gguf.gguf_error(location, key, "tokenizer", exc) from None
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location, revision=model.revision,
+                                                      trust_remote_code=model.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{key}: cannot load a tokenizer from {location!r}: {exc}") from None
     if tokenizer.pad_token_id is None:
         # Padding positions are masked out of attention and loss, so any id works; EOS is conventional.
         tokenizer.pad_token = tokenizer.eos_token
@@ -45,6 +54,13 @@ def load_tokenizer(location: str, model: ModelSection):
 def load_config(location: str, model: ModelSection):
     from transformers import AutoConfig
 
+    if gguf.is_gguf(location):
+        gguf.read_gguf(Path(location))  # the clear errors first: no gguf package, a damaged file, its architecture
+        directory, name = gguf.split(location)
+        try:
+            return AutoConfig.from_pretrained(directory, gguf_file=name)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise gguf.gguf_error(location, "model.name_or_path", "config", exc) from None
     try:
         return AutoConfig.from_pretrained(location, revision=model.revision,
                                           trust_remote_code=model.trust_remote_code)
@@ -107,8 +123,11 @@ def load_base_model(location: str, model_cfg: ModelSection, *, quant: Quantizati
     (a shrunken random-weight copy for --smoke)."""
     from transformers import AutoModelForCausalLM
 
-    config = load_config(location, model_cfg)
-    config.use_cache = False  # no KV cache in training: it costs memory and breaks packed attention
+    # A GGUF's loader builds the config from the file itself: reading it here too would parse the file's
+    # metadata (its whole vocabulary) once more.
+    config = None if gguf.is_gguf(location) and not smoke else load_config(location, model_cfg)
+    if config is not None:
+        config.use_cache = False  # no KV cache in training: it costs memory and breaks packed attention
     dtype = dtype_of(precision)
     cpu_offload = bool(max_gpu_memory) and device == "cuda"
     quantization = quantization_config(quant, precision, cpu_offload)
@@ -129,16 +148,59 @@ def load_base_model(location: str, model_cfg: ModelSection, *, quant: Quantizati
             elif quantization is not None or device.startswith("cuda"):
                 # straight onto the GPU: a free Colab has less host RAM than GPU memory for the weights
                 placement = {"device_map": {"": device}}
-            model = AutoModelForCausalLM.from_pretrained(
-                location, config=config, dtype=dtype, revision=model_cfg.revision, quantization_config=quantization,
-                **placement, **common)
+            if gguf.is_gguf(location):
+                model = load_gguf_model(location, dtype, config=config, quantization=quantization, device=device,
+                                        placement=placement, common=common)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    location, config=config, dtype=dtype, revision=model_cfg.revision,
+                    quantization_config=quantization, **placement, **common)
         except (OSError, ValueError) as exc:
             raise UserError(f"model.name_or_path: cannot load model weights from {location!r}: {exc}") from None
+    model.config.use_cache = False  # (a GGUF's config is built by its loader)
     if quantization is None and not cpu_offload:
         model.to(device)
     elif quantization is not None:
         _prepare_quantized(model)
     return model
+
+
+def load_gguf_model(location: str, dtype, *, config=None, quantization=None, device: str = "cpu",
+                    placement: dict | None = None, common: dict | None = None):
+    """A GGUF base through transformers' GGUF loader, each tensor dequantized to the training dtype. A recipe that
+    quantizes it (QLoRA) gets the dequantized base quantized by bitsandbytes, by the save/load round trip
+    --smoke uses: the GGUF loader does not take a quantization config."""
+    from transformers import AutoModelForCausalLM
+
+    gguf.read_gguf(Path(location))  # the clear errors first: no gguf package, a damaged file, its architecture
+    placement, common = placement or {}, common or {}
+    directory, name = gguf.split(location)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=dtype,
+                                                     **({} if quantization is not None else placement), **common)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise gguf.gguf_error(location, "model.name_or_path", "model weights", exc) from None
+    _forget_gguf(model)
+    return _requantize(model, quantization, dtype, device, common) if quantization is not None else model
+
+
+def _forget_gguf(model) -> None:
+    """Every tensor is dequantized by now, yet transformers keeps a GGUF "quantizer" on the model and its config,
+    and refuses to save_pretrained it (merge-lora, the QLoRA round trip) and would write quantization_config into
+    a merged config.json: drop those marks, the model is an ordinary one in its dtype."""
+    model.hf_quantizer = None
+    if "is_quantized" in vars(model):
+        model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def save_dequantized(location: str, target: Path, dtype) -> Path:
+    """A GGUF base written as an ordinary transformers directory (safetensors, config, tokenizer) in `dtype`."""
+    model = load_gguf_model(location, dtype)
+    model.save_pretrained(target)
+    load_tokenizer(location, ModelSection(name_or_path=location)).save_pretrained(target)
+    return target
 
 
 def _prepare_quantized(model) -> None:

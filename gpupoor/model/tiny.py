@@ -45,3 +45,81 @@ def build_tiny_llama(path: str | Path, tokenizer, hidden: int = 64, layers: int 
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _permute_for_gguf(weight, heads: int):
+    """llama.cpp's convert script reorders each head's rows of q_proj/k_proj (rotary halves interleaved);
+    transformers' GGUF loader undoes it, so a GGUF written here must do it."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_tiny_gguf(model_dir: str | Path, path: str | Path, *, tokenizer: bool = True,
+                    architecture: str = "llama", f16: bool = False) -> Path:
+    """A saved tiny Llama (`build_tiny_llama`) written as one GGUF file, the format llama.cpp, Ollama and LM
+    Studio run: llama metadata, its tensors (F32, or F16 for the matrices), and, with `tokenizer`, its
+    byte-level BPE tokenizer and chat template in tokenizer.ggml.*. `architecture` is written as
+    general.architecture (tests name one transformers cannot load)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    model_dir, path = Path(model_dir), Path(path)
+    config = json.loads((model_dir / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name("tiny llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
+    if tokenizer:
+        _add_tokenizer(writer, model_dir)
+    for name, tensor in sorted(load_file(str(model_dir / "model.safetensors")).items()):
+        if name.endswith("q_proj.weight"):
+            tensor = _permute_for_gguf(tensor, heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = _permute_for_gguf(tensor, kv_heads)
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        keep_f32 = not f16 or tensor.ndim < 2  # llama.cpp keeps norms in F32
+        writer.add_tensor(target, tensor.astype(np.float32 if keep_f32 else np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_tokenizer(writer, model_dir: Path) -> None:
+    import json
+
+    import gguf
+
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    added = {token["content"]: token["id"] for token in tok.get("added_tokens", [])}
+    by_id = {index: token for token, index in {**vocab, **added}.items()}
+    tokens = [by_id[i] for i in range(len(by_id))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if token in added else gguf.TokenType.NORMAL for token in tokens])
+    writer.add_token_merges(merges)
+    special = json.loads((model_dir / "tokenizer_config.json").read_text())
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+        if isinstance(special.get(key), str) and special[key] in added:
+            add(added[special[key]])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -1,5 +1,5 @@
-"""A model's shape for the plan: its config.json found without its weights (a local directory, the hub cache, the
-configs gpupoor ships, or the hub), and the dimensions of a decoder-only transformer read from it."""
+"""A model's shape for the plan: its config.json found without its weights (a local directory, a GGUF file's
+metadata, the hub cache, the configs gpupoor ships, or the hub), and the dimensions of a decoder-only transformer read from it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gpupoor.decisions import logit_postprocessing
 from gpupoor.errors import UserError
+from gpupoor.model import gguf
 from gpupoor.model.builtin import resolve_model_path
 from gpupoor.recipe.loading import LoadedRecipe
 
@@ -82,6 +83,8 @@ FILE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 def tokenizer_rows(name_or_path: str, base_dir: Path) -> int | None:
     """How many ids a local model's tokenizer can produce (tokenizer.json), or None when unknown."""
     local = resolve_model_path(name_or_path, base_dir)
+    if local is not None and gguf.is_gguf(str(local)):
+        return gguf.read_gguf(local).tokens or None
     path = local / "tokenizer.json" if local is not None else None
     if path is None or not path.is_file():
         return None
@@ -158,6 +161,8 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None,
     ships for its own recipes, or (network allowing) the hub's config.json alone. Returns (config, source).
     `key`: the recipe key that named the model (the student's, or distill.teacher), for errors."""
     local = resolve_model_path(name_or_path, base_dir)
+    if local is not None and gguf.is_gguf(str(local)):
+        return dict(gguf.read_gguf(local, key).config), str(local)  # its metadata: the tensors are not read
     if local is not None:
         require_model_dir(local, key)
         return _read_json(local / "config.json", key), str(local / "config.json")
@@ -197,5 +202,6 @@ def load_teacher_shape(loaded: LoadedRecipe) -> tuple[Shape | None, str | None]:
 
 def load_shape(loaded: LoadedRecipe) -> tuple[Shape, str]:
     model = loaded.recipe.model
-    config, source = find_config(model.name_or_path, loaded.base_dir, model.revision)
-    return shape_from_config(config, source, tokenizer_rows(model.name_or_path, loaded.base_dir)), source
+    named = gguf.joined(model.name_or_path, model.gguf_file)
+    config, source = find_config(named, loaded.base_dir, model.revision)
+    return shape_from_config(config, source, tokenizer_rows(named, loaded.base_dir)), source

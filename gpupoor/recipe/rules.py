@@ -184,3 +184,13 @@ def check_tokenized_settings(manifest: dict, data, path: Path) -> None:
                     "cut and labelled when it was written, so the recipe's values would be ignored",
                     hint="set " + " and ".join(f"data.{key}: {theirs}" for key, _, theirs in differences)
                     + " in the recipe, or tokenize again with the new settings (gpupoor tokenize RECIPE --output DIR)")
+
+
+def check_model(model) -> None:
+    """model.gguf_file names a .gguf file inside the directory model.name_or_path, which is then no file itself."""
+    if model.gguf_file is not None and not model.gguf_file.lower().endswith(".gguf"):
+        raise UserError(f"model.gguf_file: {model.gguf_file!r} is not a .gguf file name",
+                        hint="name the GGUF file inside the directory model.name_or_path")
+    if model.gguf_file is not None and model.name_or_path.lower().endswith(".gguf"):
+        raise UserError("model.gguf_file: model.name_or_path already names a .gguf file",
+                        hint="set one: the file in model.name_or_path, or its directory there and the file here")

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpupoor.errors import UserError
-from gpupoor.recipe.rules import MAX_PASSES, check_data, check_peft, check_recipe, check_source
+from gpupoor.recipe.rules import MAX_PASSES, check_data, check_model, check_peft, check_recipe, check_source
 from gpupoor.optimizers import OPTIMIZER_NAMES, optimizers_doc
 from gpupoor.units import MiB, parse_duration, parse_size
 
@@ -53,9 +53,14 @@ class ModelSection(_Section):
     """Which base model to fine-tune and how to load it."""
 
     name_or_path: str = Field(
-        description="Hugging Face hub id (e.g. `Qwen/Qwen2.5-1.5B`) or a local directory saved with "
-        "`save_pretrained`. Relative paths resolve against the recipe file."
+        description="Hugging Face hub id (e.g. `Qwen/Qwen2.5-1.5B`), a local directory saved with "
+        "`save_pretrained`, or a local `.gguf` file (as llama.cpp, Ollama and LM Studio run it: dequantized to the "
+        "training dtype, with the tokenizer and chat template it carries; needs `pip install gguf`). Relative paths "
+        "resolve against the recipe file."
     )
+    gguf_file: str | None = Field(
+        None, description="A GGUF file inside the directory `name_or_path` names (the same as naming the file "
+        "itself in `name_or_path`).", **ADDED(None))
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
     trust_remote_code: bool = Field(
         False, description="Run model code shipped in the model repository. Off unless you trust it."
@@ -65,6 +70,11 @@ class ModelSection(_Section):
         description="Attention backend. `auto` picks flash_attention_2 when flash-attn imports and the GPU "
         "supports it (compute capability >= 8), else sdpa. The startup summary says what was chosen and why.",
     )
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ModelSection":
+        check_model(self)
+        return self
 
 
 DATA_FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion", "tokenized", "preference")

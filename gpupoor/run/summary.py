@@ -6,12 +6,26 @@ from __future__ import annotations
 from gpupoor.run.session import Session
 
 
+def _dequantized(recipe, precision: str) -> str:
+    """For a GGUF base: the tensor types its weights were dequantized from (read again from the cached metadata)."""
+    from pathlib import Path
+
+    from gpupoor.model import gguf
+    from gpupoor.model.builtin import resolve_model_path
+
+    local = resolve_model_path(gguf.joined(recipe.model.name_or_path, getattr(recipe.model, "gguf_file", None)), Path.cwd())
+    if local is None or not gguf.is_gguf(str(local)):
+        return ""
+    return f" (GGUF, dequantized from {gguf.read_gguf(local).quantization} to {precision})"
+
+
 def print_summary(session: Session, *, say, checkpoint, loss_path: str) -> None:
     """The startup summary: what was chosen and why, the data, the steps, the memory plan."""
     recipe, data, choices, summary = session.recipe, session.data, session.choices, session.summary
     stats, processes = data.train.stats, session.accelerator.num_processes
     verb = "smoke test" if session.smoke else ("resume" if checkpoint is not None else "train")
-    say(f"gpupoor {verb}: {recipe.model.name_or_path}" + (" (shrunken random-weight copy)" if session.smoke else ""))
+    say(f"gpupoor {verb}: {recipe.model.name_or_path}" + (" (shrunken random-weight copy)" if session.smoke else "")
+        + _dequantized(recipe, choices["precision"].value))
     say("  " + "; ".join(f"{name} {choices[name].value} ({choices[name].reason})"
                          for name in ("device", "precision", "attention")))
     strategy = choices["strategy"]

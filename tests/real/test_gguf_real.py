@@ -1,0 +1,77 @@
+"""The real GGUF (SmolLM2-135M-Instruct, Q4_1) as a base: its architecture read from the metadata alone, and its
+weights and tokenizer loaded through transformers' GGUF support, dequantized."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from gpupoor.cli import app
+
+
+def write_recipe(tmp_path, model):
+    """A small alpaca recipe on `model` (tests/conftest.py's helpers are shadowed here by this tier's conftest)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Say {n}.", "output": str(n)}) + "\n" for n in range(8)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"name_or_path": str(model)},
+                                      "data": {"path": str(data), "format": "alpaca", "max_length": 64},
+                                      "training": {"max_steps": 1, "micro_batch_size": 2}}))
+    return recipe
+
+
+def test_validate_and_plan_read_smollm2_from_its_metadata(real_gguf, tmp_path, monkeypatch):
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("validate/plan loaded weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    recipe = write_recipe(tmp_path, real_gguf)
+    result = CliRunner().invoke(app, ["validate", str(recipe)])
+    assert result.exit_code == 0, result.output
+    from gpupoor.plan.shape import load_shape
+    from gpupoor.recipe.loading import load_recipe
+
+    shape, source = load_shape(load_recipe(recipe))
+    assert source == str(real_gguf)
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.vocab, shape.tied) == \
+        (30, 576, 9, 3, 49152, True)
+    assert shape.total_params == pytest.approx(134.5e6, rel=0.01)
+
+
+def test_smollm2_loads_dequantized_with_its_tokenizer_and_chat_template(real_gguf):
+    import torch
+
+    from gpupoor.model.gguf import read_gguf
+    from gpupoor.model.load import load_gguf_model, load_tokenizer
+    from gpupoor.recipe.schema import ModelSection
+
+    assert read_gguf(real_gguf).quantization == "Q4_1, Q8_0"
+    tokenizer = load_tokenizer(str(real_gguf), ModelSection(name_or_path=str(real_gguf)))
+    assert len(tokenizer) == 49152 and "<|im_start|>" in tokenizer.chat_template
+    model = load_gguf_model(str(real_gguf), torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    assert tokenizer.decode(logits.argmax()).strip() == "Paris"  # real weights, correctly dequantized
+
+
+def test_train_from_smollm2_gguf_and_merge_into_a_transformers_directory(real_gguf, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("GPUPOOR_CACHE", str(tmp_path / "cache"))
+    recipe = write_recipe(tmp_path, real_gguf)
+    result = CliRunner().invoke(app, ["train", str(recipe), "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert "(GGUF, dequantized from Q4_1, Q8_0 to fp32)" in result.output
+    result = CliRunner().invoke(app, ["merge-lora", str(tmp_path / "run"), "--output", str(tmp_path / "merged"),
+                                      "--verify"])
+    assert result.exit_code == 0, result.output
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # plain transformers, no GGUF
+    assert merged.config.tie_word_embeddings and merged.config.num_hidden_layers == 30
+    assert "<|im_start|>" in AutoTokenizer.from_pretrained(tmp_path / "merged").chat_template
