@@ -83,9 +83,17 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
 
 
 def _load_base(name: str, **kwargs):
-    """A base model by hub id or directory; what cannot be loaded is bad input, named."""
+    """A base model by hub id, directory or GGUF file; what cannot be loaded is bad input, named."""
     from transformers import AutoModelForCausalLM
 
+    from gpupoor.model.gguf import is_gguf
+
+    if is_gguf(name):  # dequantized by transformers' GGUF loader, as training loaded it
+        from gpupoor.model.load import load_gguf_model
+
+        dtype = kwargs.get("dtype")
+        return load_gguf_model(name, torch.float32 if dtype in (None, "auto") else dtype,
+                               quantization=kwargs.get("quantization_config"))
     local = Path(name).expanduser()
     if local.is_dir() and not (local / "config.json").is_file():
         raise UserError(f"base model {local} has no config.json: it is not a model directory saved with "

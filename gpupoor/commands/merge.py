@@ -68,6 +68,10 @@ def base_config(base: str, revision: str | None = None) -> dict | None:
     it cannot be read here (loading the base then says why)."""
     local = Path(base).expanduser()
     try:
+        if is_gguf(base) and local.is_file():  # its metadata: the tensors are not read
+            from gpupoor.model.gguf import read_gguf
+
+            return dict(read_gguf(local).config)
         if local.is_dir():
             return json.loads((local / "config.json").read_text())
         from huggingface_hub import hf_hub_download

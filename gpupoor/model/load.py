@@ -4,7 +4,9 @@ a built-in or the hub, in the precision's dtype, quantized by bitsandbytes when 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 from pathlib import Path
 
 import torch
@@ -176,8 +178,12 @@ def load_gguf_model(location: str, dtype, *, config=None, quantization=None, dev
     placement, common = placement or {}, common or {}
     directory, name = gguf.split(location)
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=dtype,
-                                                     **({} if quantization is not None else placement), **common)
+        # transformers draws its own tqdm bar over the tensors it dequantizes (tqdm.auto, which its
+        # disable_progress_bar does not reach): a line of noise in train's, merge's and generate's output.
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=dtype,
+                                                         **({} if quantization is not None else placement),
+                                                         **common)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise gguf.gguf_error(location, "model.name_or_path", "model weights", exc) from None
     _forget_gguf(model)

@@ -112,3 +112,14 @@ def test_train_on_a_truncated_gguf_exits_2_and_writes_nothing(tiny_gguf, tmp_pat
     result = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
     assert result.exit_code == 2 and str(cut) in result.output and "truncated" in result.output, result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_generate_on_a_run_from_a_gguf_base_says_what_its_merge_says(gguf_run, tmp_path, monkeypatch):
+    _, run, _ = gguf_run
+    args = ["--prompt", "sort the lists", "--max-new-tokens", "8"]
+    adapter = invoke("generate", run, *args, monkeypatch=monkeypatch)  # the base is the .gguf the run names
+    assert adapter.exit_code == 0, adapter.output
+    assert invoke("merge-lora", run, "--output", tmp_path / "merged", monkeypatch=monkeypatch).exit_code == 0
+    merged = invoke("generate", tmp_path / "merged", "--format", "alpaca", *args, monkeypatch=monkeypatch)
+    assert merged.exit_code == 0, merged.output
+    assert adapter.output.strip() and merged.output == adapter.output

@@ -77,18 +77,12 @@ def test_exactly_the_assistant_replies_are_labelled(real_tokenizer, name):
 
 
 def test_validate_show_marks_the_replies(real_tokenizer, real_gguf, tmp_path):
-    # gpupoor reads the model from a directory here (config.json and the tokenizer, both taken from the GGUF):
-    # `validate --show` loads the tokenizer and never the weights.
-    from transformers import AutoConfig
-
-    model_dir = tmp_path / "smollm2"
-    AutoConfig.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name).save_pretrained(model_dir)
-    real_tokenizer.save_pretrained(model_dir)
+    # The recipe names the GGUF itself: `validate --show` loads its tokenizer and never its weights.
     rows = list(CONVERSATIONS.values())
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in rows))
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"model: {{name_or_path: {model_dir}}}\n"
+    recipe.write_text(f"model: {{name_or_path: {real_gguf}}}\n"
                       f"data: {{path: {data}, format: chat, max_length: 1024}}\n")
 
     result = CliRunner().invoke(app, ["validate", str(recipe), "--show", "2"])
