@@ -6,7 +6,12 @@ the same seed writes the same files byte for byte, so the shipped data can be re
 
 Why this task: a person checks an answer at a glance, exact match is the whole metric, and SmolLM2-135M-Instruct
 knows dates but not the fixed answer format (it replies in a sentence, or keeps the month name), so before
-training it scores near 0 and after a few minutes of LoRA it should score high."""
+training it scores near 0 and after a few minutes of LoRA it should score high.
+
+Trained on date rows alone, the model answers everything with digits ("What is the capital of France?" ->
+"1337"): so the train file mixes in a few general rows (capitals, answered in a sentence as the base model
+answers them), the usual replay that keeps a fine-tune from collapsing. France is never among them: the
+demo's no-collapse question asks for its capital."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from pathlib import Path
 SEED = 27
 TRAIN_ROWS = 300
 EVAL_ROWS = 50
+GENERAL_ROWS = 40  # replay rows mixed into train (not into eval)
 INSTRUCTION = "Give the date in this sentence as YYYY-MM-DD, nothing else:"
 
 MONTHS = list(calendar.month_name)[1:]
@@ -39,6 +45,20 @@ SENTENCES = [
     "Rent for flat {n} is due {date}.",
     "The meeting with {name} moved to {date}.",
 ]
+
+CAPITALS = {  # France is left out on purpose (see the module's docstring)
+    "Japan": "Tokyo", "Italy": "Rome", "Germany": "Berlin", "Spain": "Madrid", "Canada": "Ottawa",
+    "Egypt": "Cairo", "Kenya": "Nairobi", "Peru": "Lima", "Norway": "Oslo", "Sweden": "Stockholm",
+    "Poland": "Warsaw", "Greece": "Athens", "Portugal": "Lisbon", "Ireland": "Dublin", "Austria": "Vienna",
+    "Hungary": "Budapest", "Finland": "Helsinki", "Denmark": "Copenhagen", "Russia": "Moscow", "China": "Beijing",
+    "India": "New Delhi", "Thailand": "Bangkok", "Argentina": "Buenos Aires", "Chile": "Santiago",
+    "Mexico": "Mexico City", "Cuba": "Havana", "Belgium": "Brussels", "Turkey": "Ankara", "Iran": "Tehran",
+    "South Korea": "Seoul", "Vietnam": "Hanoi", "Indonesia": "Jakarta", "Australia": "Canberra",
+    "New Zealand": "Wellington", "Brazil": "Brasilia", "Colombia": "Bogota", "Morocco": "Rabat",
+    "Nigeria": "Abuja", "Ukraine": "Kyiv", "Czech Republic": "Prague",
+}
+GENERAL_QUESTIONS = ["What is the capital of {country}?", "Which city is the capital of {country}?",
+                     "Name the capital of {country}."]
 
 
 def ordinal(day: int) -> str:
@@ -69,8 +89,16 @@ def make_row(rng: random.Random) -> dict:
                          {"role": "assistant", "content": f"{year:04d}-{month:02d}-{day:02d}"}]}
 
 
+def general_rows(rng: random.Random) -> list[dict]:
+    countries = rng.sample(sorted(CAPITALS), GENERAL_ROWS)
+    return [{"messages": [{"role": "user", "content": rng.choice(GENERAL_QUESTIONS).format(country=country)},
+                          {"role": "assistant", "content": f"The capital of {country} is {CAPITALS[country]}."}]}
+            for country in countries]
+
+
 def make_rows(seed: int = SEED) -> tuple[list[dict], list[dict]]:
-    """Train and eval rows; no eval sentence appears in train (the eval rows are held out)."""
+    """Train rows (dates and the general replay rows, shuffled) and held-out date rows; no eval sentence
+    appears in train."""
     rng = random.Random(seed)
     seen: set[str] = set()
     rows: list[dict] = []
@@ -80,7 +108,9 @@ def make_rows(seed: int = SEED) -> tuple[list[dict], list[dict]]:
         if question not in seen:
             seen.add(question)
             rows.append(row)
-    return rows[:TRAIN_ROWS], rows[TRAIN_ROWS:]
+    train = rows[:TRAIN_ROWS] + general_rows(rng)
+    rng.shuffle(train)
+    return train, rows[TRAIN_ROWS:]
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -94,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     train, held_out = make_rows()
     write_jsonl(train, args.out_dir / "iso-dates-train.jsonl")
     write_jsonl(held_out, args.out_dir / "iso-dates-eval.jsonl")
-    print(f"wrote {len(train)} train and {len(held_out)} eval rows to {args.out_dir}")
+    print(f"wrote {len(train)} train ({GENERAL_ROWS} of them general) and {len(held_out)} eval rows to {args.out_dir}")
     return 0
 
 
