@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# The unrelated question and a word any sensible answer contains; SmolLM2-135M-Instruct answers it before training.
-GENERAL_QUESTION = "What is the capital of France?"
-GENERAL_EXPECTED = "paris"
+# Unrelated questions and a word any sensible answer contains; SmolLM2-135M-Instruct answers both before training.
+# The first is of the kind the train file's replay rows teach (with France left out), the second of none.
+GENERAL = [("What is the capital of France?", "paris"), ("What is the opposite of hot?", "cold")]
 MAX_NEW_TOKENS = 16
 BATCH = 16
 
@@ -30,7 +30,7 @@ class Scores:
     exact: int  # held-out rows answered exactly
     total: int
     answers: list[str]
-    general_answer: str
+    general_answers: list[str]
     seconds: float
 
     @property
@@ -39,7 +39,7 @@ class Scores:
 
     @property
     def sensible(self) -> bool:
-        return GENERAL_EXPECTED in self.general_answer.lower()
+        return all(word in answer.lower() for (_, word), answer in zip(GENERAL, self.general_answers))
 
 
 def read_eval_rows(path: Path) -> list[tuple[list[dict], str]]:
@@ -108,7 +108,7 @@ def greedy_answers(model, tokenizer, conversations: list[list[dict]]) -> list[st
 def score(model, tokenizer, rows: list[tuple[list[dict], str]]) -> Scores:
     started = time.perf_counter()
     answers = greedy_answers(model, tokenizer, [prompt for prompt, _ in rows])
-    general = greedy_answers(model, tokenizer, [[{"role": "user", "content": GENERAL_QUESTION}]])[0]
+    general = greedy_answers(model, tokenizer, [[{"role": "user", "content": question}] for question, _ in GENERAL])
     exact = sum(answer == expected for answer, (_, expected) in zip(answers, rows))
     return Scores(exact, len(rows), answers, general, time.perf_counter() - started)
 
@@ -119,11 +119,11 @@ def print_table(rows: list[tuple[list[dict], str]], before: Scores, after: Score
     print(f"\n{'':28}" + "".join(f"{name:>22}" for name in columns))
     print(f"{'held-out exact match':28}" + "".join(f"{f'{s.exact}/{s.total} ({s.accuracy:.0%})':>22}"
                                                    for s in scores))
-    print(f"{'no collapse (' + GENERAL_EXPECTED + ')':28}" + "".join(f"{'yes' if s.sensible else 'NO':>22}"
-                                                                     for s in scores))
-    print(f"\n{GENERAL_QUESTION}")
-    for name, s in zip(columns, scores):
-        print(f"  {name:>6}: {s.general_answer!r}")
+    print(f"{'no collapse':28}" + "".join(f"{'yes' if s.sensible else 'NO':>22}" for s in scores))
+    for i, (question, word) in enumerate(GENERAL):
+        print(f"\n{question} (must say {word!r})")
+        for name, s in zip(columns, scores):
+            print(f"  {name:>6}: {s.general_answers[i]!r}")
     print(f"\nfirst {examples} held-out rows (expected | {' | '.join(columns)}):")
     for i, (prompt, expected) in enumerate(rows[:examples]):
         question = prompt[-1]["content"].split(":", 1)[-1].strip()
@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     rows = read_eval_rows(args.eval)
+    if args.adapter is not None and not (args.adapter / "adapter_config.json").is_file():
+        return _bad_input(f"{args.adapter}: no adapter_config.json; give a PEFT adapter directory "
+                          "(a run's final/ or checkpoints/step-N)")
     model, tokenizer = load_base(args.base)
     after = None
     if args.adapter is None:
@@ -153,9 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from peft import PeftModel
 
-        if not (args.adapter / "adapter_config.json").is_file():
-            return _bad_input(f"{args.adapter}: no adapter_config.json; give a PEFT adapter directory "
-                              "(a run's final/ or checkpoints/step-N)")
         model = PeftModel.from_pretrained(model, str(args.adapter)).eval()
         with model.disable_adapter():  # the same weights with the adapter off: "before"
             before = score(model, tokenizer, rows)
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     seconds = before.seconds + (after.seconds if after else 0)
     print(f"\n(greedy decoding of {len(rows)} rows per column; {seconds:.0f} s)")
     if after is not None and not (after.accuracy >= args.min_after and after.sensible):
-        print(f"FAILED: after training the exact match must be at least {args.min_after:.0%} "
-              f"and the answer to {GENERAL_QUESTION!r} must contain {GENERAL_EXPECTED!r}", file=sys.stderr)
+        print(f"FAILED: after training the exact match must be at least {args.min_after:.0%} and each general "
+              "question's answer must contain its word", file=sys.stderr)
         return 1
     return 0
 
