@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-after", type=float, default=0.8, help="the exact match the adapter must reach")
     args = parser.parse_args(argv)
 
+    # transformers' GGUF loader draws its own tqdm bar; tqdm reads TQDM_DISABLE when it is imported
+    os.environ.setdefault("TQDM_DISABLE", "1")
     from gpupoor.quiet import quiet_libraries
 
     quiet_libraries()
