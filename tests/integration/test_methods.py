@@ -114,7 +114,8 @@ def test_generate_and_merge_on_a_full_run(make_recipe, tmp_path):
     assert generated.exit_code == 0, generated.output
     merged = invoke("merge-lora", run, "--output", tmp_path / "merged")
     assert merged.exit_code == 2 and "holds a whole fine-tuned model" in merged.output
-    assert "finished: the model is in final/ (verified" in invoke("status", run).output
+    status = invoke("status", run)
+    assert status.exit_code == 0 and "finished: the model is in final/ (verified" in status.output, status.output
 
 
 def test_ia3_on_the_last_layer_and_full_on_a_tied_head(make_recipe, tiny_tied_model, tmp_path):

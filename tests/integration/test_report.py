@@ -245,7 +245,9 @@ def test_without_matplotlib_says_what_to_install(runs, tmp_path, monkeypatch):
 # ---- the sparkline in `gpupoor status` ---------------------------------------------------------------------------
 
 def test_status_shows_the_loss_sparkline(runs):
-    out = invoke("status", runs / "resumed").output
+    status = invoke("status", runs / "resumed")
+    assert status.exit_code == 0, status.output
+    out = status.output
     line = next(line for line in out.splitlines() if line.startswith("  loss "))
     assert re.fullmatch(r"  loss [▁▂▃▄▅▆▇█]{6} \S+ -> \S+ \(steps 1-6\)", line), line
     assert out.index("progress:") < out.index("  loss ") < out.index("checkpoints:")

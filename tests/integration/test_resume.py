@@ -322,7 +322,9 @@ def test_status_shows_progress_checkpoints_and_the_command(straight, tmp_path, m
     stopped = invoke("train", recipe, "--output-dir", run, "--set", "checkpoint.every_steps=3", fault="sigterm@4",
                      monkeypatch=monkeypatch)
     assert stopped.exit_code == 75, stopped.output
-    out = invoke("status", run, monkeypatch=monkeypatch).output
+    status = invoke("status", run, monkeypatch=monkeypatch)
+    assert status.exit_code == 0, status.output
+    out = status.output
     assert "progress: step 4/9" in out and "step-000004  step 4  loss" in out and "valid" in out
     assert f"continue with: gpupoor resume {run}" in out
 

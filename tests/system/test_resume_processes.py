@@ -69,7 +69,9 @@ def test_a_run_dir_in_use_is_not_resumed_twice(straight, monkeypatch):
         (run / "session.json").write_text(json.dumps({"pid": other.pid, "started": time.time() - 90,
                                                       "time_limit_s": 3600}))
         # 3600 s from 90 s ago: 58m left, minus however long this machine takes to get here.
-        status = invoke("status", run, monkeypatch=monkeypatch).output
+        shown = invoke("status", run, monkeypatch=monkeypatch)
+        assert shown.exit_code == 0, shown.output
+        status = shown.output
         left = re.search(rf"running: pid {other.pid}, time limit left (\d+)m\b", status)
         assert left and 50 <= int(left.group(1)) <= 58, status
         result = invoke("resume", run, monkeypatch=monkeypatch)
@@ -78,7 +80,8 @@ def test_a_run_dir_in_use_is_not_resumed_twice(straight, monkeypatch):
         other.kill()
         other.wait()
     # The kernel dropped the dead process's lock: nothing stale is left to block the run.
-    assert "not running" in invoke("status", run, monkeypatch=monkeypatch).output
+    after = invoke("status", run, monkeypatch=monkeypatch)
+    assert after.exit_code == 0 and "not running" in after.output, after.output
     assert invoke("resume", run, monkeypatch=monkeypatch).exit_code == 0
 
 
