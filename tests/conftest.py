@@ -84,6 +84,16 @@ def real_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_model_dir(real_gguf) -> Path:
+    """The real model dequantized once into a transformers directory beside its GGUF (fp32 safetensors and its
+    tokenizer, verified on every read): a test that trains the real model loads it in a second or two, where the
+    GGUF path spends half a minute dequantizing. The GGUF path itself is tested in tests/real/test_gguf_real.py."""
+    from gpupoor.commands.fetch_real import dequantized_copy
+
+    return dequantized_copy(real_gguf)
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     from gpupoor.data.formats import alpaca_prompt
     from gpupoor.model.tiny import train_tokenizer

