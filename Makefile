@@ -71,6 +71,14 @@ bench: install
 	$(PY) bench/compare_trl.py --kit $(KIT) --rounds 3 --vocab 32000
 	$(PY) bench/compare_trl.py --kit $(KIT) --rounds 3 --vocab 152064
 
+# The same comparison on the real model (SmolLM2-135M-Instruct from `make fetch-real`, dequantized once to an fp32
+# directory both sides load) over one epoch of the real demo's 340 rows: ~35 minutes on a quiet 2-core machine.
+.PHONY: bench-real
+bench-real: install fetch-real
+	@test -f $(KIT)/peer_trl.py || { echo "make bench-real: the peer benchmark kit is not at $(KIT); it compares gpupoor against TRL using that kit. Set KIT=path/to/bench."; exit 1; }
+	$(PY) -m pip install -q "$(TRL_SPEC)"
+	$(PY) bench/compare_trl_real.py --kit $(KIT) --rounds 3
+
 # Start-up latency (import floors, --smoke, validate, plan, the reference fixture's non-training time): ~5 min.
 .PHONY: bench-startup
 bench-startup: install
