@@ -44,11 +44,11 @@ def verified_gap(output: str) -> float:
 
 
 def test_resume_after_sigkill_mid_epoch_is_bitwise_the_uninterrupted_run(real_model_dir, tmp_path, monkeypatch):
-    # 8 rows in micro-batches of 2: 4 steps an epoch. A checkpoint at step 3 (mid-epoch), the kill after it, and
-    # the resumed run crosses into the second epoch (a new shuffle) with dropout on: the sampler's and every RNG's
+    # 4 rows, one a step: 4 steps an epoch. A checkpoint at step 3 (mid-epoch), the kill after it, and the
+    # resumed run crosses into the second epoch (a new shuffle) with dropout on: the sampler's and every RNG's
     # state must come back exactly.
-    recipe = real_recipe(tmp_path, real_model_dir, 8, peft={"rank": 8, "dropout": 0.1},
-                         training={"micro_batch_size": 2, "max_steps": 6, "learning_rate": 1e-3},
+    recipe = real_recipe(tmp_path, real_model_dir, 4, peft={"rank": 8, "dropout": 0.1},
+                         training={"micro_batch_size": 1, "max_steps": 5, "learning_rate": 1e-3},
                          checkpoint={"every_steps": 3})
     straight = tmp_path / "straight"
     result = invoke("train", recipe, "--output-dir", straight, monkeypatch=monkeypatch)
@@ -67,20 +67,20 @@ def test_resume_after_sigkill_mid_epoch_is_bitwise_the_uninterrupted_run(real_mo
     finally:
         process.kill()
     assert process.returncode == -signal.SIGKILL, err
-    assert not (run / "final").exists() and losses(run)[-1][0] < 6, losses(run)
+    assert not (run / "final").exists() and losses(run)[-1][0] < 5, losses(run)
 
     resumed = run_cli(["resume", run])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from step-000003" in resumed.stdout, resumed.stdout
-    assert [step for step, _ in losses(run)] == list(range(1, 7))  # the steps after the kill redone once each
+    assert [step for step, _ in losses(run)] == list(range(1, 6))  # the steps after the kill redone once each
     assert_same_run(straight, run)  # every step's loss and the final adapter, bitwise
 
 
 def test_qlora_nf4_double_quant_trains_and_merges(real_model_dir, tmp_path):
     pytest.importorskip("bitsandbytes")
-    recipe = real_recipe(tmp_path, real_model_dir, 4,
+    recipe = real_recipe(tmp_path, real_model_dir, 2,
                          quantization={"bits": 4, "quant_type": "nf4", "double_quant": True},
-                         training={"micro_batch_size": 4, "max_steps": 4, "learning_rate": 2e-3})
+                         training={"micro_batch_size": 2, "max_steps": 3, "learning_rate": 2e-3})
     run = tmp_path / "run"
     result = invoke("train", recipe, "--output-dir", run)
     assert result.exit_code == 0, result.output
@@ -88,8 +88,8 @@ def test_qlora_nf4_double_quant_trains_and_merges(real_model_dir, tmp_path):
     said = re.search(r"parameters ([\d,]+);.* weights ([\d.]+) MiB", result.output)
     assert float(said.group(2)) * 2**20 < 0.4 * 4 * int(said.group(1).replace(",", "")), result.output
     steps = losses(run)
-    assert len(steps) == 4 and all(math.isfinite(loss) for _, loss in steps)
-    assert steps[-1][1] < 0.8 * steps[0][1], steps  # the same 4 rows every step: the loss must fall
+    assert len(steps) == 3 and all(math.isfinite(loss) for _, loss in steps)
+    assert steps[-1][1] < 0.8 * steps[0][1], steps  # the same 2 rows every step: the loss must fall
     # Merged into the dequantized 4-bit base (merge-lora's default for QLoRA), the model is the one that trained.
     merged = invoke("merge-lora", run, "--output", tmp_path / "merged", "--verify")
     assert merged.exit_code == 0, merged.output
@@ -99,13 +99,13 @@ def test_qlora_nf4_double_quant_trains_and_merges(real_model_dir, tmp_path):
 def test_dora_trains_and_merges_into_the_directory_base(real_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    recipe = real_recipe(tmp_path, real_model_dir, 4, peft={"method": "dora", "rank": 8},
-                         training={"micro_batch_size": 4, "max_steps": 4, "learning_rate": 2e-3})
+    recipe = real_recipe(tmp_path, real_model_dir, 2, peft={"method": "dora", "rank": 8},
+                         training={"micro_batch_size": 2, "max_steps": 3, "learning_rate": 2e-3})
     run = tmp_path / "run"
     result = invoke("train", recipe, "--output-dir", run)
     assert result.exit_code == 0, result.output
     steps = losses(run)
-    assert len(steps) == 4 and steps[-1][1] < 0.8 * steps[0][1], steps
+    assert len(steps) == 3 and steps[-1][1] < 0.8 * steps[0][1], steps
     merged = invoke("merge-lora", run, "--output", tmp_path / "merged", "--verify")
     assert merged.exit_code == 0, merged.output
     assert verified_gap(merged.output) < 1e-3, merged.output
@@ -114,19 +114,19 @@ def test_dora_trains_and_merges_into_the_directory_base(real_model_dir, tmp_path
 
 
 def test_dpo_on_real_preference_pairs_prefers_the_iso_answer(real_model_dir, tmp_path):
-    # The 12 shipped pairs (the ISO date chosen; a wordy answer or a wrong date rejected), 4 a step. At step 1 the
-    # policy is its reference (the new adapter adds zero): loss ln 2, margin 0. A few steps later the policy
-    # prefers the chosen answers: the loss below ln 2 and the margin positive.
+    # The 12 shipped pairs (the ISO date chosen; a wordy answer or a wrong date rejected), 2 a step. At step 1 the
+    # policy is its reference (the new adapter adds zero): loss ln 2, margin 0. Two steps later it prefers the
+    # chosen answers of pairs it has not trained on yet: the loss below ln 2 and the margin positive.
     pairs = DATA / "iso-dates-pairs.jsonl"
     recipe = write_recipe(tmp_path / "dpo.yaml", real_model_dir, pairs,
                           data={"path": str(pairs), "format": "preference", "max_length": 96, "sampler": "random"},
                           peft={"rank": 8}, preference={"beta": 0.5},
-                          training={"objective": "dpo", "micro_batch_size": 4, "max_steps": 5, "learning_rate": 2e-3})
+                          training={"objective": "dpo", "micro_batch_size": 2, "max_steps": 3, "learning_rate": 2e-3})
     run = tmp_path / "run"
     result = invoke("train", recipe, "--output-dir", run)
     assert result.exit_code == 0, result.output
     steps = [record for record in read_metrics(run) if "loss" in record]
-    assert len(steps) == 5
+    assert len(steps) == 3
     first, last = steps[0], steps[-1]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-4) and abs(first["rewards/margins"]) < 1e-3, first
     assert last["loss"] < math.log(2) - 0.05 and last["rewards/margins"] > 0, steps
