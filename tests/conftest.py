@@ -6,7 +6,8 @@ The tests are in tiers, one directory each, and every test is marked with its di
   integration/  in-process CLI runs and training
   system/       subprocesses, torchrun, SIGKILL and signals, learning quality
   gpu/          needs a CUDA GPU (skipped elsewhere)
-  real/         pretrained models: the real model `make fetch-real` puts in the cache (fixture `real_gguf`)
+  real/         pretrained models: the real model `make fetch-real` puts in the cache (fixtures `real_gguf`, and
+                `real_model_dir`: it dequantized into a transformers directory)
 `make test-all` runs every tier (what CI runs). A test that trains or starts a process is not a unit test.
 The tiers' fixtures are all here: a second conftest.py in a tier's directory would replace this module as
 `conftest` in sys.modules, and the `from conftest import ...` of every test file collected after it would fail."""
