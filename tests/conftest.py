@@ -6,7 +6,8 @@ The tests are in tiers, one directory each, and every test is marked with its di
   integration/  in-process CLI runs and training
   system/       subprocesses, torchrun, SIGKILL and signals, learning quality
   gpu/          needs a CUDA GPU (skipped elsewhere)
-  real/         pretrained models: the real model `make fetch-real` puts in the cache (fixture `real_gguf`)
+  real/         pretrained models: the real model `make fetch-real` puts in the cache (fixtures `real_gguf`, and
+                `real_model_dir`: it dequantized into a transformers directory)
 `make test-all` runs every tier (what CI runs). A test that trains or starts a process is not a unit test.
 The tiers' fixtures are all here: a second conftest.py in a tier's directory would replace this module as
 `conftest` in sys.modules, and the `from conftest import ...` of every test file collected after it would fail."""
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,6 +236,36 @@ def masked_batch(tokenizer) -> dict:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every optimizer step a run recorded, in order."""
+    return [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
+
+
+def adapter(run: Path) -> dict:
+    """The tensors of a run's final adapter, by name."""
+    from safetensors.torch import load_file
+
+    return load_file(run / "final" / "adapter_model.safetensors")
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Two runs recorded the same losses and ended with the same adapter, bitwise (floats compared exactly)."""
+    import torch
+
+    assert losses(a) == losses(b)
+    first, second = adapter(a), adapter(b)
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def run_cli(args: list, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """`gpupoor ARGS` in a process of its own (python -m gpupoor), its output captured."""
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "gpupoor", *map(str, args)], env=env, capture_output=True,
+                          text=True, **{"timeout": 300, **kwargs})
 
 
 def pytest_collection_modifyitems(config, items):

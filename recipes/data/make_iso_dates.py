@@ -1,8 +1,10 @@
 """Writes iso-dates-train.jsonl and iso-dates-eval.jsonl, the real-model demo's task (docs/demo-real.md): find
-the date in a short business sentence and answer it as ISO 8601 (YYYY-MM-DD), nothing else. Deterministic:
-the same seed writes the same files byte for byte, so the shipped data can be regenerated and checked.
+the date in a short business sentence and answer it as ISO 8601 (YYYY-MM-DD), nothing else; and
+iso-dates-pairs.jsonl, a few preference pairs on the same task (the ISO answer chosen; a wordy answer or a wrong
+date rejected) that the real test tier trains DPO on. Deterministic: the same seed writes the same files byte for
+byte, so the shipped data can be regenerated and checked.
 
-    python recipes/data/make_iso_dates.py            # rewrites the two files beside this script
+    python recipes/data/make_iso_dates.py            # rewrites the three files beside this script
 
 Why this task: a person checks an answer at a glance, exact match is the whole metric, and SmolLM2-135M-Instruct
 knows dates but not the fixed answer format (it replies in a sentence, or keeps the month name), so before
@@ -24,6 +26,7 @@ from pathlib import Path
 SEED = 27
 TRAIN_ROWS = 300
 EVAL_ROWS = 50
+PAIRS = 12  # preference pairs: a handful, for a short DPO run on the real model (tests/real)
 GENERAL_ROWS = 40  # replay rows mixed into train (not into eval)
 INSTRUCTION = "Give the date in this sentence as YYYY-MM-DD, nothing else:"
 
@@ -113,6 +116,29 @@ def make_rows(seed: int = SEED) -> tuple[list[dict], list[dict]]:
     return train, rows[TRAIN_ROWS:]
 
 
+def preference_pairs(taken: set[str], seed: int = SEED + 1) -> list[dict]:
+    """Pairs on questions of neither train nor eval: the ISO date chosen; rejected, in turn, the answer in a
+    sentence with the month's name (what the base model tends to say) and a wrong date (day and month swapped,
+    else the year off by one), so DPO has both the format and the value to prefer."""
+    rng, pairs = random.Random(seed), []
+    while len(pairs) < PAIRS:
+        question, answer = (message["content"] for message in make_row(rng)["messages"])
+        if question in taken:
+            continue
+        taken.add(question)
+        year, month, day = map(int, answer.split("-"))
+        if len(pairs) % 2 == 0:
+            rejected = f"Sure! The date in that sentence is {MONTHS[month - 1]} {day}, {year}."
+        elif day <= 12 and day != month:
+            rejected = f"{year:04d}-{day:02d}-{month:02d}"
+        else:
+            rejected = f"{year + 1:04d}-{month:02d}-{day:02d}"
+        pairs.append({"prompt": [{"role": "user", "content": question}],
+                      "chosen": [{"role": "assistant", "content": answer}],
+                      "rejected": [{"role": "assistant", "content": rejected}]})
+    return pairs
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
@@ -124,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     train, held_out = make_rows()
     write_jsonl(train, args.out_dir / "iso-dates-train.jsonl")
     write_jsonl(held_out, args.out_dir / "iso-dates-eval.jsonl")
-    print(f"wrote {len(train)} train ({GENERAL_ROWS} of them general) and {len(held_out)} eval rows to {args.out_dir}")
+    pairs = preference_pairs({row["messages"][0]["content"] for row in train + held_out})
+    write_jsonl(pairs, args.out_dir / "iso-dates-pairs.jsonl")
+    print(f"wrote {len(train)} train ({GENERAL_ROWS} of them general), {len(held_out)} eval rows and {len(pairs)} "
+          f"preference pairs to {args.out_dir}")
     return 0
 
 

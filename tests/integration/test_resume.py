@@ -3,42 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from conftest import invoke, read_metrics, reference_runs
-from gpupoor.storage.checkpoint import STAGES
+from conftest import assert_same_run, invoke, losses, read_metrics, reference_runs
 
 
 # 48 rows, micro batch 4, accumulation 2: 12 micro-batches and 6 optimizer steps per epoch, 9 steps in all.
 # Dropout is on, so the restored RNG matters too.
 EXACT = {"training": {"max_steps": 9, "gradient_accumulation_steps": 2}, "peft": {"rank": 4, "dropout": 0.1}}
-
-
-def losses(run: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
-
-
-def adapter(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(run / "final" / "adapter_model.safetensors")
-
-
-def assert_same_run(a: Path, b: Path) -> None:
-    assert losses(a) == losses(b)  # bitwise: floats compared exactly
-    first, second = adapter(a), adapter(b)
-    assert first.keys() == second.keys()
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -347,11 +322,3 @@ def test_bad_lines_in_metrics_never_block_a_resume(straight, tmp_path, monkeypat
                                     "record (line 2: ") == 1, (kind, resumed.output)
         assert "the resume rewrites it without them" in resumed.output
         assert losses(run) == losses(reference), kind  # every step once, no good record lost
-
-
-# ---- subprocesses: what only a real process shows ----------------------------------------------------------
-
-def run_cli(args: list, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "gpupoor", *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=300, **kwargs)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import invoke, read_metrics
+from conftest import adapter, assert_same_run, invoke, losses, read_metrics, run_cli
 from gpupoor.storage.checkpoint import STAGES
 
-from test_resume import adapter, assert_same_run, losses, references, run_cli, straight
+from test_resume import references, straight
 
 
 @pytest.mark.slow

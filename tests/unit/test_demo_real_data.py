@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ def load_generator():
 
 def test_shipped_files_are_what_the_generator_writes(tmp_path):
     load_generator().main(["--out-dir", str(tmp_path)])
-    for name in ("iso-dates-train.jsonl", "iso-dates-eval.jsonl"):
+    for name in ("iso-dates-train.jsonl", "iso-dates-eval.jsonl", "iso-dates-pairs.jsonl"):
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), f"rerun recipes/data/make_iso_dates.py"
 
 
@@ -33,6 +34,17 @@ def test_eval_rows_are_held_out_and_answers_are_iso_dates():
     assert all(len(answer) == 10 and answer[4] == answer[7] == "-" for _, answer in rows)
     # the no-collapse question asks for France's capital: no training row may teach it
     assert not any("France" in question for question in train)
+
+
+def test_preference_pairs_prefer_the_iso_answer_on_new_questions():
+    seen = {json.loads(line)["messages"][0]["content"]
+            for name in ("iso-dates-train.jsonl", "iso-dates-eval.jsonl") for line in (DATA / name).open()}
+    pairs = [json.loads(line) for line in (DATA / "iso-dates-pairs.jsonl").open()]
+    assert len(pairs) == 12 and not {pair["prompt"][0]["content"] for pair in pairs} & seen
+    for pair in pairs:
+        chosen, rejected = pair["chosen"][0]["content"], pair["rejected"][0]["content"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", chosen) and rejected != chosen
+        assert chosen[:4] in pair["prompt"][0]["content"]  # the year the sentence names
 
 
 @pytest.mark.parametrize("line", ['{"messages": [{"role": "user", "content": "hi"}]}', "not json", "{}"])
