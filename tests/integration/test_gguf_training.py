@@ -99,6 +99,9 @@ def test_qlora_on_a_dequantized_gguf_base_trains_and_merges(tiny_gguf, tmp_path,
                           training={**STEPS["training"], "max_steps": 1})
     result = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
     assert result.exit_code == 0, result.output
+    # The summary names both steps: the GGUF dequantized, then quantized again for QLoRA.
+    assert "dequantized from" in result.output, result.output
+    assert "base quantized to 4-bit nf4 with double quant;" in result.output, result.output
     result = invoke("merge-lora", tmp_path / "run", "--output", tmp_path / "merged")
     assert result.exit_code == 0 and "4-bit, dequantized" in result.output, result.output
 

@@ -84,6 +84,7 @@ def test_qlora_nf4_double_quant_trains_and_merges(real_model_dir, tmp_path):
     run = tmp_path / "run"
     result = invoke("train", recipe, "--output-dir", run)
     assert result.exit_code == 0, result.output
+    assert "base quantized to 4-bit nf4 with double quant;" in result.output, result.output
     # The base really is 4-bit: its weights take well under half of fp32's 4 bytes a parameter.
     said = re.search(r"parameters ([\d,]+);.* weights ([\d.]+) MiB", result.output)
     assert float(said.group(2)) * 2**20 < 0.4 * 4 * int(said.group(1).replace(",", "")), result.output
