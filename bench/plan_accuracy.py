@@ -9,8 +9,13 @@ machine changes what the C heap keeps, so a run whose lower probe fell more than
 repeated like everywhere else, and each row shows its probes.
 
     python bench/plan_accuracy.py [--only NAME,...] [--rounds 3] [--no-write] [--calibrate]
+    python bench/plan_accuracy.py --real [--only NAME,...] [--no-write]
 
 About 10 minutes for the 8 recipes x 3 rounds on a 2-core machine (the first run also builds the models).
+`--real` plans and trains the real model instead (SmolLM2-135M-Instruct, `make fetch-real`; the demo's ISO-dates
+rows): one round, its recipes all at once, no probes. A peak is memory, not time, so runs side by side measure
+what they would alone, and one at a time they would take most of an hour on 2 cores (the GGUF alone loads in
+half a minute). Its own section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -57,6 +62,16 @@ RECIPES = {
                      quantization__bits=4),
     "padded-batch": case("h512-v32k", "padded micro-batches (length-grouped)", 1024, 8, False, "length_grouped"),
     "packed-batch": case("h512-v32k", "packed micro-batches", 1024, 8, False, "packed"),
+}
+# The real model (issue #27): the demo's recipe (recipes/smollm2-iso-dates.yaml: LoRA r16 on every linear layer,
+# fp32, packed, 8 x 128 tokens, no checkpointing) with one knob turned each; the base is the dequantized directory
+# (`fetch_real.dequantized_copy`) but for the row that loads the GGUF itself.
+REAL_RECIPES = {
+    "real-gguf-8x128": ("gguf", "the demo's recipe, base loaded from the Q4_1 GGUF and dequantized", {}),
+    "real-8x256": ("dir", "sequence length 256", {"data.max_length": 256}),
+    "real-2x128": ("dir", "micro-batch 2", {"training.micro_batch_size": 2}),
+    "real-8x128-ckpt": ("dir", "gradient checkpointing", {"memory.gradient_checkpointing": True}),
+    "real-nf4-8x128": ("dir", "QLoRA: the dequantized base quantized to 4-bit NF4", {"quantization.bits": 4}),
 }
 # Used once to set gpupoor.plan.terms.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table. One layer's
 # forward allocations from ~60 MiB to ~1 GiB, with and without checkpointing.
@@ -109,11 +124,14 @@ def build_fixtures() -> None:
 
 
 def write_recipe(name: str) -> Path:
-    model, _, keys = {**RECIPES, **CALIBRATION}[name]
-    settings = {"model.name_or_path": model, "data.path": "long.jsonl", "data.format": "alpaca",
-                "data.sampler": "random", "peft.rank": 16, "precision": "fp32", "training.max_steps": STEPS,
-                "training.micro_batch_size": 4, "training.learning_rate": 1.0e-4, "logging.progress": "none",
-                **keys}
+    if name in REAL_RECIPES:
+        settings = real_settings(name)
+    else:
+        model, _, keys = {**RECIPES, **CALIBRATION}[name]
+        settings = {"model.name_or_path": model, "data.path": "long.jsonl", "data.format": "alpaca",
+                    "data.sampler": "random", "peft.rank": 16, "precision": "fp32", "training.max_steps": STEPS,
+                    "training.micro_batch_size": 4, "training.learning_rate": 1.0e-4, "logging.progress": "none",
+                    **keys}
     tree: dict = {}
     for key, value in settings.items():
         node = tree
@@ -121,9 +139,24 @@ def write_recipe(name: str) -> Path:
         for parent in parents:
             node = node.setdefault(parent, {})
         node[leaf] = value
+    WORK.mkdir(parents=True, exist_ok=True)
     path = WORK / f"{name}.yaml"
     path.write_text(json.dumps(tree, indent=1))  # JSON is YAML
     return path
+
+
+def real_settings(name: str) -> dict:
+    """The demo's recipe for one REAL_RECIPES row, its paths made absolute (the recipe is written under WORK)."""
+    from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+
+    base, _, keys = REAL_RECIPES[name]
+    gguf = real_model_path()
+    if not gguf.is_file():
+        raise SystemExit(f"the real model is not in the cache ({gguf}): run `make fetch-real` first")
+    return {"extends": str(ROOT / "recipes" / "smollm2-iso-dates.yaml"),
+            "model.name_or_path": str(gguf if base == "gguf" else dequantized_copy(gguf)),
+            "data.path": str(ROOT / "recipes" / "data" / "iso-dates-train.jsonl"), "data.eval_path": None,
+            "training.max_steps": STEPS, "logging.progress": "none", **keys}
 
 
 def gpupoor(*args: str) -> subprocess.CompletedProcess:
@@ -213,6 +246,46 @@ def calibrate(rounds: int, only: list[str]) -> None:
     print(steady.summary(), *steady.notes(), sep="\n")
 
 
+def real_accuracy(names: list[str], write: bool) -> None:
+    """The real model's rows: every recipe trained at once in its own process (one round, no probes), then
+    planned; the table goes to its own section."""
+    import os
+
+    runs = {}
+    for name in names:
+        run_dir = WORK / "runs" / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        runs[name] = subprocess.Popen([sys.executable, "-m", "gpupoor", "train", str(write_recipe(name)),
+                                       "--output-dir", str(run_dir)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    rows = []
+    for name, process in runs.items():
+        output, _ = process.communicate()
+        if process.returncode != 0:
+            raise SystemExit(f"gpupoor train {name} failed:\n{output[-3000:]}")
+        records = [json.loads(line) for line in (WORK / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["peak_mem_mb"] for r in records if "peak_mem_mb" in r]
+        predicted = predict(name)["peak_bytes"] / 2**20
+        rows.append((name, predicted, max(steps), steps))
+        print(f"{name:18s} predicted {predicted:6.0f} MiB  measured {max(steps):6.0f} MiB  "
+              f"error {predicted / max(steps) - 1:+.1%}  (after each step: {steps})", flush=True)
+    if not write:
+        return
+    lines = [f"Command: `python bench/plan_accuracy.py --real` ({platform.processor() or platform.machine()}, "
+             f"{os.cpu_count()} cores, torch CPU wheel; each recipe trains {STEPS} steps in a fresh process, the "
+             f"{len(names)} processes side by side, one round; measured = peak RSS of that `gpupoor train` process "
+             "as metrics.jsonl records it: imports, loading and training).", "",
+             "| recipe | what changes from the demo's recipe | predicted MiB | measured MiB | error | "
+             "peak after each step MiB |", "|---|---|---:|---:|---:|---|"]
+    for name, predicted, measured, steps in rows:
+        lines.append(f"| {name} | {REAL_RECIPES[name][1]} | {predicted:.0f} | {measured:.0f} | "
+                     f"{predicted / measured - 1:+.1%} | {', '.join(f'{p:.0f}' for p in steps)} |")
+    worst = max(abs(p / m - 1) for _, p, m, _ in rows)
+    lines += ["", f"Largest error {worst:.1%} over {len(rows)} recipes."]
+    write_section(ROOT / "docs" / "benchmarks.md", "plan-accuracy-real", "\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="")
@@ -220,7 +293,11 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--calibrate", action="store_true", help="measure the calibration recipes and print "
                         "the heap retention ratio they imply")
+    parser.add_argument("--real", action="store_true", help="the real model's recipes (REAL_RECIPES) instead")
     args = parser.parse_args()
+    if args.real:
+        real_accuracy([n for n in args.only.split(",") if n] or list(REAL_RECIPES), not args.no_write)
+        return
     names = [n for n in args.only.split(",") if n] or list(RECIPES)
     build_fixtures()
     if args.calibrate:
