@@ -146,7 +146,8 @@ def print_table(rows: list[tuple[list[dict], str]], before: Scores, after: Score
         print(f"\n{question} (must say {word!r})")
         for name, s in zip(columns, scores):
             print(f"  {name:>17}: {s.general_answers[i]!r}")
-    print(f"\nfirst {min(examples, len(rows))} held-out rows: expected, then {' and '.join(columns)}")
+    if examples > 0:
+        print(f"\nfirst {min(examples, len(rows))} held-out rows: expected, then {' and '.join(columns)}")
     for i, (prompt, expected) in enumerate(rows[:examples]):
         question = prompt[-1]["content"].split(":", 1)[-1].strip()
         marks = "  ".join(f"{'=' if s.answers[i] == expected else 'x'} {s.answers[i]!r}" for s in scores)
