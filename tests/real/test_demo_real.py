@@ -55,6 +55,7 @@ def test_demo_real_shortened_learns_the_task_and_keeps_the_general_answers(real_
                                                                           capsys):
     train, judge = demo_real_target()
     monkeypatch.chdir(ROOT)  # make runs the target's commands from the repository root
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # what the judge sets for itself, undone after this test
     run = tmp_path / "demo-real"
     train_args = [word.replace(MODEL, str(real_model_dir)) for word in train]
     train_args[train_args.index("--output-dir") + 1] = str(run)
