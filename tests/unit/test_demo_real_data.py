@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpupoor.commands import demo_real
-from gpupoor.commands.demo_real import GENERAL, Scores, read_eval_rows, verdict
+from gpupoor.commands.demo_real import Scores, read_eval_rows, verdict
 
 DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"
 
