@@ -1,0 +1,75 @@
+"""`make demo-real` (docs/demo-real.md), shortened for CI: the Makefile's own train and judge commands, read from
+its demo-real target so this test cannot drift from the demo, run with three changes that only make it shorter:
+the base is the GGUF's dequantized directory (the same weights, without half a minute of dequantizing; the GGUF
+path is tested in test_gguf_real.py), training stops after STEPS steps with no eval, and the judge scores the
+first LIMIT held-out rows. The shipped recipe, data and judge are the demo's."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from conftest import invoke, shipped_recipes
+from gpupoor.commands import demo_real
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12  # loss ~0.01 by step 12 of 8 rows at lr 1e-3; step 8 of the same run scored 14/16, step 4 10/16
+LIMIT = 16  # one batch of the judge's greedy decoding
+MODEL = "$(REAL_GGUF)"  # the Makefile's base, here replaced by the dequantized directory
+
+
+def demo_real_target() -> tuple[list[str], list[str]]:
+    """The words of the train and judge commands of the Makefile's demo-real target."""
+    found = re.search(r"^demo-real:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert found, "the Makefile has a demo-real target"
+    commands = [shlex.split(line) for line in found.group(1).splitlines()]
+    train = [words for words in commands if words[0].endswith("/bin/gpupoor") and words[1] == "train"]
+    judge = [words for words in commands if "gpupoor.commands.demo_real" in words]
+    assert len(train) == len(judge) == 1, f"one train and one judge command in demo-real: {commands}"
+    return train[0][2:], judge[0][judge[0].index("gpupoor.commands.demo_real") + 1:]
+
+
+def option(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def test_the_makefile_trains_the_shipped_recipe_and_judges_its_final_adapter():
+    train, judge = demo_real_target()
+    recipe = ROOT / train[0]
+    assert recipe in shipped_recipes(real=True) and recipe.name == "smollm2-iso-dates.yaml"
+    assert f"model.name_or_path={MODEL}" in train and option(judge, "--base") == MODEL
+    assert option(judge, "--adapter") == f"{option(train, '--output-dir')}/final"
+    assert option(judge, "--eval") == "recipes/data/iso-dates-eval.jsonl"
+    assert not {"--limit", "--min-after", "--min-gain"} & set(judge), "the demo judges every row at its defaults"
+
+
+def exact_matches(output: str) -> tuple[int, int]:
+    """Before and after from the judge's table: `held-out exact match (16 rows)   0/16 (0%)   15/16 (94%)`."""
+    line = next(line for line in output.splitlines() if line.startswith("held-out exact match"))
+    before, after = (int(found) for found in re.findall(r"(\d+)/\d+ \(", line))
+    return before, after
+
+
+def test_demo_real_shortened_learns_the_task_and_keeps_the_general_answers(real_model_dir, tmp_path, monkeypatch,
+                                                                          capsys):
+    train, judge = demo_real_target()
+    monkeypatch.chdir(ROOT)  # make runs the target's commands from the repository root
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # what the judge sets for itself, undone after this test
+    run = tmp_path / "demo-real"
+    train_args = [word.replace(MODEL, str(real_model_dir)) for word in train]
+    train_args[train_args.index("--output-dir") + 1] = str(run)
+    trained = invoke("train", *train_args, "--set", f"training.max_steps={STEPS}", "--set", "data.eval_path=null")
+    assert trained.exit_code == 0, trained.output
+    assert f"{STEPS} optimizer steps" in trained.output
+
+    output_dir = option(train, "--output-dir")
+    judge_args = [word.replace(MODEL, str(real_model_dir)).replace(output_dir, str(run)) for word in judge]
+    code = demo_real.main([*judge_args, "--limit", str(LIMIT)])
+    output = capsys.readouterr().out
+    before, after = exact_matches(output)
+    # the base does not know the format; trained, it answers at least the judge's 80% (--min-after) exactly
+    assert before <= 1 and after >= 13, output
+    assert re.search(r"^general questions still answered\s+2/2\s+2/2$", output, re.MULTILINE), output
+    assert code == 0 and output.splitlines()[-1].startswith(f"PASS: held-out exact match {before}/{LIMIT} -> "), \
+        output
