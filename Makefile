@@ -43,15 +43,24 @@ demo-real: fetch-real
 	$(VENV)/bin/gpupoor train recipes/smollm2-iso-dates.yaml --output-dir runs/demo-real --set model.name_or_path=$(REAL_GGUF)
 	$(PY) -m gpupoor.commands.demo_real --base $(REAL_GGUF) --eval recipes/data/iso-dates-eval.jsonl --adapter runs/demo-real/final
 
-# Unit and integration tests in two workers, a test file per worker (a module's reference runs are trained
-# once, on the worker that runs the file); then the system tier one test at a time: its tests start two
-# processes each, kill them or measure them, and two such tests at once on two cores would race for time.
-# The 25 slowest tests of each are printed (what to look at when CI time grows). The real tier needs the real
-# model, so the model is fetched first; `make test` (the unit tier) never needs it.
-SERIAL_TIERS := $(wildcard tests/system tests/gpu tests/real)
+# Two xdist workers throughout; the 25 slowest tests of each step are printed (what to look at when CI time grows).
+# Unit and integration tests go a test file per worker (a module's reference runs are trained once, on the worker
+# that runs the file). The system, gpu and real tiers go a test at a time to whichever worker is free: most of
+# their time is test_distributed.py, which a file per worker would leave on one worker. A module's shared runs
+# (test_distributed.py's `straight`) are then trained once per worker that needs them, a few runs more in all.
+# Two at once is safe: every stop, kill and time limit in them is injected at a step (GPUPOOR_FAULT) or sent
+# once a step is on disk, never after a sleep; torchrun on one node picks a free port itself; memory is measured
+# per process; a real-model test needs ~2-3 GB. A test that cannot share the machine (one that measures
+# wall-clock time, or a peak while nothing else runs) is marked `serial` and runs alone last (exit 5: none is).
+# The real tier comes first on the command line, so its longest test (a GGUF trained and merged, ~1-2 min)
+# starts at once instead of last with one worker idle. It needs the real model, so the model is fetched first;
+# `make test` (the unit tier) never needs it.
+LATE_TIERS := $(wildcard tests/real tests/system tests/gpu)
+PYTEST_ALL := HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25
 test-all: install fetch-real
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests/unit tests/integration
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -p no:xdist --durations=25 $(SERIAL_TIERS)
+	$(PYTEST_ALL) -n 2 --dist loadfile tests/unit tests/integration
+	$(PYTEST_ALL) -n 2 --dist load -m "not serial" $(LATE_TIERS)
+	$(PYTEST_ALL) -p no:xdist -m serial $(LATE_TIERS) || [ $$? -eq 5 ]
 
 docs: install
 	$(PY) -m gpupoor.commands.docs

@@ -8,7 +8,10 @@ The tests are in tiers, one directory each, and every test is marked with its di
   gpu/          needs a CUDA GPU (skipped elsewhere)
   real/         pretrained models: the real model `make fetch-real` puts in the cache (fixtures `real_gguf`, and
                 `real_model_dir`: it dequantized into a transformers directory)
-`make test-all` runs every tier (what CI runs). A test that trains or starts a process is not a unit test.
+`make test-all` runs every tier (what CI runs), two tests at a time: a test that cannot share the machine with
+another (it measures wall-clock time, or a peak while nothing else runs) is marked `serial` and runs alone, last;
+stops, kills and time limits are injected at a step (GPUPOOR_FAULT), so they need no such mark.
+A test that trains or starts a process is not a unit test.
 The tiers' fixtures are all here: a second conftest.py in a tier's directory would replace this module as
 `conftest` in sys.modules, and the `from conftest import ...` of every test file collected after it would fail."""
 

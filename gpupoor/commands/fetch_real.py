@@ -11,6 +11,7 @@ can run it before every `make test-all` at the cost of one hash.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import json
 import os
@@ -144,6 +145,16 @@ def dequantized_copy(gguf_path: Path, model: RealModel = SMOLLM2) -> Path:
     target = gguf_path.with_name(gguf_path.stem + ".fp32")
     if _dequantized_is_whole(target, model):
         return target
+    # Test workers start together on a fresh machine: one builds while the others wait, then find it whole
+    # (two builders would each swap the directory out from under the other's readers).
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _dequantized_is_whole(target, model):
+            _write_dequantized(gguf_path, target, model)
+    return target
+
+
+def _write_dequantized(gguf_path: Path, target: Path, model: RealModel) -> None:
     import torch
 
     from gpupoor.model.load import save_dequantized
@@ -152,7 +163,6 @@ def dequantized_copy(gguf_path: Path, model: RealModel = SMOLLM2) -> Path:
         save_dequantized(str(gguf_path), tmp, torch.float32)
         files = {path.name: sha256_file(path) for path in sorted(tmp.iterdir()) if path.is_file()}
         (tmp / DEQUANTIZED_STAMP).write_text(json.dumps({"gguf_sha256": model.sha256, "files": files}, indent=1))
-    return target
 
 
 def _dequantized_is_whole(target: Path, model: RealModel) -> bool:

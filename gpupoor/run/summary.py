@@ -42,7 +42,7 @@ def print_summary(session: Session, *, say, checkpoint, loss_path: str) -> None:
     quant = recipe.quantization
     # QLoRA is LoRA on a quantized base: say so here, where a reader looks for what is trained on what.
     base = "" if quant.bits is None else (
-        f", base quantized to 8-bit" if quant.bits == 8 else
+        ", base quantized to 8-bit" if quant.bits == 8 else
         f", base quantized to 4-bit {quant.quant_type}{' with double quant' if quant.double_quant else ''}")
     say(f"  method {peft.method} on {' and '.join(filter(None, scope))}{base}; parameters {summary.total_params:,}; trainable "
         f"{summary.trainable_params:,} ({summary.trainable_percent:.2f}%); weights {summary.weight_bytes / 2**20:.1f} MiB")

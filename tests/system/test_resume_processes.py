@@ -62,7 +62,7 @@ def test_a_run_dir_in_use_is_not_resumed_twice(straight, monkeypatch):
     _, run = straight()
     shutil.rmtree(run / "final")
     holder = ("import fcntl, sys, time; h = open(sys.argv[1], 'a+'); fcntl.flock(h, fcntl.LOCK_EX); "
-              "print('locked', flush=True); time.sleep(60)")
+              "print('locked', flush=True); time.sleep(3600)")  # holds the lock until killed below, however slow
     other = subprocess.Popen([sys.executable, "-c", holder, str(run / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "locked"
