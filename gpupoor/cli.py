@@ -96,8 +96,17 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
 
         several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # this process is one of several a launcher started
         stop = StopRequest().install()
+        refused = False
         try:
             code = action(stop)
+        except UserError as exc:
+            if not (from_command_line() and several) or "--debug" in sys.argv:
+                raise
+            # Bad input every process agreed on (a base changed since the checkpoint, say): said, then ended
+            # without the interpreter's teardown of gloo, which now and then aborted such a process with SIGABRT
+            # (see commands.train.leave_now) and the launcher reported "killed by SIGABRT" instead of exit 2.
+            typer.echo(f"error: {exc}", err=True)
+            code, refused = EXIT_BAD_INPUT, True
         except RunFailed as exc:
             if not (stop.finished and from_command_line() and several):
                 raise
@@ -116,7 +125,7 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
         from gpupoor import faults
 
         faults.at_stage("exiting")  # tests: a scheduler's signal once the outcome is decided
-        if stop.finished and from_command_line() and several:
+        if refused or (stop.finished and from_command_line() and several):
             leave_now(code or 0)
         return code
 
