@@ -81,7 +81,8 @@ bench: install
 	$(PY) bench/compare_trl.py --kit $(KIT) --rounds 3 --vocab 152064
 
 # The same comparison on the real model (SmolLM2-135M-Instruct from `make fetch-real`, dequantized once to an fp32
-# directory both sides load) over one epoch of the real demo's 340 rows: ~35 minutes on a quiet 2-core machine.
+# directory both sides load) over one epoch of the real demo's 340 rows: ~45 minutes on a 2-core machine of ~130
+# matmul GFLOP/s (a round: gpupoor ~2.5 and ~3 min, TRL ~6 min, the probes).
 .PHONY: bench-real
 bench-real: install fetch-real
 	@test -f $(KIT)/peer_trl.py || { echo "make bench-real: the peer benchmark kit is not at $(KIT); it compares gpupoor against TRL using that kit. Set KIT=path/to/bench."; exit 1; }

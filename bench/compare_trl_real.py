@@ -13,7 +13,7 @@ Sides, rounds, the matmul probe around every run and the tables are compare_trl.
 
     python bench/compare_trl_real.py [--rounds 3] [--sides ...] [--kit ../shared/bench]
 
-`make bench-real` runs it (3 rounds, ~35 minutes on a quiet 2-core machine; TRL's epoch is most of it).
+`make bench-real` runs it (3 rounds, ~45 minutes on a 2-core machine of ~130 matmul GFLOP/s; TRL's epoch is half).
 """
 
 from __future__ import annotations
