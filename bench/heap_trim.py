@@ -46,7 +46,7 @@ def train(name: str, steps: int, source: Path | None) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if source is not None:
         env["PYTHONPATH"] = str(source)
-    out = subprocess.run([sys.executable, "-m", "gpupoor", "train", str(plan_accuracy.write_recipe(name)),
+    out = subprocess.run([sys.executable, "-m", "gpupoor", "train", str(plan_accuracy.recipe_file(name)),
                           "--output-dir", str(run_dir), "--set", f"training.max_steps={steps}"],
                          capture_output=True, text=True, env=env)
     if out.returncode != 0:

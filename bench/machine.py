@@ -13,6 +13,7 @@ kept and marked noisy), and the tables print the probes so a reader sees how qui
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -182,6 +183,21 @@ def write_section(doc: Path, key: str, body: str) -> None:
         text = text.rstrip() + "\n\n" + block + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+def write_recipe(path: Path, settings: dict) -> Path:
+    """A recipe file from dotted keys ({"training.max_steps": 3} -> training: {max_steps: 3}), as JSON (which is
+    YAML)."""
+    tree: dict = {}
+    for key, value in settings.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(tree, indent=1))
+    return path
 
 
 def shown_command(script: str, argv: Sequence[str], hidden: Sequence[str] = ("--kit", "--doc")) -> str:

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import ROOT, Steady, spread, write_section  # noqa: E402
+from machine import ROOT, Steady, spread, write_recipe, write_section  # noqa: E402
 
 WORK = ROOT / "build" / "plan-bench"
 STEPS = 3
@@ -123,7 +123,7 @@ def build_fixtures() -> None:
         tmp.rename(target)
 
 
-def write_recipe(name: str) -> Path:
+def recipe_file(name: str) -> Path:
     if name in REAL_RECIPES:
         settings = real_settings(name)
     else:
@@ -132,17 +132,7 @@ def write_recipe(name: str) -> Path:
                     "data.sampler": "random", "peft.rank": 16, "precision": "fp32", "training.max_steps": STEPS,
                     "training.micro_batch_size": 4, "training.learning_rate": 1.0e-4, "logging.progress": "none",
                     **keys}
-    tree: dict = {}
-    for key, value in settings.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    WORK.mkdir(parents=True, exist_ok=True)
-    path = WORK / f"{name}.yaml"
-    path.write_text(json.dumps(tree, indent=1))  # JSON is YAML
-    return path
+    return write_recipe(WORK / f"{name}.yaml", settings)
 
 
 def real_settings(name: str) -> dict:
@@ -165,7 +155,7 @@ def gpupoor(*args: str) -> subprocess.CompletedProcess:
 
 
 def measure(name: str) -> float:
-    recipe = write_recipe(name)
+    recipe = recipe_file(name)
     run_dir = WORK / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     out = gpupoor("train", str(recipe), "--output-dir", str(run_dir))
@@ -176,7 +166,7 @@ def measure(name: str) -> float:
 
 
 def predict(name: str) -> dict:
-    out = gpupoor("plan", str(write_recipe(name)), "--json")
+    out = gpupoor("plan", str(recipe_file(name)), "--json")
     if out.returncode not in (0, 3):
         raise SystemExit(f"gpupoor plan failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return json.loads(out.stdout)
@@ -216,7 +206,7 @@ def calibrate(rounds: int, only: list[str]) -> None:
     ratios = []
     for name in names:
         measured = statistics.median(peaks[name])
-        loaded = load_recipe(write_recipe(name))
+        loaded = load_recipe(recipe_file(name))
         shape, _ = load_shape(loaded)
         settings = resolve_settings(loaded.recipe, "cpu", shape)
         terms, _ = plan_terms(shape, settings, uses_bitsandbytes(loaded.recipe))
@@ -255,7 +245,7 @@ def real_accuracy(names: list[str], write: bool) -> None:
     for name in names:
         run_dir = WORK / "runs" / name
         shutil.rmtree(run_dir, ignore_errors=True)
-        runs[name] = subprocess.Popen([sys.executable, "-m", "gpupoor", "train", str(write_recipe(name)),
+        runs[name] = subprocess.Popen([sys.executable, "-m", "gpupoor", "train", str(recipe_file(name)),
                                        "--output-dir", str(run_dir)], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True,
                                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})

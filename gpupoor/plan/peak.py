@@ -22,6 +22,10 @@ CPU_BITSANDBYTES_BASELINE = 60 * MiB
 # Fraction of the live tensors that torch's CUDA caching allocator holds on top as reserved-but-free
 # blocks (fragmentation) at the peak. PyTorch's memory docs and our reading of published traces: 5-15%.
 CUDA_ALLOCATOR_SLACK = 0.10
+# cuBLAS's workspace, which torch takes from its allocator (so it counts in the measured peak) once per thread
+# that runs matmuls: the training thread and autograd's device thread. torch's default size is 32 MiB on Hopper
+# (compute capability 9) and 8 MiB + 128 KiB before; a plan for no visible GPU takes the larger.
+CUDA_WORKSPACE_THREADS = 2
 
 
 def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list[Term], list[str]]:
@@ -52,6 +56,11 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
                           f"process baseline {baseline / MiB:.0f} MiB (Python, torch, libraries); freed "
                           f"step memory the C heap keeps {kept / MiB:.0f} MiB"))
     else:
+        hopper = s.gpu_major is None or s.gpu_major >= 9
+        workspace = 32 * MiB if hopper else 8 * MiB + 128 * 1024
+        terms.append(Term("cuda_workspace", CUDA_WORKSPACE_THREADS * workspace,
+                          f"cuBLAS workspace, {workspace / MiB:.1f} MiB for each of {CUDA_WORKSPACE_THREADS} threads "
+                          "(forward, backward)"))
         slack = int(CUDA_ALLOCATOR_SLACK * (live + loss))
         terms.append(Term("overhead", CUDA_CONTEXT + slack, f"CUDA context ~{CUDA_CONTEXT / MiB:.0f} MiB; "
                           f"caching-allocator slack {slack / MiB:.0f} MiB"))

@@ -65,6 +65,7 @@ class Settings:
     distribution: Distribution = Distribution()  # one process of several: what it holds of the model
     reference: str = "none"  # DPO's reference (gpupoor.decisions.choose_reference): none | adapter_off | copy
     reference_bits: int | None = None  # preference.reference_bits
+    gpu_major: int | None = None  # the CUDA compute capability's major version; None: no GPU visible here
 
     @property
     def half(self) -> bool:
@@ -126,7 +127,8 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                     weights_mapped=mapped, training=training, teacher=teacher,
                     teacher_bits=recipe.distill.bits if recipe.distill is not None else None,
                     distribution=distribution, reference=reference,
-                    reference_bits=recipe.preference.reference_bits if reference == "copy" else None)
+                    reference_bits=recipe.preference.reference_bits if reference == "copy" else None,
+                    gpu_major=gpu.major)
 
 
 def what_trains(shape: Shape, s: Settings) -> Training:

@@ -7,7 +7,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from conftest import read_metrics
+from conftest import alpaca_rows, assert_same_run, invoke, losses, read_metrics, write_jsonl
 from gpupoor.cli import app
 
 pytestmark = pytest.mark.gpu
@@ -29,6 +29,80 @@ def test_qlora_on_gpu(make_recipe, tmp_path):
     result = CliRunner().invoke(app, ["train", str(make_recipe(quantization={"bits": 4}, training={"max_steps": 4})),
                                       "--output-dir", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
+
+
+def _one_batch(tmp_path) -> dict:
+    """A data section of four rows: with micro-batches of four every step sees the same batch, so the loss falls."""
+    return {"path": str(write_jsonl(tmp_path / "four.jsonl", alpaca_rows(4)))}
+
+
+def _trains(result, run) -> list[float]:
+    """The run's step losses, after checking it finished: every one finite."""
+    assert result.exit_code == 0, result.output
+    values = [loss for _, loss in losses(run)]
+    assert values and all(math.isfinite(v) for v in values)
+    return values
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_lora_learns_on_gpu(make_recipe, tmp_path, precision):
+    """bf16 autocast, and fp16 with its GradScaler: the loss on a repeated batch falls."""
+    recipe = make_recipe(precision=precision, data=_one_batch(tmp_path),
+                         training={"device": "cuda", "max_steps": 12, "micro_batch_size": 4,
+                                                   "learning_rate": 5e-2})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run")
+    values = _trains(result, tmp_path / "run")
+    assert f"precision {precision}" in result.output
+    assert sum(values[-3:]) < sum(values[:3]) - 0.1, values  # fp32: it falls by ~0.2; bf16 rounds ~0.02
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"])
+def test_bitsandbytes_optimizers_on_gpu(make_recipe, tmp_path, optimizer):
+    recipe = make_recipe(precision="bf16", data=_one_batch(tmp_path),
+                         training={"device": "cuda", "max_steps": 12, "optimizer": optimizer,
+                                                   "learning_rate": 5e-2})
+    values = _trains(invoke("train", recipe, "--output-dir", tmp_path / "run"), tmp_path / "run")
+    assert sum(values[-3:]) < sum(values[:3]) - 0.1, values  # fp32: it falls by ~0.2; bf16 rounds ~0.02
+
+
+def test_offloaded_checkpointing_on_gpu_matches_plain(make_recipe, tmp_path):
+    """Activations kept in CPU memory between forward and backward give the same losses as keeping them."""
+    runs = {}
+    for name, setting in (("plain", False), ("offload", "offload")):
+        recipe = make_recipe(f"{name}.yaml", precision="fp32", memory={"gradient_checkpointing": setting},
+                             training={"device": "cuda", "max_steps": 4})
+        runs[name] = _trains(invoke("train", recipe, "--output-dir", tmp_path / name), tmp_path / name)
+    assert runs["offload"] == pytest.approx(runs["plain"], rel=1e-4)
+
+
+def test_resume_on_gpu_is_bitwise(make_recipe, tmp_path, monkeypatch):
+    """The promise the CPU tiers test, on CUDA kernels: stopped at step 3 and resumed, every loss and the final
+    adapter equal the uninterrupted run's bitwise."""
+    recipe = make_recipe(precision="bf16", training={"device": "cuda", "max_steps": 6},
+                         checkpoint={"every_steps": 3})
+    _trains(invoke("train", recipe, "--output-dir", tmp_path / "straight", monkeypatch=monkeypatch),
+            tmp_path / "straight")
+    stopped = invoke("train", recipe, "--output-dir", tmp_path / "stopped", monkeypatch=monkeypatch,
+                     fault="sigterm@3")
+    assert stopped.exit_code == 75, stopped.output
+    resumed = invoke("resume", tmp_path / "stopped", monkeypatch=monkeypatch)
+    assert resumed.exit_code == 0, resumed.output
+    assert_same_run(tmp_path / "straight", tmp_path / "stopped")
+
+
+def test_plan_on_gpu_is_close_to_the_measured_peak(make_recipe, tmp_path):
+    """`gpupoor plan` on CUDA against the tensors torch allocated (metrics' peak_mem_mb): the terms it adds up
+    are the ones a GPU run holds, the cuBLAS workspaces included (half of this tiny run's measured peak)."""
+    import json
+
+    recipe = make_recipe(precision="bf16", data={"max_length": 512, "sampler": "packed"},
+                         training={"device": "cuda", "max_steps": 3, "micro_batch_size": 8})
+    _trains(invoke("train", recipe, "--output-dir", tmp_path / "run"), tmp_path / "run")
+    measured = max(r["peak_mem_mb"] for r in read_metrics(tmp_path / "run") if "peak_mem_mb" in r)
+    plan = json.loads(invoke("plan", recipe, "--json").output)
+    predicted = (plan["peak_bytes"] - plan["terms"]["overhead"]["bytes"]) / 2**20
+    assert plan["device"] == "cuda"
+    assert predicted == pytest.approx(measured, rel=0.25), (predicted, measured, plan["terms"])
 
 
 def test_flash_attention_packing_equals_one_by_one(tiny_model, tokenizer):

@@ -222,7 +222,7 @@ def test_plan_works_for_every_shipped_recipe_offline(name, tiny_model, monkeypat
     assert plan["fits"] is True
     assert plan["peak_bytes"] == sum(term["bytes"] for term in plan["terms"].values())
     assert set(plan["terms"]) == {"base_weights", "trainable", "gradients", "optimizer", "activations", "loss",
-                                  "overhead"}
+                                  "cuda_workspace", "overhead"}
     assert all(term["bytes"] > 0 for term in plan["terms"].values())
 
 
@@ -248,7 +248,7 @@ def test_not_fitting_lists_changes_and_fit_writes_a_recipe_that_fits(tmp_path, m
     source = tmp_path / "qwen.yaml"
     source.write_text((RECIPES / "qwen2.5-1.5b-lora.yaml").read_text())
     original = source.read_text()
-    args = ["plan", str(source), "--device", "cuda", "--memory", "4GiB", "--set", "memory.gradient_checkpointing=false"]
+    args = ["plan", str(source), "--device", "cuda", "--memory", "4.1GiB", "--set", "memory.gradient_checkpointing=false"]
     result = runner.invoke(app, args + ["--json"])
     assert result.exit_code == 3, result.output
     plan = json.loads(result.output)
@@ -280,7 +280,7 @@ def test_not_fitting_lists_changes_and_fit_writes_a_recipe_that_fits(tmp_path, m
     assert tree.pop("extends") == "qwen.yaml"
     assert {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()} \
         == plan["fit_changes"]
-    again = runner.invoke(app, ["plan", str(fitted), "--device", "cuda", "--memory", "4GiB", "--json"])
+    again = runner.invoke(app, ["plan", str(fitted), "--device", "cuda", "--memory", "4.1GiB", "--json"])
     assert again.exit_code == 0, again.output
     assert json.loads(again.output)["fits"] is True
     loaded = load_recipe(fitted).recipe
