@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import alpaca_rows, invoke, read_metrics, write_jsonl
+from conftest import alpaca_rows, has_a_step, invoke, read_metrics, signalled_once, write_jsonl
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 FSDP = ["--set", "distributed.strategy=fsdp"]
@@ -77,40 +76,47 @@ def exit_codes(result: subprocess.CompletedProcess) -> list[int]:
             if line.strip().startswith("exitcode") and ":" in line]
 
 
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory, tiny_model) -> Path:
-    """One recipe for the module's runs (4 steps, eval at 2 and 4, checkpoints every 2), so the runs that are
-    never interrupted are trained once (`straight`)."""
-    root = tmp_path_factory.mktemp("distributed")
-    data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
-    recipe = {"model": {"name_or_path": str(tiny_model)},
-              "data": {"path": str(data), "format": "alpaca", "max_length": 128, "sampler": "random", "eval_rows": 6},
-              "peft": {"rank": 4},
-              "training": {"micro_batch_size": 2, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
-                           "warmup_steps": 0, "eval_every_steps": 2},
-              "checkpoint": {"every_steps": 2, "time_limit": "1h"}, "logging": {"progress": "none"}, "seed": 0}
-    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return root / "recipe.yaml"
+# The module's recipe (4 steps, eval at 2 and 4, checkpoints every 2) on 48 alpaca rows and the tiny model: one
+# recipe for all its runs, so the runs that are never interrupted are trained once (`straight`).
+RECIPE = {"data": {"format": "alpaca", "max_length": 128, "sampler": "random", "eval_rows": 6},
+          "peft": {"rank": 4},
+          "training": {"micro_batch_size": 2, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
+                       "warmup_steps": 0, "eval_every_steps": 2},
+          "checkpoint": {"every_steps": 2, "time_limit": "1h"}, "logging": {"progress": "none"}, "seed": 0}
 
 
 @pytest.fixture(scope="module")
-def straight(recipe, tmp_path_factory):
-    """straight(layout) -> the run dir of an uninterrupted run: `one` (one process accumulating two
-    micro-batches), `ddp` or `fsdp` (two processes); each trained once per module."""
-    runs: dict[str, Path] = {}
+def recipe(once_per_session, tiny_model) -> Path:
+    """RECIPE as a file, written once per test session (every worker's straight runs train from it)."""
+    def write(root: Path) -> None:
+        root.mkdir()
+        data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
+        recipe = {"model": {"name_or_path": str(tiny_model)}, **RECIPE,
+                  "data": {"path": str(data), **RECIPE["data"]}}
+        (root / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+
+    return once_per_session(["test_distributed recipe", RECIPE], write) / "recipe.yaml"
+
+
+@pytest.fixture(scope="module")
+def straight(recipe, once_per_session):
+    """straight(layout) -> the run dir of an uninterrupted run of `recipe`: `one` (one process accumulating two
+    micro-batches), `ddp` or `fsdp` (two processes); each trained once per test session, whichever worker asks
+    first (each run takes two processes several seconds to start)."""
+    def train(layout: str, folder: Path) -> None:
+        folder.mkdir()
+        target = folder / "run"
+        if layout == "one":
+            result = one_process("train", recipe, "--output-dir", target, "--set",
+                                 "training.gradient_accumulation_steps=2")
+        else:
+            result = torchrun("train", recipe, "--output-dir", target, "--set", f"distributed.strategy={layout}")
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        assert layout == "one" or f"processes: 2 ({layout.upper()}, gloo" in result.stdout
 
     def run(layout: str) -> Path:
-        if layout not in runs:
-            target = tmp_path_factory.mktemp("straight") / layout
-            if layout == "one":
-                result = one_process("train", recipe, "--output-dir", target, "--set",
-                                     "training.gradient_accumulation_steps=2")
-            else:
-                result = torchrun("train", recipe, "--output-dir", target, "--set", f"distributed.strategy={layout}")
-            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-            assert layout == "one" or f"processes: 2 ({layout.upper()}, gloo" in result.stdout
-            runs[layout] = target
-        return runs[layout]
+        return once_per_session(["test_distributed straight", RECIPE, layout],
+                                lambda target: train(layout, target)) / "run"
 
     return run
 
@@ -270,19 +276,9 @@ def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(recipe, 
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gpupoor", "train", recipe, "--output-dir", run, "--nproc-per-node", "2",
                "--set", "training.max_steps=100000", "--set", "checkpoint.every_steps=null"]
-    launcher = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "GPUPOOR_FAULT": ""})
-    try:
-        deadline = time.monotonic() + 300
-        metrics = run / "metrics.jsonl"
-        while not (metrics.is_file() and '"loss"' in metrics.read_text()):  # training has begun
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.5)
-        launcher.send_signal(signal.SIGTERM)
-        out, err = launcher.communicate(timeout=300)
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 75, out[-2000:] + err[-3000:]
+    stopped = signalled_once(command, lambda: has_a_step(run), signal.SIGTERM, {"GPUPOOR_FAULT": ""}, poll_s=0.5)
+    out, err = stopped.stdout, stopped.stderr
+    assert stopped.returncode == 75, out[-2000:] + err[-3000:]
     step = max(r["step"] for r in read_metrics(run) if "loss" in r)
     assert f"stopped after step {step} with checkpoint checkpoints/step-{step:06d}" in out
     assert (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").is_file()
