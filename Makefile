@@ -53,9 +53,9 @@ demo-real: fetch-real
 # once a step is on disk, never after a sleep; torchrun on one node picks a free port itself; memory is measured
 # per process; a real-model test needs ~2-3 GB. A test that cannot share the machine (one that measures
 # wall-clock time, or a peak while nothing else runs) is marked `serial` and runs alone last (exit 5: none is).
-# The real tier comes first on the command line, so its longest test (a GGUF trained and merged, ~1-2 min)
-# starts at once instead of last with one worker idle. It needs the real model, so the model is fetched first;
-# `make test` (the unit tier) never needs it.
+# The real tier comes first on the command line, so its longest tests (the shortened demo, a GGUF trained and merged,
+# ~1-2 min each) start at once instead of last with one worker idle. It needs the real model, so the model is
+# fetched first; `make test` (the unit tier) never needs it.
 LATE_TIERS := $(wildcard tests/real tests/system tests/gpu)
 PYTEST_ALL := HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25
 test-all: install fetch-real
