@@ -100,23 +100,24 @@ def recipe(once_per_session, tiny_model) -> Path:
 
 @pytest.fixture(scope="module")
 def straight(recipe, once_per_session):
-    """straight(layout) -> the run dir of an uninterrupted run of `recipe`: `one` (one process accumulating two
-    micro-batches), `ddp` or `fsdp` (two processes); each trained once per test session, whichever worker asks
-    first (each run takes two processes several seconds to start)."""
-    def train(layout: str, folder: Path) -> None:
+    """straight(layout, *changes) -> the run dir of an uninterrupted run of `recipe` with `--set` changes: `one`
+    (one process accumulating two micro-batches), `ddp` or `fsdp` (two processes); each trained once per test
+    session, by whichever worker asks first (each run takes two processes several seconds to start)."""
+    def train(layout: str, changes: tuple, folder: Path) -> None:
         folder.mkdir()
         target = folder / "run"
         if layout == "one":
             result = one_process("train", recipe, "--output-dir", target, "--set",
-                                 "training.gradient_accumulation_steps=2")
+                                 "training.gradient_accumulation_steps=2", *changes)
         else:
-            result = torchrun("train", recipe, "--output-dir", target, "--set", f"distributed.strategy={layout}")
+            result = torchrun("train", recipe, "--output-dir", target, "--set", f"distributed.strategy={layout}",
+                              *changes)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         assert layout == "one" or f"processes: 2 ({layout.upper()}, gloo" in result.stdout
 
-    def run(layout: str) -> Path:
-        return once_per_session(["test_distributed straight", RECIPE, layout],
-                                lambda target: train(layout, target)) / "run"
+    def run(layout: str, *changes: str) -> Path:
+        return once_per_session(["test_distributed straight", RECIPE, layout, changes],
+                                lambda folder: train(layout, changes, folder)) / "run"
 
     return run
 
@@ -144,25 +145,31 @@ def test_fsdp_and_two_nodes_train_like_one_process_accumulating(recipe, straight
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, fault, why", [
-    ("ddp", "rank1/sigterm@3", "stop requested on another process"),
-    ("fsdp", "rank1/sigterm@3", "stop requested on another process"),
-    ("ddp", "rank1/timeout@3", "time limit 1h nearly reached"),
+@pytest.mark.parametrize("strategy, fault, why, dropout", [
+    ("ddp", "rank1/sigterm@3", "stop requested on another process", 0.2),
+    ("fsdp", "rank1/sigterm@3", "stop requested on another process", None),
+    ("ddp", "rank1/timeout@3", "time limit 1h nearly reached", None),
 ])
 def test_a_stop_on_one_process_stops_all_at_one_step_and_resumes_bitwise(recipe, straight, tmp_path, strategy,
-                                                                          fault, why):
+                                                                          fault, why, dropout):
     """SIGTERM reaches the process of rank 1 only (SLURM may signal some processes and not others), or rank 1
-    alone finds its time limit reached (each process measures its own)."""
-    stopped = torchrun("train", recipe, "--output-dir", tmp_path / "run", "--set", f"distributed.strategy={strategy}",
+    alone finds its time limit reached (each process measures its own). With dropout every process draws its own
+    masks: a resume restores each process's RNG, not the first's."""
+    changes = ["--set", f"peft.dropout={dropout}"] if dropout else []
+    run = tmp_path / "run"
+    stopped = torchrun("train", recipe, "--output-dir", run, "--set", f"distributed.strategy={strategy}", *changes,
                        fault=fault)
     assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
     assert f"{why}: stopped after step 3" in stopped.stdout
-    run = tmp_path / "run"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    if dropout:
+        state = json.loads((run / "checkpoints" / "step-000003" / "train_state.json").read_text())
+        assert len(state["rng_by_rank"]) == 2 and state["rng_by_rank"][0] != state["rng_by_rank"][1]
     resumed = torchrun("resume", run)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert losses(run) == losses(straight(strategy))
-    a, b = adapter(straight(strategy)), adapter(run)
+    reference = straight(strategy, *changes)
+    assert losses(run) == losses(reference)
+    a, b = adapter(reference), adapter(run)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same layout: bitwise
 
 
@@ -440,22 +447,6 @@ def test_every_method_trains_and_resumes_under_fsdp(make_recipe, tiny_tied_model
     reference = [loss for _, loss, _ in losses(tmp_path / "one")]
     assert [loss for _, loss, _ in losses(tmp_path / "fsdp")] == pytest.approx(reference, rel=1e-5)
     assert close(weights(tmp_path / "one"), weights(tmp_path / "fsdp"))
-
-
-@pytest.mark.slow
-def test_each_process_resumes_its_own_dropout_stream(recipe, tmp_path):
-    """With dropout every process draws its own masks: a resume restores each process's RNG, not the first's."""
-    dropout = ["--set", "peft.dropout=0.2", "--set", "distributed.strategy=ddp"]
-    straight = torchrun("train", recipe, "--output-dir", tmp_path / "straight", *dropout)
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    stopped = torchrun("train", recipe, "--output-dir", tmp_path / "run", *dropout, fault="rank1/sigterm@3")
-    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
-    state = json.loads((tmp_path / "run" / "checkpoints" / "step-000003" / "train_state.json").read_text())
-    assert len(state["rng_by_rank"]) == 2 and state["rng_by_rank"][0] != state["rng_by_rank"][1]
-    assert torchrun("resume", tmp_path / "run").returncode == 0
-    assert losses(tmp_path / "run") == losses(tmp_path / "straight")
-    a, b = adapter(tmp_path / "straight"), adapter(tmp_path / "run")
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
