@@ -240,7 +240,13 @@ def render(vocab: int, rounds: int, results: dict[str, list[dict]], sides: dict[
              "time under the kit's measure.py, start-up included; peak RSS of the process; real tokens/s = "
              "non-padding tokens / training s; loss = the mean step loss over the epoch (what TRL reports as "
              "`training_loss`). " + steady.summary(), ""]
-    lines += result_table(results)
+    return "\n".join(lines + result_sections(results, sides, steady)) + "\n"
+
+
+def result_sections(results: dict[str, list[dict]], sides: dict[str, Side], steady: Steady) -> list[str]:
+    """What follows a section's heading and description, here and in compare_trl_real.py: the results table, the
+    runs the probe flagged, the ratio table and the tokens each side counted."""
+    lines = result_table(results)
     notes = steady.notes()
     if notes:
         lines += ["", "Runs the probe flagged:", *notes]
@@ -248,8 +254,7 @@ def render(vocab: int, rounds: int, results: dict[str, list[dict]], sides: dict[
     if ratios:
         lines += ["", "Ratios of the medians:", "", *ratios]
     counted = "; ".join(f"{label} {med(runs, 'tokens'):,.0f}" for label, runs in results.items())
-    lines += ["", f"Tokens each side counted for the epoch: {counted}."]
-    return "\n".join(lines) + "\n"
+    return lines + ["", f"Tokens each side counted for the epoch: {counted}."]
 
 
 def check_prerequisites(kit: Path, sides: list[Side]) -> str:

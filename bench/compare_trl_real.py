@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_trl import (DEFAULT_SIDES, SETTINGS, Side, check_prerequisites, med, ratio_table,  # noqa: E402
-                         result_table, run_rounds)
+from compare_trl import (DEFAULT_SIDES, SETTINGS, Side, check_prerequisites, result_sections,  # noqa: E402
+                         run_rounds)
 from machine import ROOT, Steady, shown_command, usable_cores, write_section  # noqa: E402
 
 DEMO_ROWS = ROOT / "recipes" / "data" / "iso-dates-train.jsonl"
@@ -72,16 +72,7 @@ def render(rounds: int, results: dict, sides: dict, rows: int, steady: Steady, c
              f"micro batch {SETTINGS['batch']}, max_length {SETTINGS['seq']}, packed, LoRA r{SETTINGS['rank']} on "
              "all linear layers, fp32; gradient checkpointing only where the row says so. Median (min-max) of "
              f"{rounds} alternating rounds; columns as in the fixture tables above. " + steady.summary(), ""]
-    lines += result_table(results)
-    notes = steady.notes()
-    if notes:
-        lines += ["", "Runs the probe flagged:", *notes]
-    ratios = ratio_table(results, sides)
-    if ratios:
-        lines += ["", "Ratios of the medians:", "", *ratios]
-    counted = "; ".join(f"{label} {med(runs, 'tokens'):,.0f}" for label, runs in results.items())
-    lines += ["", f"Tokens each side counted for the epoch: {counted}."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + result_sections(results, sides, steady)) + "\n"
 
 
 def main() -> None:

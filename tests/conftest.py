@@ -17,11 +17,16 @@ The tiers' fixtures are all here: a second conftest.py in a tier's directory wou
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,6 +83,34 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUPOOR_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="session")
+def once_per_session(tmp_path_factory):
+    """`once(settings, make) -> folder`: the folder that `make(folder)` writes, made once per test session however
+    many xdist workers ask for it (a session fixture alone is once per worker): the first makes it under a file
+    lock while the others wait, then all read the same folder. For the reference runs several tests compare with,
+    and what they train from. `settings` (JSON) says everything the folder depends on: the same settings, the same
+    folder. A make that fails leaves no mark, so the next test to ask makes it again (and fails the same way)."""
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:  # each worker's own basetemp is a folder of the session's
+        root = root.parent
+    root = root / "once-per-session"
+    root.mkdir(exist_ok=True)
+
+    def once(settings, make: Callable[[Path], None]) -> Path:
+        text = json.dumps(settings, sort_keys=True)
+        folder = root / hashlib.sha256(text.encode()).hexdigest()[:16]
+        done = folder.with_suffix(".done")
+        with open(folder.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                make(folder)
+                done.write_text(text)
+        return folder
+
+    return once
 
 
 @pytest.fixture(scope="session")
@@ -269,6 +302,31 @@ def run_cli(args: list, env_extra: dict | None = None, **kwargs) -> subprocess.C
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "gpupoor", *map(str, args)], env=env, capture_output=True,
                           text=True, **{"timeout": 300, **kwargs})
+
+
+def signalled_once(command: list, ready: Callable[[], bool], signum: int, env_extra: dict | None = None,
+                   poll_s: float = 0.1) -> subprocess.CompletedProcess:
+    """`command` in a process of its own, sent `signum` as soon as `ready()` holds (a step or a checkpoint on
+    disk: never after a sleep, so a slow machine only waits longer), then waited for; its exit code and output.
+    Fails if the process ends before `ready()` holds; the 10-minute bound only ends a hung run."""
+    process = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env_extra or {})})
+    try:
+        deadline = time.monotonic() + 600
+        while not ready():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(poll_s)
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def has_a_step(run: Path) -> bool:
+    """A run recorded its first optimizer step (the session's start event comes before any step)."""
+    metrics = run / "metrics.jsonl"
+    return metrics.is_file() and '"loss"' in metrics.read_text()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,8 @@ exactly, says what it was dequantized from, and merge-lora writes an ordinary tr
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -77,8 +79,10 @@ def test_merge_lora_writes_a_transformers_directory(gguf_run, tiny_model, tmp_pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, run, _ = gguf_run
-    result = invoke("merge-lora", run, "--output", tmp_path / "merged")
+    result = invoke("merge-lora", run, "--output", tmp_path / "merged", "--verify")
     assert result.exit_code == 0, result.output
+    # --verify loads base + adapter from the GGUF itself (the real tier checks its merge against the directory)
+    assert float(re.search(r"as trained = (\S+)", result.output).group(1)) < 1e-5, result.output
     assert not list(tmp_path.glob(".tmp-*")), "the dequantized base was left behind"
     merged_dir = tmp_path / "merged"
     assert (merged_dir / "config.json").is_file() and list(merged_dir.glob("*.safetensors"))

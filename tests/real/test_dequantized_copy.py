@@ -73,7 +73,11 @@ def test_a_tampered_copy_is_rebuilt(real_gguf, real_model_dir, tmp_path, monkeyp
 
 def test_a_rebuild_dequantizes_the_gguf_again_bitwise(real_gguf, real_model_dir, tmp_path):
     """One real rebuild (half a minute): the weights it writes are the cached copy's, byte for byte, and the real
-    cache is untouched."""
+    cache is untouched; and they are SmolLM2-135M-Instruct's, correctly dequantized: the model knows a fact. (The
+    one test that dequantizes the GGUF in-process; test_gguf_real.py trains from it.)"""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     gguf, copy = linked_copy(real_gguf, real_model_dir, tmp_path)
     replace(copy / "model.safetensors", b"not the weights")
     assert dequantized_copy(gguf) == copy
@@ -82,3 +86,10 @@ def test_a_rebuild_dequantizes_the_gguf_again_bitwise(real_gguf, real_model_dir,
     cached = json.loads((real_model_dir / DEQUANTIZED_STAMP).read_text())
     assert stamp["files"]["model.safetensors"] == cached["files"]["model.safetensors"] == \
         sha256_file(real_model_dir / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(copy)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    assert tokenizer.decode(logits.argmax()).strip() == "Paris"

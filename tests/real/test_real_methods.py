@@ -11,14 +11,13 @@ import json
 import math
 import re
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_run, invoke, losses, read_metrics, run_cli, write_jsonl, write_recipe
+from conftest import (assert_same_run, invoke, losses, read_metrics, run_cli, signalled_once, write_jsonl,
+                      write_recipe)
 
 DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"
 
@@ -55,18 +54,10 @@ def test_resume_after_sigkill_mid_epoch_is_bitwise_the_uninterrupted_run(real_mo
     assert result.exit_code == 0, result.output
 
     run = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300  # only ends a hung run: a slow machine just waits longer
-        while not (run / "checkpoints" / "step-000003").is_dir():  # published by a rename once committed
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-            time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)
-        _, err = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == -signal.SIGKILL, err
+    # the checkpoint is published by a rename once committed; the kill comes before step 5 ends
+    killed = signalled_once([sys.executable, "-m", "gpupoor", "train", recipe, "--output-dir", run],
+                            lambda: (run / "checkpoints" / "step-000003").is_dir(), signal.SIGKILL, poll_s=0.02)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (run / "final").exists() and losses(run)[-1][0] < 5, losses(run)
 
     resumed = run_cli(["resume", run])

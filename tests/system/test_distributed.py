@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import alpaca_rows, invoke, read_metrics, write_jsonl
+from conftest import alpaca_rows, has_a_step, invoke, read_metrics, signalled_once, write_jsonl
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 FSDP = ["--set", "distributed.strategy=fsdp"]
@@ -77,40 +76,48 @@ def exit_codes(result: subprocess.CompletedProcess) -> list[int]:
             if line.strip().startswith("exitcode") and ":" in line]
 
 
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory, tiny_model) -> Path:
-    """One recipe for the module's runs (4 steps, eval at 2 and 4, checkpoints every 2), so the runs that are
-    never interrupted are trained once (`straight`)."""
-    root = tmp_path_factory.mktemp("distributed")
-    data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
-    recipe = {"model": {"name_or_path": str(tiny_model)},
-              "data": {"path": str(data), "format": "alpaca", "max_length": 128, "sampler": "random", "eval_rows": 6},
-              "peft": {"rank": 4},
-              "training": {"micro_batch_size": 2, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
-                           "warmup_steps": 0, "eval_every_steps": 2},
-              "checkpoint": {"every_steps": 2, "time_limit": "1h"}, "logging": {"progress": "none"}, "seed": 0}
-    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return root / "recipe.yaml"
+# The module's recipe (4 steps, eval at 2 and 4, checkpoints every 2) on 48 alpaca rows and the tiny model: one
+# recipe for all its runs, so the runs that are never interrupted are trained once (`straight`).
+RECIPE = {"data": {"format": "alpaca", "max_length": 128, "sampler": "random", "eval_rows": 6},
+          "peft": {"rank": 4},
+          "training": {"micro_batch_size": 2, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
+                       "warmup_steps": 0, "eval_every_steps": 2},
+          "checkpoint": {"every_steps": 2, "time_limit": "1h"}, "logging": {"progress": "none"}, "seed": 0}
 
 
 @pytest.fixture(scope="module")
-def straight(recipe, tmp_path_factory):
-    """straight(layout) -> the run dir of an uninterrupted run: `one` (one process accumulating two
-    micro-batches), `ddp` or `fsdp` (two processes); each trained once per module."""
-    runs: dict[str, Path] = {}
+def recipe(once_per_session, tiny_model) -> Path:
+    """RECIPE as a file, written once per test session (every worker's straight runs train from it)."""
+    def write(root: Path) -> None:
+        root.mkdir()
+        data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
+        recipe = {"model": {"name_or_path": str(tiny_model)}, **RECIPE,
+                  "data": {"path": str(data), **RECIPE["data"]}}
+        (root / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
 
-    def run(layout: str) -> Path:
-        if layout not in runs:
-            target = tmp_path_factory.mktemp("straight") / layout
-            if layout == "one":
-                result = one_process("train", recipe, "--output-dir", target, "--set",
-                                     "training.gradient_accumulation_steps=2")
-            else:
-                result = torchrun("train", recipe, "--output-dir", target, "--set", f"distributed.strategy={layout}")
-            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-            assert layout == "one" or f"processes: 2 ({layout.upper()}, gloo" in result.stdout
-            runs[layout] = target
-        return runs[layout]
+    return once_per_session(["test_distributed recipe", RECIPE], write) / "recipe.yaml"
+
+
+@pytest.fixture(scope="module")
+def straight(recipe, once_per_session):
+    """straight(layout, *changes) -> the run dir of an uninterrupted run of `recipe` with `--set` changes: `one`
+    (one process accumulating two micro-batches), `ddp` or `fsdp` (two processes); each trained once per test
+    session, by whichever worker asks first (each run takes two processes several seconds to start)."""
+    def train(layout: str, changes: tuple, folder: Path) -> None:
+        folder.mkdir()
+        target = folder / "run"
+        if layout == "one":
+            result = one_process("train", recipe, "--output-dir", target, "--set",
+                                 "training.gradient_accumulation_steps=2", *changes)
+        else:
+            result = torchrun("train", recipe, "--output-dir", target, "--set", f"distributed.strategy={layout}",
+                              *changes)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        assert layout == "one" or f"processes: 2 ({layout.upper()}, gloo" in result.stdout
+
+    def run(layout: str, *changes: str) -> Path:
+        return once_per_session(["test_distributed straight", RECIPE, layout, changes],
+                                lambda folder: train(layout, changes, folder)) / "run"
 
     return run
 
@@ -138,25 +145,31 @@ def test_fsdp_and_two_nodes_train_like_one_process_accumulating(recipe, straight
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, fault, why", [
-    ("ddp", "rank1/sigterm@3", "stop requested on another process"),
-    ("fsdp", "rank1/sigterm@3", "stop requested on another process"),
-    ("ddp", "rank1/timeout@3", "time limit 1h nearly reached"),
+@pytest.mark.parametrize("strategy, fault, why, dropout", [
+    ("ddp", "rank1/sigterm@3", "stop requested on another process", 0.2),
+    ("fsdp", "rank1/sigterm@3", "stop requested on another process", None),
+    ("ddp", "rank1/timeout@3", "time limit 1h nearly reached", None),
 ])
 def test_a_stop_on_one_process_stops_all_at_one_step_and_resumes_bitwise(recipe, straight, tmp_path, strategy,
-                                                                          fault, why):
+                                                                          fault, why, dropout):
     """SIGTERM reaches the process of rank 1 only (SLURM may signal some processes and not others), or rank 1
-    alone finds its time limit reached (each process measures its own)."""
-    stopped = torchrun("train", recipe, "--output-dir", tmp_path / "run", "--set", f"distributed.strategy={strategy}",
+    alone finds its time limit reached (each process measures its own). With dropout every process draws its own
+    masks: a resume restores each process's RNG, not the first's."""
+    changes = ["--set", f"peft.dropout={dropout}"] if dropout else []
+    run = tmp_path / "run"
+    stopped = torchrun("train", recipe, "--output-dir", run, "--set", f"distributed.strategy={strategy}", *changes,
                        fault=fault)
     assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
     assert f"{why}: stopped after step 3" in stopped.stdout
-    run = tmp_path / "run"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    if dropout:
+        state = json.loads((run / "checkpoints" / "step-000003" / "train_state.json").read_text())
+        assert len(state["rng_by_rank"]) == 2 and state["rng_by_rank"][0] != state["rng_by_rank"][1]
     resumed = torchrun("resume", run)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert losses(run) == losses(straight(strategy))
-    a, b = adapter(straight(strategy)), adapter(run)
+    reference = straight(strategy, *changes)
+    assert losses(run) == losses(reference)
+    a, b = adapter(reference), adapter(run)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same layout: bitwise
 
 
@@ -270,19 +283,9 @@ def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(recipe, 
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gpupoor", "train", recipe, "--output-dir", run, "--nproc-per-node", "2",
                "--set", "training.max_steps=100000", "--set", "checkpoint.every_steps=null"]
-    launcher = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "GPUPOOR_FAULT": ""})
-    try:
-        deadline = time.monotonic() + 300
-        metrics = run / "metrics.jsonl"
-        while not (metrics.is_file() and '"loss"' in metrics.read_text()):  # training has begun
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.5)
-        launcher.send_signal(signal.SIGTERM)
-        out, err = launcher.communicate(timeout=300)
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 75, out[-2000:] + err[-3000:]
+    stopped = signalled_once(command, lambda: has_a_step(run), signal.SIGTERM, {"GPUPOOR_FAULT": ""}, poll_s=0.5)
+    out, err = stopped.stdout, stopped.stderr
+    assert stopped.returncode == 75, out[-2000:] + err[-3000:]
     step = max(r["step"] for r in read_metrics(run) if "loss" in r)
     assert f"stopped after step {step} with checkpoint checkpoints/step-{step:06d}" in out
     assert (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").is_file()
@@ -444,22 +447,6 @@ def test_every_method_trains_and_resumes_under_fsdp(make_recipe, tiny_tied_model
     reference = [loss for _, loss, _ in losses(tmp_path / "one")]
     assert [loss for _, loss, _ in losses(tmp_path / "fsdp")] == pytest.approx(reference, rel=1e-5)
     assert close(weights(tmp_path / "one"), weights(tmp_path / "fsdp"))
-
-
-@pytest.mark.slow
-def test_each_process_resumes_its_own_dropout_stream(recipe, tmp_path):
-    """With dropout every process draws its own masks: a resume restores each process's RNG, not the first's."""
-    dropout = ["--set", "peft.dropout=0.2", "--set", "distributed.strategy=ddp"]
-    straight = torchrun("train", recipe, "--output-dir", tmp_path / "straight", *dropout)
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    stopped = torchrun("train", recipe, "--output-dir", tmp_path / "run", *dropout, fault="rank1/sigterm@3")
-    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
-    state = json.loads((tmp_path / "run" / "checkpoints" / "step-000003" / "train_state.json").read_text())
-    assert len(state["rng_by_rank"]) == 2 and state["rng_by_rank"][0] != state["rng_by_rank"][1]
-    assert torchrun("resume", tmp_path / "run").returncode == 0
-    assert losses(tmp_path / "run") == losses(tmp_path / "straight")
-    a, b = adapter(tmp_path / "straight"), adapter(tmp_path / "run")
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow

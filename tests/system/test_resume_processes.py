@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import adapter, assert_same_run, invoke, losses, read_metrics, run_cli
+from conftest import adapter, assert_same_run, has_a_step, invoke, losses, read_metrics, run_cli, signalled_once
 from gpupoor.storage.checkpoint import STAGES
 
 from test_resume import references, straight
@@ -39,17 +39,12 @@ def test_sigkill_at_every_commit_stage_leaves_a_resumable_run(straight, tmp_path
 def test_sigterm_saves_exits_75_and_resume_finishes(make_recipe, tmp_path):
     recipe = make_recipe(training={"max_steps": 100000})
     run = tmp_path / "term"
-    process = subprocess.Popen([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # Wait for a step record (the session's start event comes before any step), however long this machine takes
-    # to start: a signal sent before the first step tests another stop (the bound only ends a hung run).
-    deadline = time.monotonic() + 600
-    while not ((run / "metrics.jsonl").is_file() and '"loss"' in (run / "metrics.jsonl").read_text()):
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.1)
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=300)
-    assert process.returncode == 75, err
+    # Signalled once a step is recorded, however long this machine takes to start: a signal before the first step
+    # tests another stop.
+    stopped = signalled_once([sys.executable, "-m", "gpupoor", "train", recipe, "--output-dir", run],
+                             lambda: has_a_step(run), signal.SIGTERM)
+    out, err = stopped.stdout, stopped.stderr
+    assert stopped.returncode == 75, err
     assert "SIGTERM" in err and f"continue with: gpupoor resume {run}" in out
     step = losses(run)[-1][0]
     assert (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").is_file()
