@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_trl import read_metrics  # noqa: E402
 from machine import ROOT, spread, write_recipe, write_section  # noqa: E402
 
 DRY = os.environ.get("GPU_BENCH_DRY") == "1"
@@ -129,11 +130,6 @@ def gpupoor(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           env={**os.environ, **ENV}, **kwargs)
 
 
-def steps_of(run_dir: Path) -> list[dict]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in records if "loss" in r and "tokens" in r]
-
-
 def plan_rows(out: Path, only: list[str]) -> None:
     """Every plan recipe trains PLAN_STEPS steps, all at once (each process measures its own allocations, so
     running side by side changes no peak), then `gpupoor plan --json` predicts it."""
@@ -154,7 +150,7 @@ def plan_rows(out: Path, only: list[str]) -> None:
         if process.returncode != 0:
             row["error"] = output[-1500:]
         else:
-            peaks = [r["peak_mem_mb"] for r in steps_of(WORK / "runs" / name)]
+            peaks = [r["peak_mem_mb"] for r in read_metrics(WORK / "runs" / name)[1]]
             plan = json.loads(gpupoor("plan", WORK / "recipes" / f"{name}.yaml", "--json").stdout)
             predicted = (plan["peak_bytes"] - plan["terms"]["overhead"]["bytes"]) / 2**20
             row.update(predicted_mb=predicted, measured_mb=max(peaks), peaks=peaks,
@@ -178,7 +174,7 @@ def run_side(arch: str, tool: str, checkpointing: bool) -> dict:
         wall = time.perf_counter() - started
         if done.returncode != 0:
             return {"error": (done.stdout + done.stderr)[-1500:]}
-        steps = steps_of(run_dir)
+        _, steps = read_metrics(run_dir)
         tokens = sum(s["tokens"] for s in steps)
         return {"train_s": steps[-1]["elapsed_s"], "wall_s": wall, "peak_mb": max(s["peak_mem_mb"] for s in steps),
                 "tokens": tokens, "tokens_per_s": tokens / steps[-1]["elapsed_s"],

@@ -3,6 +3,19 @@
 # test tier, then bench/gpu.py's plan and speed rows. The device machine has its own torch and no network, so
 # the call carries the wheels of the project's other pinned dependencies in .whl/ (bitsandbytes cut to its CUDA
 # 13 libraries to fit the transfer) and SmolLM2's config and tokenizer in build/gpu-carry/smollm2/.
+# To prepare them here (once, in the repository root; both paths are git-ignored):
+#   echo /.whl/ >> .git/info/exclude; mkdir -p .whl build/gpu-carry/smollm2
+#   for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection transformers==5.24.0 \
+#       peft==0.21.2 bitsandbytes==0.50.2 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+#       tokenizers==0.23.3 huggingface_hub==2.4.0 typer==0.29.2 rich==15.0.0 click==8.5.1 filelock==4.3.1 \
+#       httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5; do python3 -m pip download -q --no-deps \
+#       --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 \
+#       --platform manylinux_2_24_x86_64 -d .whl "$spec"; done
+#   zip -q -d .whl/bitsandbytes-*.whl 'bitsandbytes/libbitsandbytes_cuda1[12]*.so' \
+#       'bitsandbytes/libbitsandbytes_rocm*.so' 'bitsandbytes/libbitsandbytes_xpu*.so'
+#   cp ~/.cache/gpupoor/real/SmolLM2-135M-Instruct.Q4_1.fp32/{config.json,tokenizer*.json,chat_template.jinja,\
+#       generation_config.json} build/gpu-carry/smollm2/   # after make fetch-real and one real-tier run
+# then run it with carry [".whl", "build/gpu-carry"] (about 35 MiB).
 # Logs and JSON go to $OUT; each stage has its own time limit so a slow one cannot eat the lease.
 set -u
 OUT=${OUT:-build/gpu-out}
