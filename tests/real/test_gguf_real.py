@@ -68,14 +68,19 @@ def test_train_from_smollm2_gguf_and_merge_into_a_transformers_directory(real_gg
     result = CliRunner().invoke(app, ["train", str(recipe), "--output-dir", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
     assert "(GGUF, dequantized from Q4_1, Q8_0 to fp32)" in result.output
-    result = CliRunner().invoke(app, ["merge-lora", str(tmp_path / "run"), "--output", str(tmp_path / "merged")])
+    # Merged onto the dequantized directory (--base): a GGUF base is merged by dequantizing it with
+    # save_dequantized into a temporary directory first, the very function that wrote the dequantized directory
+    # (byte for byte the GGUF's: test_dequantized_copy.py), so the bytes merged are the same without half a minute
+    # more of dequantizing. merge-lora's own GGUF branch runs on the tiny GGUF in test_gguf_training.py.
+    result = CliRunner().invoke(app, ["merge-lora", str(tmp_path / "run"), "--output", str(tmp_path / "merged"),
+                                      "--base", str(real_model_dir)])
     assert result.exit_code == 0, result.output
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # plain transformers, no GGUF
     assert merged.config.tie_word_embeddings and merged.config.num_hidden_layers == 30
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
     assert "<|im_start|>" in tokenizer.chat_template
     # The merged model is the one that trained: base + adapter, the base read from the dequantized directory (the
-    # GGUF's own dequantization, byte for byte: test_dequantized_copy.py) rather than from the GGUF a third time, as
+    # GGUF's own dequantization, byte for byte: test_dequantized_copy.py) rather than from the GGUF again, as
     # `merge-lora --verify` would (its GGUF path runs on the tiny GGUF in tests/integration/test_gguf_training.py).
     base = AutoModelForCausalLM.from_pretrained(real_model_dir)
     trained = PeftModel.from_pretrained(base, tmp_path / "run" / "final").eval()
