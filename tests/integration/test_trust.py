@@ -420,18 +420,8 @@ def test_a_damaged_builtin_model_is_built_again(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Several processes: stop together, resume together, evaluate with fewer eval batches than processes
-
-
-def _torchrun(*args, fault: str = "") -> subprocess.CompletedProcess:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    return subprocess.run([str(torchrun), "--nproc_per_node", "2", "-m", "gpupoor", *map(str, args)],
-                          env={**os.environ, "GPUPOOR_FAULT": fault}, capture_output=True, text=True, timeout=300)
-
-
-def steps_and_losses(run: Path) -> list[tuple]:
-    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(run)
-            if "loss" in r or "eval_loss" in r]
+# Evaluation across a stop and an extension (two processes with fewer eval batches than processes:
+# tests/system/test_distributed.py, test_a_stop_on_one_process_stops_all_at_one_step_and_resumes_bitwise)
 
 
 def test_extending_a_finished_run_keeps_its_final_eval(make_recipe, tmp_path):

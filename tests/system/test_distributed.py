@@ -101,19 +101,22 @@ def recipe(once_per_session, tiny_model) -> Path:
 @pytest.fixture(scope="module")
 def straight(recipe, once_per_session):
     """straight(layout, *changes) -> the run dir of an uninterrupted run of `recipe` with `--set` changes: `one`
-    (one process accumulating two micro-batches), `ddp` or `fsdp` (two processes); each trained once per test
-    session, by whichever worker asks first (each run takes two processes several seconds to start)."""
+    (one process accumulating two micro-batches: the test's own), `ddp` or `fsdp` (two processes); each trained
+    once per test session, by whichever worker asks first (each run takes two processes several seconds to start)."""
     def train(layout: str, changes: tuple, folder: Path) -> None:
         folder.mkdir()
         target = folder / "run"
-        if layout == "one":
-            result = one_process("train", recipe, "--output-dir", target, "--set",
-                                 "training.gradient_accumulation_steps=2", *changes)
-        else:
-            result = torchrun("train", recipe, "--output-dir", target, "--set", f"distributed.strategy={layout}",
-                              *changes)
+        if layout == "one":  # in this process, as the integration tier trains: no ~10 s of imports to start one
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                monkeypatch.setenv("GPUPOOR_CACHE", str(folder / "cache"))
+                trained = invoke("train", recipe, "--output-dir", target, "--set",
+                                 "training.gradient_accumulation_steps=2", *changes, monkeypatch=monkeypatch)
+            assert trained.exit_code == 0, trained.output[-2000:]
+            return
+        result = torchrun("train", recipe, "--output-dir", target, "--set", f"distributed.strategy={layout}",
+                          *changes)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-        assert layout == "one" or f"processes: 2 ({layout.upper()}, gloo" in result.stdout
+        assert f"processes: 2 ({layout.upper()}, gloo" in result.stdout
 
     def run(layout: str, *changes: str) -> Path:
         return once_per_session(["test_distributed straight", RECIPE, layout, changes],
@@ -144,45 +147,50 @@ def test_fsdp_and_two_nodes_train_like_one_process_accumulating(recipe, straight
     assert not (checkpoint / "optimizer.pt").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy, fault, why, dropout", [
-    ("ddp", "rank1/sigterm@3", "stop requested on another process", 0.2),
-    ("fsdp", "rank1/sigterm@3", "stop requested on another process", None),
-    ("ddp", "rank1/timeout@3", "time limit 1h nearly reached", None),
-])
-def test_a_stop_on_one_process_stops_all_at_one_step_and_resumes_bitwise(recipe, straight, tmp_path, strategy,
-                                                                          fault, why, dropout):
-    """SIGTERM reaches the process of rank 1 only (SLURM may signal some processes and not others), or rank 1
-    alone finds its time limit reached (each process measures its own). With dropout every process draws its own
-    masks: a resume restores each process's RNG, not the first's."""
-    changes = ["--set", f"peft.dropout={dropout}"] if dropout else []
-    run = tmp_path / "run"
-    stopped = torchrun("train", recipe, "--output-dir", run, "--set", f"distributed.strategy={strategy}", *changes,
-                       fault=fault)
-    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
-    assert f"{why}: stopped after step 3" in stopped.stdout
+def stopped_by_rank1_at_step_3(stopped: subprocess.CompletedProcess, run: Path, why: str) -> None:
+    """A stop that reached or came from the process of rank 1 alone after step 3 stopped every process there,
+    with one checkpoint (step 3's, beside the scheduled step 2). (Each caller checks the exit codes its launch
+    reports.)"""
+    assert f"{why}: stopped after step 3 with checkpoint checkpoints/step-000003" in stopped.stdout, \
+        stopped.stdout[-2000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
-    if dropout:
-        state = json.loads((run / "checkpoints" / "step-000003" / "train_state.json").read_text())
-        assert len(state["rng_by_rank"]) == 2 and state["rng_by_rank"][0] != state["rng_by_rank"][1]
+
+
+@pytest.mark.slow
+def test_a_stop_on_one_process_stops_all_at_one_step_and_resumes_bitwise(recipe, straight, tmp_path):
+    """SIGTERM reaches the process of rank 1 only (SLURM may signal some processes and not others). With dropout
+    every process draws its own masks: a resume restores each process's RNG, not the first's. Two eval rows are
+    one eval batch for two processes: the second has none of its own and must not hang the first, before the stop
+    and after the resume. (The same stop under FSDP: test_a_process_dying_mid_save_leaves_the_previous_checkpoint;
+    rank 1 alone finding its time limit reached: test_one_launch_exits_75_when_every_process_stopped_and_...)"""
+    changes = ["--set", "peft.dropout=0.2", "--set", "data.eval_rows=2"]
+    run = tmp_path / "run"
+    stopped = torchrun("train", recipe, "--output-dir", run, "--set", "distributed.strategy=ddp", *changes,
+                       fault="rank1/sigterm@3")
+    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+    stopped_by_rank1_at_step_3(stopped, run, "stop requested on another process")
+    state = json.loads((run / "checkpoints" / "step-000003" / "train_state.json").read_text())
+    assert len(state["rng_by_rank"]) == 2 and state["rng_by_rank"][0] != state["rng_by_rank"][1]
     resumed = torchrun("resume", run)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    reference = straight(strategy, *changes)
+    reference = straight("ddp", *changes)
     assert losses(run) == losses(reference)
+    assert [step for step, _, eval_loss in losses(run) if eval_loss is not None] == [2, 4]
     a, b = adapter(reference), adapter(run)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same layout: bitwise
 
 
 @pytest.mark.slow
-def test_fsdp_resume_on_another_process_count_is_refused_then_forced(recipe, tmp_path):
+def test_fsdp_resume_on_another_process_count_is_refused_then_forced(recipe, tmp_path, monkeypatch):
     run = tmp_path / "run"
     stopped = torchrun("train", recipe, "--output-dir", run, *FSDP, fault="sigterm@2")
     assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
-    refused = one_process("resume", run)
-    assert refused.returncode == 2
+    # The one-process resumes run in this process (no ~10 s of imports to start one each)
+    refused = invoke("resume", run, monkeypatch=monkeypatch)
+    assert refused.exit_code == 2, refused.output[-2000:]
     assert "processes: 2 -> 1" in refused.stderr and "--force" in refused.stderr
-    forced = one_process("resume", run, "--force")
-    assert forced.returncode == 0, forced.stderr[-2000:]
+    forced = invoke("resume", run, "--force", monkeypatch=monkeypatch)
+    assert forced.exit_code == 0, forced.output[-2000:]
     assert "processes 2 -> 1" in forced.stdout
     # DCP resharded the two processes' optimizer shards into this one's: AdamW's step count carried over
     # (a fresh optimizer would count 2 steps at step 4).
@@ -193,17 +201,25 @@ def test_fsdp_resume_on_another_process_count_is_refused_then_forced(recipe, tmp
 
 @pytest.mark.slow
 def test_a_process_dying_mid_save_leaves_the_previous_checkpoint(recipe, straight, tmp_path):
+    """Under FSDP: SIGTERM reaches rank 1 only after step 3 and every process stops there; resumed, rank 1 dies in
+    the middle of step 4's save (weights gathered, its optimizer shard not yet written), which leaves step 3's
+    checkpoint; resumed again, the run ends bitwise where the run that never stopped ends. (Stop and death share
+    one run: each launch of two processes costs ~20 s of start-up.)"""
     run = tmp_path / "run"
-    # Rank 1 dies in the middle of step 4's save (weights gathered, its optimizer shard not yet written).
-    died = torchrun("train", recipe, "--output-dir", run, *FSDP, fault="rank1/kill@gathered:4")
+    stopped = torchrun("train", recipe, "--output-dir", run, *FSDP, fault="rank1/sigterm@3")
+    assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+    stopped_by_rank1_at_step_3(stopped, run, "stop requested on another process")
+    died = torchrun("resume", run, fault="rank1/kill@gathered:4")
     assert died.returncode != 0
-    assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step-000002"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")) == \
+        ["step-000002", "step-000003"]
     resumed = torchrun("resume", run)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "removed an incomplete checkpoint write" in resumed.stdout
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert losses(run) == losses(straight("fsdp"))
     a, b = adapter(straight("fsdp")), adapter(run)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same layout: bitwise
 
 
 @pytest.mark.slow
@@ -254,11 +270,13 @@ def test_a_changed_base_is_refused_by_every_process(recipe, tiny_model, tmp_path
 @pytest.mark.slow
 def test_one_launch_exits_75_when_every_process_stopped_and_resumes_exactly(recipe, straight, tmp_path):
     """torchrun exits 1 (and prints a ChildFailedError traceback) when its processes stop with exit 75, so a
-    script that requeues on 75 never requeued: `--nproc-per-node` keeps gpupoor's codes."""
+    script that requeues on 75 never requeued: `--nproc-per-node` keeps gpupoor's codes. The stop: rank 1 alone
+    finds its time limit reached after step 3 (each process measures its own), and every process stops there."""
     run = tmp_path / "run"
-    stopped = launched("train", recipe, "--output-dir", run, "--set", "distributed.strategy=ddp", fault="timeout@2")
+    stopped = launched("train", recipe, "--output-dir", run, "--set", "distributed.strategy=ddp",
+                       fault="rank1/timeout@3")
     assert stopped.returncode == 75, stopped.stdout[-2000:] + stopped.stderr[-3000:]
-    assert "time limit 1h nearly reached: stopped after step 2 with checkpoint checkpoints/step-000002" in stopped.stdout
+    stopped_by_rank1_at_step_3(stopped, run, "time limit 1h nearly reached")
     assert "Traceback" not in stopped.stderr and "ChildFailedError" not in stopped.stderr, stopped.stderr[-3000:]
     resumed = launched("resume", run)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
@@ -351,12 +369,10 @@ class _Hostile:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("content", ["hostile", "truncated", "not-metadata"])
-def test_a_refused_optimizer_metadata_falls_back_to_the_previous_checkpoint(straight, tmp_path, content):
-    """DCP's .metadata is a pickle: one that would run code, a truncated one, or one that is not DCP's Metadata
-    makes its checkpoint invalid like a corrupt file, even with a manifest rewritten to match: resume warns,
-    resumes from the previous checkpoint (no code ran, no traceback) and ends where the straight run ended."""
+def tampered_metadata(straight, tmp_path: Path, content: str) -> tuple[Path, Path]:
+    """A copy of the FSDP straight run, unfinished, whose newest checkpoint's DCP .metadata is replaced (its
+    manifest rewritten to match) by `content`: one that would run code (touching the marker), a truncated one,
+    or one that is not DCP's Metadata. The run and the marker."""
     import pickle
     import shutil
 
@@ -367,6 +383,30 @@ def test_a_refused_optimizer_metadata_falls_back_to_the_previous_checkpoint(stra
     metadata = (newest / "optimizer" / ".metadata").read_bytes()
     _rewrite(newest, "optimizer/.metadata", {"hostile": pickle.dumps(_Hostile(marker)), "truncated": metadata[:40],
                                              "not-metadata": pickle.dumps(torch.Size([3]))}[content])
+    return run, marker
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content", ["hostile", "truncated", "not-metadata"])
+def test_a_refused_optimizer_metadata_makes_its_checkpoint_invalid(straight, tmp_path, content):
+    """DCP's .metadata is a pickle: each kind of bad one makes its checkpoint invalid like a corrupt file, even
+    with a manifest rewritten to match, and no code runs. (The check a resume makes of each checkpoint, run here
+    in this process: what a resume then does with an invalid checkpoint is the same for each kind, and the test
+    below resumes from one under FSDP.)"""
+    from gpupoor.train.distributed import optimizer_problem
+
+    run, marker = tampered_metadata(straight, tmp_path, content)
+    problem = optimizer_problem(run / "checkpoints" / "step-000004")
+    assert problem and problem.startswith("optimizer/.metadata is refused ("), problem
+    assert not marker.exists()
+    assert optimizer_problem(run / "checkpoints" / "step-000002") is None
+
+
+@pytest.mark.slow
+def test_a_refused_optimizer_metadata_falls_back_to_the_previous_checkpoint(straight, tmp_path):
+    """One that would run code: resume warns, resumes from the previous checkpoint (no code ran, no traceback) and
+    ends where the straight run ended."""
+    run, marker = tampered_metadata(straight, tmp_path, "hostile")
     resumed = torchrun("resume", run)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert "warning: skipping checkpoint step-000004: optimizer/.metadata is refused (" in resumed.stdout
@@ -378,7 +418,7 @@ def test_a_refused_optimizer_metadata_falls_back_to_the_previous_checkpoint(stra
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["one", "ddp"])
-def test_a_whole_optimizer_pt_resumes_under_fsdp_with_force(recipe, straight, tmp_path, layout):
+def test_a_whole_optimizer_pt_resumes_under_fsdp_with_force(recipe, straight, tmp_path, monkeypatch, layout):
     """A checkpoint of one process (or DDP) holds the whole optimizer.pt: resumed on two FSDP processes with
     --force, it is sharded into them with every hyperparameter (LambdaLR's initial_lr included), and the run ends
     where the run that never stopped ends; AdamW's step count carried over."""
@@ -386,9 +426,9 @@ def test_a_whole_optimizer_pt_resumes_under_fsdp_with_force(recipe, straight, tm
 
     run = tmp_path / "run"
     if layout == "one":  # accumulating two micro-batches: two processes with one each take the same ones
-        stopped = one_process("train", recipe, "--output-dir", run, "--set", "training.gradient_accumulation_steps=2",
-                              *FSDP, fault="sigterm@2")
-        assert stopped.returncode == 75, stopped.stderr[-2000:]
+        stopped = invoke("train", recipe, "--output-dir", run, "--set", "training.gradient_accumulation_steps=2",
+                         *FSDP, fault="sigterm@2", monkeypatch=monkeypatch)  # (in this process: no start-up)
+        assert stopped.exit_code == 75, stopped.output[-2000:]
         changes = ["--set", "training.gradient_accumulation_steps=1"]
     else:
         stopped = torchrun("train", recipe, "--output-dir", run, "--set", "distributed.strategy=ddp",
@@ -429,7 +469,7 @@ FSDP_METHODS = {  # LoRA itself runs in the tests above
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FSDP_METHODS)
-def test_every_method_trains_and_resumes_under_fsdp(make_recipe, tiny_tied_model, tmp_path, name):
+def test_every_method_trains_and_resumes_under_fsdp(make_recipe, tiny_tied_model, tmp_path, monkeypatch, name):
     """Each method under FSDP x 2, stopped by a signal to rank 1 at step 2 and resumed, ends where one process
     accumulating two micro-batches ends: sharding, the gathered checkpoint and the resharded optimizer state are
     all right (a lost optimizer state or a wrongly mapped weight moves the result far beyond rounding)."""
@@ -437,9 +477,11 @@ def test_every_method_trains_and_resumes_under_fsdp(make_recipe, tiny_tied_model
     if sections.get("distill") == "teacher":
         sections["distill"] = {"teacher": str(tiny_tied_model), "weight": 0.5}
     recipe = make_recipe(training={"max_steps": 4, "micro_batch_size": 2}, **sections)
-    one = one_process("train", recipe, "--output-dir", tmp_path / "one", "--set",
-                      "training.gradient_accumulation_steps=2")
-    assert one.returncode == 0, one.stderr[-2000:]
+    # The one-process reference trains in this process (the integration tier's way): a process of its own would
+    # only add the ~10 s every Python start spends importing torch, transformers and peft.
+    one = invoke("train", recipe, "--output-dir", tmp_path / "one", "--set", "training.gradient_accumulation_steps=2",
+                 monkeypatch=monkeypatch)
+    assert one.exit_code == 0, one.output[-2000:]
     stopped = torchrun("train", recipe, "--output-dir", tmp_path / "fsdp", *FSDP, fault="rank1/sigterm@2")
     assert exit_codes(stopped) == [75, 75], stopped.stdout[-2000:] + stopped.stderr[-3000:]
     resumed = torchrun("resume", tmp_path / "fsdp")
