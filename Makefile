@@ -45,22 +45,24 @@ demo-real: fetch-real
 
 # Two xdist workers throughout; the 25 slowest tests of each step are printed (what to look at when CI time grows).
 # Unit and integration tests go a test file per worker (a module's reference runs are trained once, on the worker
-# that runs the file). The system, gpu and real tiers go a test at a time to whichever worker is free: most of
-# their time is test_distributed.py, which a file per worker would leave on one worker. Its shared reference runs
-# (`straight`) are still trained once: the first worker to ask trains each while the other waits for it
-# (tests/conftest.py's `once_per_session`).
+# that runs the file). The system, gpu and real tiers go a test at a time (most of their time is
+# test_distributed.py, which a file per worker would leave on one worker), by work stealing: each worker starts on
+# its half of the tests, in order, and one that runs out takes half of what the other has not started. (`--dist
+# load` keeps a test queued behind the running one on each worker, so at the end one worker could sit idle for the
+# whole of a queued 30-60 s test.) Shared reference runs (test_distributed.py's `straight`) are still trained
+# once: the first worker to ask trains each while the other waits for it (tests/conftest.py's `once_per_session`).
 # Two at once is safe: every stop, kill and time limit in them is injected at a step (GPUPOOR_FAULT) or sent
 # once a step is on disk, never after a sleep; torchrun on one node picks a free port itself; memory is measured
 # per process; a real-model test needs ~2-3 GB. A test that cannot share the machine (one that measures
 # wall-clock time, or a peak while nothing else runs) is marked `serial` and runs alone last (exit 5: none is).
 # The real tier comes first on the command line, so its longest tests (the shortened demo, a GGUF trained and merged,
-# ~1-2 min each) start at once instead of last with one worker idle. It needs the real model, so the model is
-# fetched first; `make test` (the unit tier) never needs it.
+# ~1-2 min each) start at once on the first worker instead of last with the other idle. It needs the real model, so
+# the model is fetched first; `make test` (the unit tier) never needs it.
 LATE_TIERS := $(wildcard tests/real tests/system tests/gpu)
 PYTEST_ALL := HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25
 test-all: install fetch-real
 	$(PYTEST_ALL) -n 2 --dist loadfile tests/unit tests/integration
-	$(PYTEST_ALL) -n 2 --dist load -m "not serial" $(LATE_TIERS)
+	$(PYTEST_ALL) -n 2 --dist worksteal -m "not serial" $(LATE_TIERS)
 	$(PYTEST_ALL) -p no:xdist -m serial $(LATE_TIERS) || [ $$? -eq 5 ]
 
 docs: install
