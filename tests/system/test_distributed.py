@@ -25,13 +25,14 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 FSDP = ["--set", "distributed.strategy=fsdp"]
 
 
-def _run(command: list, fault: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GPUPOOR_FAULT": fault}
+def _run(command: list, fault: str = "", timeout: int = 300,
+         env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPUPOOR_FAULT": fault, **(env_extra or {})}
     return subprocess.run([str(c) for c in command], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def torchrun(*args, fault: str = "") -> subprocess.CompletedProcess:
-    return _run([TORCHRUN, "--nproc_per_node", "2", "-m", "gpupoor", *args], fault)
+def torchrun(*args, fault: str = "", env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    return _run([TORCHRUN, "--nproc_per_node", "2", "-m", "gpupoor", *args], fault, env_extra=env_extra)
 
 
 def one_process(*args, fault: str = "") -> subprocess.CompletedProcess:
@@ -44,15 +45,29 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def two_nodes(*args) -> list[subprocess.CompletedProcess]:
+def two_nodes(*args, env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
     """torchrun's multi-node rendezvous with two "nodes" of one process each on this machine."""
     endpoint = f"127.0.0.1:{_free_port()}"
     nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "-m", "gpupoor",
                                *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "GPUPOOR_FAULT": ""})
+                              env={**os.environ, "GPUPOOR_FAULT": "", **(env_extra or {})})
              for rank in (0, 1)]
     return [subprocess.CompletedProcess(node.args, node.wait(timeout=300), *node.communicate()) for node in nodes]
+
+
+def aborting_teardown(folder: Path) -> dict[str, str]:
+    """The environment of a launch whose training processes each abort if they reach the interpreter's teardown (an
+    atexit hook that always aborts). gloo's threads and sockets outlive destroy_process_group, and tearing them
+    down with the interpreter aborted a process now and then (SIGABRT after a run that succeeded; on two nodes the
+    other node's torchrun then waited 300 s at its exit barrier). Once its part is over a process ends without that
+    teardown, so a launch under this environment ends as it would without it: the two-node run that succeeds
+    (test_fsdp_and_two_nodes_...) and a DDP run stopped by SIGTERM (test_a_whole_optimizer_pt_...[ddp])."""
+    hook = folder / "teardown-hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text('import atexit, os\n'
+                                           'if "LOCAL_RANK" in os.environ:\n    atexit.register(os.abort)\n')
+    return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
 
 
 def losses(run: Path) -> list[tuple]:
@@ -127,7 +142,9 @@ def straight(recipe, once_per_session):
 
 @pytest.mark.slow
 def test_fsdp_and_two_nodes_train_like_one_process_accumulating(recipe, straight, tmp_path):
-    nodes = two_nodes("train", recipe, "--output-dir", tmp_path / "nodes")
+    """Two nodes (under `aborting_teardown`: each process ends without the interpreter's teardown) and FSDP train
+    like one process accumulating; FSDP's checkpoint holds the optimizer as DCP shards."""
+    nodes = two_nodes("train", recipe, "--output-dir", tmp_path / "nodes", env_extra=aborting_teardown(tmp_path))
     assert [node.returncode for node in nodes] == [0, 0], nodes[0].stderr[-2000:] + nodes[1].stderr[-2000:]
     assert "processes: 2 on 2 nodes (DDP, gloo" in nodes[0].stdout + nodes[1].stdout
     reference = losses(straight("one"))
@@ -220,24 +237,6 @@ def test_a_process_dying_mid_save_leaves_the_previous_checkpoint(recipe, straigh
     assert losses(run) == losses(straight("fsdp"))
     a, b = adapter(straight("fsdp")), adapter(run)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same layout: bitwise
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fault, codes", [("", [0, 0]), ("rank1/sigterm@2", [75, 75])])
-def test_the_processes_end_without_the_interpreters_teardown(recipe, tmp_path, fault, codes):
-    """gloo's threads and sockets outlive destroy_process_group, and tearing them down with the interpreter aborted a
-    process now and then (SIGABRT after a run that succeeded; on two nodes the other node's torchrun then waited
-    300 s at its exit barrier). Once its part is over a process ends without that teardown: here a teardown that
-    always aborts (an atexit hook in each training process) is never reached."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text('import atexit, os\nif "LOCAL_RANK" in os.environ:\n    atexit.register(os.abort)\n')
-    env = {**os.environ, "GPUPOOR_FAULT": fault, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "-m", "gpupoor", "train", str(recipe), "--output-dir",
-                             str(tmp_path / "run"), "--set", "distributed.strategy=ddp"], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert (exit_codes(result) or [result.returncode] * 2) == codes, result.stderr[-3000:]
-    assert (tmp_path / "run" / ("final" if not fault else "checkpoints/step-000002") / "manifest.json").is_file()
 
 
 def launched(*args, fault: str = "") -> subprocess.CompletedProcess:
@@ -432,8 +431,8 @@ def test_a_whole_optimizer_pt_resumes_under_fsdp_with_force(recipe, straight, tm
         changes = ["--set", "training.gradient_accumulation_steps=1"]
     else:
         stopped = torchrun("train", recipe, "--output-dir", run, "--set", "distributed.strategy=ddp",
-                           fault="sigterm@2")
-        assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]
+                           fault="sigterm@2", env_extra=aborting_teardown(tmp_path))
+        assert exit_codes(stopped) == [75, 75], stopped.stderr[-3000:]  # (no process reached the teardown)
         changes = FSDP
     assert (run / "checkpoints" / "step-000002" / "optimizer.pt").is_file()
     resumed = torchrun("resume", run, "--force", *changes)
