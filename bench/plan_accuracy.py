@@ -9,6 +9,7 @@ machine changes what the C heap keeps, so a run whose lower probe fell more than
 repeated like everywhere else, and each row shows its probes.
 
     python bench/plan_accuracy.py [--only NAME,...] [--rounds 3] [--no-write] [--calibrate]
+    python bench/plan_accuracy.py --calibrate-retention [--only NAME,...] [--at-once 3]
     python bench/plan_accuracy.py --real [--only NAME,...] [--no-write]
 
 About 10 minutes for the 8 recipes x 3 rounds on a 2-core machine (the first run also builds the models).
@@ -73,7 +74,8 @@ REAL_RECIPES = {
     "real-8x128-ckpt": ("dir", "gradient checkpointing", {"memory.gradient_checkpointing": True}),
     "real-nf4-8x128": ("dir", "QLoRA: the dequantized base quantized to 4-bit NF4", {"quantization.bits": 4}),
 }
-# Used once to set gpupoor.plan.terms.CPU_HEAP_RETENTION (`--calibrate`); not in the accuracy table. One layer's
+# Calibration, in no accuracy table: the first six fit gpupoor.plan.terms.CPU_HEAP_RETENTION with the deep recipes
+# below (`--calibrate-retention`), the 4-bit three CPU_DEQUANTIZED_RETENTION (`--calibrate`). One layer's
 # forward allocations from ~60 MiB to ~1 GiB, with and without checkpointing.
 CALIBRATION = {
     "calib-ckpt-small": case("h512-v32k", "calibration", 256, 2, True, "length_grouped"),
@@ -89,10 +91,58 @@ CALIBRATION = {
 }
 
 
+# Deep calibration (issue #27): on the real model the heap keeps more than the 4-layer fixtures' constant. These
+# random-weight models carry the real model's tokenizer and tied 49,152-row head but other depths and widths (none
+# is the real model's 30 x 576), and train the demo's recipe and data like the real rows: what the heap keeps
+# against depth is fitted on them (`--calibrate-retention`), never on the real rows of the accuracy table.
+DEEP_MODELS = {  # name: (hidden, layers, heads, kv_heads, intermediate)
+    "deep-24x384": (384, 24, 6, 2, 1024),
+    "deep-12x576": (576, 12, 9, 3, 1536),
+    "deep-16x768": (768, 16, 12, 4, 2048),
+}
+DEEP_KNOBS = {  # what each deep run turns in the demo's recipe
+    "8x128": {},
+    "8x256": {"data.max_length": 256},
+    "2x128": {"training.micro_batch_size": 2},
+    "8x128-ckpt": {"memory.gradient_checkpointing": True},
+    "8x256-ckpt": {"data.max_length": 256, "memory.gradient_checkpointing": True},
+}
+DEEP_CALIBRATION = {f"calib-{model}-{knob}": (model, keys) for model in DEEP_MODELS for knob, keys in DEEP_KNOBS.items()}
+# CPU_HEAP_RETENTION's fit: the deep recipes and the 4-layer fixture ones (CALIBRATION, but the 4-bit three).
+RETENTION_CALIBRATION = [*DEEP_CALIBRATION, *(name for name in CALIBRATION if "nf4" not in name)]
+
+
+def build_deep_models() -> None:
+    """DEEP_MODELS under WORK, with the real model's tokenizer (its dequantized directory)."""
+    from transformers import AutoTokenizer
+
+    from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+
+    tokenizer = None
+    for name, (hidden, layers, heads, kv_heads, intermediate) in DEEP_MODELS.items():
+        target = WORK / name
+        if (target / "config.json").is_file():
+            continue
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(dequantized_copy(real_model_path()))
+        build_model(target, tokenizer, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                    intermediate=intermediate, tie_embeddings=True)
+
+
+def build_model(target: Path, tokenizer, **shape) -> None:
+    """gpupoor.model.tiny's random Llama at `target`, written beside it and renamed (never half there)."""
+    from gpupoor.model.tiny import build_tiny_llama
+
+    print(f"building {target} ...", flush=True)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_llama(tmp, tokenizer, **shape)
+    tmp.rename(target)
+
+
 def build_fixtures() -> None:
     from pydoc_data.topics import topics
 
-    from gpupoor.model.tiny import build_tiny_llama, train_tokenizer
+    from gpupoor.model.tiny import train_tokenizer
 
     WORK.mkdir(parents=True, exist_ok=True)
     texts = [" ".join(text.split()) for _, text in sorted(topics.items())]
@@ -115,17 +165,18 @@ def build_fixtures() -> None:
             continue
         if tokenizer is None:
             tokenizer = train_tokenizer(texts, vocab_size=4000)
-        print(f"building {target} ...", flush=True)
-        tmp = target.with_name(name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build_tiny_llama(tmp, tokenizer, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                         intermediate=intermediate, vocab_size=vocab)
-        tmp.rename(target)
+        build_model(target, tokenizer, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                    intermediate=intermediate, vocab_size=vocab)
 
 
 def recipe_file(name: str) -> Path:
     if name in REAL_RECIPES:
         settings = real_settings(name)
+    elif name in DEEP_CALIBRATION:
+        model, keys = DEEP_CALIBRATION[name]
+        settings = {"extends": str(ROOT / "recipes" / "smollm2-iso-dates.yaml"), "model.name_or_path": str(WORK / model),
+                    "data.path": str(ROOT / "recipes" / "data" / "iso-dates-train.jsonl"), "data.eval_path": None,
+                    "training.max_steps": STEPS, "logging.progress": "none", **keys}
     else:
         model, _, keys = {**RECIPES, **CALIBRATION}[name]
         settings = {"model.name_or_path": model, "data.path": "long.jsonl", "data.format": "alpaca",
@@ -190,8 +241,8 @@ def measure_rounds(names: list[str], rounds: int,
 
 
 def calibrate(rounds: int, only: list[str]) -> None:
-    """The heap retention ratio each calibration recipe implies: (median measured - plan without retention) /
-    the step's churn (one layer's forward allocations plus its saved tensors), as gpupoor.plan.terms defines it."""
+    """The dequantized-weight retention each 4-bit calibration recipe implies (CPU_DEQUANTIZED_RETENTION): (median
+    measured - the plan without that term) / one layer's linear weights in the compute dtype."""
     from gpupoor.plan.peak import plan_terms, uses_bitsandbytes
     from gpupoor.plan.settings import resolve_settings
     from gpupoor.plan.shape import load_shape
@@ -200,9 +251,8 @@ def calibrate(rounds: int, only: list[str]) -> None:
 
     steady = Steady()
     steady.warm_up()
-    names = [name for name in CALIBRATION if not only or name in only]
+    names = [name for name in CALIBRATION if "nf4" in name and (not only or name in only)]
     peaks, _ = measure_rounds(names, rounds, steady)
-    points: dict[str, list[tuple[float, float]]] = {"checkpointing": [], "none": []}
     ratios = []
     for name in names:
         measured = statistics.median(peaks[name])
@@ -211,51 +261,92 @@ def calibrate(rounds: int, only: list[str]) -> None:
         settings = resolve_settings(loaded.recipe, "cpu", shape)
         terms, _ = plan_terms(shape, settings, uses_bitsandbytes(loaded.recipe))
         _, churn, _ = activation_bytes(shape, settings)
-        dequantized = shape.layer_linear_params * settings.act_bytes if settings.bits else 0
-        without = sum(t.bytes for t in terms) - heap_retention(settings, churn, dequantized)
-        mode = "checkpointing" if settings.checkpointing else "none"
-        if dequantized:  # beyond the unquantized constant: in units of one layer's dequantized weights
-            base = heap_retention(settings, churn)
-            ratios.append((measured - without - base) / dequantized)
-            print(f"{name}: median measured {measured / 2**20:.0f} MiB, plan without the dequantized term "
-                  f"{(without + base) / 2**20:.0f} MiB, one layer dequantized {dequantized / 2**20:.0f} MiB -> "
-                  f"{ratios[-1]:.2f} x", flush=True)
-            continue
-        points[mode].append((churn / 2**20, (measured - without) / 2**20))
-        print(f"{name}: median measured {measured / 2**20:.0f} MiB, plan without retention {without / 2**20:.0f} MiB, "
-              f"one layer's forward allocations {churn / 2**20:.0f} MiB -> retained {(measured - without) / 2**20:.0f} MiB",
+        dequantized = shape.layer_linear_params * settings.act_bytes
+        without = sum(t.bytes for t in terms) - heap_retention(shape, settings, churn, dequantized) \
+            + heap_retention(shape, settings, churn)
+        ratios.append((measured - without) / dequantized)
+        print(f"{name}: median measured {measured / 2**20:.0f} MiB, plan without the dequantized term "
+              f"{without / 2**20:.0f} MiB, one layer dequantized {dequantized / 2**20:.0f} MiB -> {ratios[-1]:.2f} x",
               flush=True)
-    if ratios:
-        print(f"quantized: retained beyond the constant = {statistics.mean(ratios):.2f} x one layer's dequantized "
-              f"linear weights (mean of {len(ratios)})")
-    for mode, xy in points.items():  # least squares: retained = base + slope x allocations
-        if len(xy) < 2:
-            continue
-        slope = statistics.linear_regression([x for x, _ in xy], [y for _, y in xy])
-        print(f"{mode}: retained = {slope.intercept:.0f} MiB + {slope.slope:.2f} x one layer's forward allocations")
+    print(f"quantized: retained beyond the rest = {statistics.mean(ratios):.2f} x one layer's dequantized linear "
+          f"weights (mean of {len(ratios)})")
     print(steady.summary(), *steady.notes(), sep="\n")
 
 
-def real_accuracy(names: list[str], write: bool) -> None:
-    """The real model's rows: every recipe trained at once in its own process (one round, no probes), then
-    planned; the table goes to its own section."""
+def train_side_by_side(names: list[str], at_once: int) -> dict[str, list[float]]:
+    """Each recipe's peak after each step (MiB), `at_once` fresh `gpupoor train` processes at a time."""
     import os
 
-    runs = {}
+    peaks = {}
+    for start in range(0, len(names), at_once):
+        runs = {}
+        for name in names[start:start + at_once]:
+            run_dir = WORK / "runs" / name
+            shutil.rmtree(run_dir, ignore_errors=True)
+            runs[name] = subprocess.Popen([sys.executable, "-m", "gpupoor", "train", str(recipe_file(name)),
+                                           "--output-dir", str(run_dir)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True,
+                                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        for name, process in runs.items():
+            output, _ = process.communicate()
+            if process.returncode != 0:
+                raise SystemExit(f"gpupoor train {name} failed:\n{output[-3000:]}")
+            records = [json.loads(line) for line in (WORK / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+            peaks[name] = [r["peak_mem_mb"] for r in records if "peak_mem_mb" in r]
+    return peaks
+
+
+def recorded_peaks(names: list[str]) -> dict[str, list[float]]:
+    """The peaks after each step (MiB) of the runs already under WORK/runs (`--reuse`: nothing is trained)."""
+    peaks = {}
     for name in names:
-        run_dir = WORK / "runs" / name
-        shutil.rmtree(run_dir, ignore_errors=True)
-        runs[name] = subprocess.Popen([sys.executable, "-m", "gpupoor", "train", str(recipe_file(name)),
-                                       "--output-dir", str(run_dir)], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    rows = []
-    for name, process in runs.items():
-        output, _ = process.communicate()
-        if process.returncode != 0:
-            raise SystemExit(f"gpupoor train {name} failed:\n{output[-3000:]}")
         records = [json.loads(line) for line in (WORK / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-        steps = [r["peak_mem_mb"] for r in records if "peak_mem_mb" in r]
+        peaks[name] = [r["peak_mem_mb"] for r in records if "peak_mem_mb" in r]
+    return peaks
+
+
+def calibrate_retention(names: list[str], at_once: int, reuse: bool = False) -> None:
+    """What the heap keeps (CPU_HEAP_RETENTION), fitted on RETENTION_CALIBRATION: measured peak - the plan without
+    its retention term, against (layers that keep activations) x (one layer's allocations the heap serves), least
+    squares per mode. Each recipe once, `at_once` processes side by side (a peak is memory, not time)."""
+    from gpupoor.plan.peak import plan_terms, uses_bitsandbytes
+    from gpupoor.plan.settings import resolve_settings
+    from gpupoor.plan.shape import load_shape
+    from gpupoor.plan.terms import activation_bytes, heap_retention, heap_served_bytes, what_trains
+    from gpupoor.recipe.loading import load_recipe
+
+    build_fixtures()
+    build_deep_models()
+    peaks = recorded_peaks(names) if reuse else train_side_by_side(names, at_once)
+    points: dict[str, list[tuple[float, float]]] = {"checkpointing": [], "none": []}
+    for name in names:
+        measured = max(peaks[name]) * 2**20
+        loaded = load_recipe(recipe_file(name))
+        shape, _ = load_shape(loaded)
+        settings = resolve_settings(loaded.recipe, "cpu", shape)
+        terms, _ = plan_terms(shape, settings, uses_bitsandbytes(loaded.recipe))
+        _, churn, _ = activation_bytes(shape, settings)
+        training = what_trains(shape, settings)
+        layers = len(training.layers) - training.first_active_layer
+        served = layers * heap_served_bytes(shape, settings, churn) / 2**20
+        retained = (measured - sum(t.bytes for t in terms) + heap_retention(shape, settings, churn)) / 2**20
+        points["checkpointing" if settings.checkpointing else "none"].append((served, retained))
+        print(f"{name:30s} measured {measured / 2**20:6.0f} MiB (after each step {peaks[name]}): retained "
+              f"{retained:5.0f} MiB, {layers} layers x heap-served allocations = {served:6.0f} MiB", flush=True)
+    for mode, xy in points.items():
+        if len(xy) >= 2:
+            fit = statistics.linear_regression([x for x, _ in xy], [y for _, y in xy])
+            print(f"{mode}: retained = {fit.intercept:.0f} MiB + {fit.slope:.4f} x layers x heap-served allocations "
+                  f"({len(xy)} recipes)")
+
+
+def real_accuracy(names: list[str], write: bool, at_once: int, reuse: bool = False) -> None:
+    """The real model's rows: each recipe trained in its own fresh process, `at_once` side by side (one round, no
+    probes), then planned; the table goes to its own section."""
+    import os
+
+    rows = []
+    for name, steps in (recorded_peaks(names) if reuse else train_side_by_side(names, at_once)).items():
         predicted = predict(name)["peak_bytes"] / 2**20
         rows.append((name, predicted, max(steps), steps))
         print(f"{name:18s} predicted {predicted:6.0f} MiB  measured {max(steps):6.0f} MiB  "
@@ -264,7 +355,7 @@ def real_accuracy(names: list[str], write: bool) -> None:
         return
     lines = [f"Command: `python bench/plan_accuracy.py --real` ({platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} cores, torch CPU wheel; each recipe trains {STEPS} steps in a fresh process, the "
-             f"{len(names)} processes side by side, one round; measured = peak RSS of that `gpupoor train` process "
+             f"recipes {at_once} at a time side by side, one round; measured = peak RSS of that `gpupoor train` process "
              "as metrics.jsonl records it: imports, loading and training).", "",
              "| recipe | what changes from the demo's recipe | predicted MiB | measured MiB | error | "
              "peak after each step MiB |", "|---|---|---:|---:|---:|---|"]
@@ -283,10 +374,18 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--calibrate", action="store_true", help="measure the calibration recipes and print "
                         "the heap retention ratio they imply")
+    parser.add_argument("--calibrate-retention", action="store_true", help="measure RETENTION_CALIBRATION and "
+                        "print the fit of the heap's retention (CPU_HEAP_RETENTION) they imply")
+    parser.add_argument("--at-once", type=int, default=3, help="--calibrate-retention and --real: processes side by side")
+    parser.add_argument("--reuse", action="store_true", help="--calibrate-retention and --real: the peaks of the "
+                        "runs already in build/plan-bench/runs, nothing trained (a refit, or a replan after a change)")
     parser.add_argument("--real", action="store_true", help="the real model's recipes (REAL_RECIPES) instead")
     args = parser.parse_args()
+    if args.calibrate_retention:
+        calibrate_retention([n for n in args.only.split(",") if n] or RETENTION_CALIBRATION, args.at_once, args.reuse)
+        return
     if args.real:
-        real_accuracy([n for n in args.only.split(",") if n] or list(REAL_RECIPES), not args.no_write)
+        real_accuracy([n for n in args.only.split(",") if n] or list(REAL_RECIPES), not args.no_write, args.at_once, args.reuse)
         return
     names = [n for n in args.only.split(",") if n] or list(RECIPES)
     build_fixtures()

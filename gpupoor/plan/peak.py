@@ -51,7 +51,7 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
         terms.insert(1, Term("reference_weights", *reference_weight_bytes(shape, s)))
     if s.device == "cpu":
         baseline = CPU_PROCESS_BASELINE + (CPU_BITSANDBYTES_BASELINE if uses_bitsandbytes else 0)
-        kept = heap_retention(s, churn, shape.layer_linear_params * s.act_bytes if s.bits else 0)
+        kept = heap_retention(shape, s, churn, shape.layer_linear_params * s.act_bytes if s.bits else 0)
         terms.append(Term("overhead", baseline + kept,
                           f"process baseline {baseline / MiB:.0f} MiB (Python, torch, libraries); freed "
                           f"step memory the C heap keeps {kept / MiB:.0f} MiB"))

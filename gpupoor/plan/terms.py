@@ -21,15 +21,18 @@ from gpupoor.plan.shape import LINEARS, Shape
 from gpupoor.plan.training import LayerTraining
 from gpupoor.units import MiB
 
-# glibc keeps some freed tensors in its heap, so on the CPU the resident peak exceeds the live tensors. With
-# torch's huge-page-aligned allocations (THP_MEM_ALLOC_ENABLE=1, which the gpupoor command sets) and the heap
-# trimmed when it creeps up (gpupoor.train.heap) that is a roughly constant margin, not a multiple of
-# the activations (it was 0.98-1.15 x one layer's forward allocations with torch's default allocation): retained
-# MiB = base + slope x one layer's forward allocations, with and without gradient checkpointing, the slope fixed
-# at 0 (least squares gave -0.03 and -0.15: noise around a constant), the base the mean of three calibration
-# recipes each that are not in the accuracy table (`python bench/plan_accuracy.py --calibrate`,
-# docs/benchmarks.md). It varies from run to run by about 5-10% of the peak.
-CPU_HEAP_RETENTION = {"checkpointing": (63, 0.0), "none": (22, 0.0)}
+# glibc keeps some freed tensors in its heap, so on the CPU the resident peak exceeds the live tensors. It keeps
+# more the more layers a step runs through: each layer's forward and backward leave a few holes between the
+# tensors that outlive them (measured: 30 layers of SmolLM2-135M kept 170-490 MiB, 12 layers of the same width
+# 30-130 MiB, a 4-layer model a few tens). Only blocks under glibc's mmap threshold land in the heap at all: the
+# threshold rises to the largest block freed but never above 32 MiB on 64-bit, and a larger block is unmapped
+# when freed. So: retained MiB = base + slope x (layers that keep activations) x (one layer's forward and
+# saved allocations in tensors under 32 MiB, MiB), least squares per mode over 21 calibration recipes that are in
+# no accuracy table: random-weight models of 24 x 384, 12 x 576 and 16 x 768 with the real model's tokenizer and
+# the real demo's data (5 recipes each), and the six 4-layer fixture recipes (`python bench/plan_accuracy.py
+# --calibrate-deep`, docs/benchmarks.md). Runs vary by about 5-10% of the peak around it.
+CPU_HEAP_RETENTION = {"checkpointing": (2, 0.0436), "none": (-45, 0.0407)}
+GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB
 # A quantized base on the CPU: bitsandbytes dequantizes each weight for its matmul (forward, recomputation and
 # backward), and the heap keeps more of that churn within a step: this many times one layer's linear weights in
 # the compute dtype. Fitted like the constant above, on three 4-bit calibration recipes (h512 and h1024, with and
@@ -325,8 +328,23 @@ def loss_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
             "KL and gradient")
 
 
-def heap_retention(s: Settings, layer_allocations: int, dequantized_layer: int = 0) -> int:
-    """Bytes of freed step memory the C heap keeps (CPU), from one layer's forward allocations and, with a
-    quantized base, one layer's weights as bitsandbytes dequantizes them for each matmul."""
+def heap_served_bytes(shape: Shape, s: Settings, layer_allocations: int) -> int:
+    """The part of one layer's allocations (`activation_bytes`' churn) in blocks glibc serves from its heap (under
+    GLIBC_MMAP_THRESHOLD_MAX): the MLP's intermediate-width tensors (3 kept, 6 temporaries per token) and the
+    rest (hidden-, query- and key-width, the mask) each go by the size of their largest tensor."""
+    tokens = s.micro_batch * s.row_tokens
+    wide = 9 * shape.intermediate * s.act_bytes * tokens
+    narrow = layer_allocations - wide
+    served = narrow if tokens * max(shape.hidden, shape.q) * s.act_bytes <= GLIBC_MMAP_THRESHOLD_MAX else 0
+    return served + (wide if tokens * shape.intermediate * s.act_bytes <= GLIBC_MMAP_THRESHOLD_MAX else 0)
+
+
+def heap_retention(shape: Shape, s: Settings, layer_allocations: int, dequantized_layer: int = 0) -> int:
+    """Bytes of freed step memory the C heap keeps (CPU): from the layers that keep activations and one layer's
+    allocations that the heap serves, and, with a quantized base, one layer's weights as bitsandbytes dequantizes
+    them for each matmul."""
     base_mib, slope = CPU_HEAP_RETENTION["checkpointing" if s.checkpointing else "none"]
-    return max(0, int(base_mib * MiB + slope * layer_allocations + CPU_DEQUANTIZED_RETENTION * dequantized_layer))
+    training = what_trains(shape, s)
+    layers = len(training.layers) - training.first_active_layer
+    served = heap_served_bytes(shape, s, layer_allocations)
+    return max(0, int(base_mib * MiB + slope * layers * served + CPU_DEQUANTIZED_RETENTION * dequantized_layer))
