@@ -353,7 +353,9 @@ def real_accuracy(names: list[str], write: bool, at_once: int, reuse: bool = Fal
               f"error {predicted / max(steps) - 1:+.1%}  (after each step: {steps})", flush=True)
     if not write:
         return
-    lines = [f"Command: `python bench/plan_accuracy.py --real` ({platform.processor() or platform.machine()}, "
+    command = f"python bench/plan_accuracy.py --real --at-once {at_once}" + (" --reuse" if reuse else "")
+    reused = " (--reuse: the recipes' latest runs planned again, nothing trained)" if reuse else ""
+    lines = [f"Command: `{command}`{reused} ({platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} cores, torch CPU wheel; each recipe trains {STEPS} steps in a fresh process, the "
              f"recipes {at_once} at a time side by side, one round; measured = peak RSS of that `gpupoor train` process "
              "as metrics.jsonl records it: imports, loading and training).", "",

@@ -65,6 +65,9 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
         terms.append(Term("overhead", CUDA_CONTEXT + slack, f"CUDA context ~{CUDA_CONTEXT / MiB:.0f} MiB; "
                           f"caching-allocator slack {slack / MiB:.0f} MiB"))
     assumptions = [f"every micro-batch row is {s.row_tokens} tokens (data.max_length): the longest batch"]
+    if s.device == "cpu":  # docs/benchmarks.md, "On the real model": the real demo crept 19% over 10 steps
+        assumptions.append("the peak of the first steps: on the CPU the C heap may keep more as a run goes on, "
+                           "up to ~15% more over the first ten steps")
     if s.reference != "none":
         assumptions.append(f"DPO's reference ({s.reference}) runs its forward first, under no_grad: it keeps only "
                            "each sequence's log-probability, so it adds nothing at the peak")

@@ -20,7 +20,8 @@ from gpupoor.plan.peak import CPU_BITSANDBYTES_BASELINE
 from gpupoor.plan.render import render
 from gpupoor.plan.settings import Distribution, resolve_settings
 from gpupoor.plan.shape import LINEARS, Shape, load_shape
-from gpupoor.plan.terms import (activation_bytes, dora_weight_norm_bytes, layer_saved_bytes_per_token,
+from gpupoor.plan.terms import (GLIBC_MMAP_THRESHOLD_MAX, activation_bytes, dora_weight_norm_bytes,
+                                heap_retention, heap_served_bytes, layer_saved_bytes_per_token,
                                 saved_activation_bytes, trainable_params, weight_bytes)
 from gpupoor.cli import app
 from gpupoor.recipe.loading import LoadedRecipe, load_recipe
@@ -431,6 +432,27 @@ def test_layers_below_last_layers_keep_no_activations(method, precision):
     else:
         assert last_saved == pytest.approx(all_saved / 2, rel=0.06)
         assert measured[1] == pytest.approx(measured[None] / 2, rel=0.06)
+
+
+def test_cpu_heap_retention_grows_with_the_layers_that_keep_activations_and_not_with_mmapped_blocks():
+    """The heap keeps a share of each layer's allocations for every layer a step runs through (30 layers of the
+    real model kept several times what 12 did), and nothing of blocks over glibc's mmap ceiling."""
+    def retention(layers, seq=128, batch=8, **peft):
+        shape, settings = tiny_settings(layers=layers, seq=seq, batch=batch, **peft)
+        churn = activation_bytes(shape, settings)[1]
+        return heap_retention(shape, settings, churn), heap_served_bytes(shape, settings, churn), churn
+
+    shallow, _, churn = retention(12, seq=2048)
+    deep, served, _ = retention(30, seq=2048)
+    assert served == churn  # LLAMA's widths at 8 x 2048 tokens: every tensor is far under 32 MiB
+    assert deep > shallow > 0
+    assert deep - shallow == pytest.approx(retention(24, seq=2048)[0] - retention(6, seq=2048)[0], rel=1e-3)
+    assert retention(30, seq=2048, last_layers=6)[0] == pytest.approx(retention(6, seq=2048)[0], rel=1e-6)
+    # at 8 x 8192 tokens the intermediate-width tensors (8192 x 8 x 176 x 4 bytes) pass 32 MiB: not served
+    tokens = 8 * 8192
+    assert tokens * LLAMA["intermediate"] * 4 > GLIBC_MMAP_THRESHOLD_MAX >= tokens * LLAMA["hidden"] * 4
+    _, served_long, churn_long = retention(30, seq=8192)
+    assert served_long == pytest.approx(churn_long - 9 * LLAMA["intermediate"] * 4 * tokens, rel=1e-9)
 
 
 def test_checkpointed_frozen_layers_keep_not_even_their_input():
