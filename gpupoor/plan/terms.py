@@ -30,7 +30,7 @@ from gpupoor.units import MiB
 # saved allocations in tensors under 32 MiB, MiB), least squares per mode over 21 calibration recipes that are in
 # no accuracy table: random-weight models of 24 x 384, 12 x 576 and 16 x 768 with the real model's tokenizer and
 # the real demo's data (5 recipes each), and the six 4-layer fixture recipes (`python bench/plan_accuracy.py
-# --calibrate-deep`, docs/benchmarks.md). Runs vary by about 5-10% of the peak around it.
+# --calibrate-retention`, docs/benchmarks.md). Runs vary by about 5-10% of the peak around it.
 CPU_HEAP_RETENTION = {"checkpointing": (2, 0.0436), "none": (-45, 0.0407)}
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB
 # A quantized base on the CPU: bitsandbytes dequantizes each weight for its matmul (forward, recomputation and
