@@ -10,11 +10,11 @@ repeated like everywhere else, and each row shows its probes.
 
     python bench/plan_accuracy.py [--only NAME,...] [--rounds 3] [--no-write] [--calibrate]
     python bench/plan_accuracy.py --calibrate-retention [--only NAME,...] [--at-once 3]
-    python bench/plan_accuracy.py --real [--only NAME,...] [--no-write]
+    python bench/plan_accuracy.py --real [--only NAME,...] [--no-write] [--at-once 3] [--reuse]
 
 About 10 minutes for the 8 recipes x 3 rounds on a 2-core machine (the first run also builds the models).
 `--real` plans and trains the real model instead (SmolLM2-135M-Instruct, `make fetch-real`; the demo's ISO-dates
-rows): one round, its recipes all at once, no probes. A peak is memory, not time, so runs side by side measure
+rows): one round, its recipes `--at-once` at a time (3), no probes. A peak is memory, not time, so runs side by side measure
 what they would alone, and one at a time they would take most of an hour on 2 cores (the GGUF alone loads in
 half a minute). Its own section of docs/benchmarks.md.
 """
@@ -212,8 +212,13 @@ def measure(name: str) -> float:
     out = gpupoor("train", str(recipe), "--output-dir", str(run_dir))
     if out.returncode != 0:
         raise SystemExit(f"gpupoor train {recipe} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return max(r["peak_mem_mb"] for r in records if "peak_mem_mb" in r) * 2**20
+    return max(step_peaks(name)) * 2**20
+
+
+def step_peaks(name: str) -> list[float]:
+    """The peak RSS after each step (MiB) of the recipe's run under WORK/runs, as its metrics.jsonl records it."""
+    records = [json.loads(line) for line in (WORK / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["peak_mem_mb"] for r in records if "peak_mem_mb" in r]
 
 
 def predict(name: str) -> dict:
@@ -240,14 +245,25 @@ def measure_rounds(names: list[str], rounds: int,
     return peaks, probes
 
 
-def calibrate(rounds: int, only: list[str]) -> None:
-    """The dequantized-weight retention each 4-bit calibration recipe implies (CPU_DEQUANTIZED_RETENTION): (median
-    measured - the plan without that term) / one layer's linear weights in the compute dtype."""
+def planned(name: str):
+    """(shape, settings, plan terms, one layer's allocations) of a recipe on the CPU, as `gpupoor plan` computes them."""
     from gpupoor.plan.peak import plan_terms, uses_bitsandbytes
     from gpupoor.plan.settings import resolve_settings
     from gpupoor.plan.shape import load_shape
-    from gpupoor.plan.terms import activation_bytes, heap_retention
+    from gpupoor.plan.terms import activation_bytes
     from gpupoor.recipe.loading import load_recipe
+
+    loaded = load_recipe(recipe_file(name))
+    shape, _ = load_shape(loaded)
+    settings = resolve_settings(loaded.recipe, "cpu", shape)
+    terms, _ = plan_terms(shape, settings, uses_bitsandbytes(loaded.recipe))
+    return shape, settings, terms, activation_bytes(shape, settings)[1]
+
+
+def calibrate(rounds: int, only: list[str]) -> None:
+    """The dequantized-weight retention each 4-bit calibration recipe implies (CPU_DEQUANTIZED_RETENTION): (median
+    measured - the plan without that term) / one layer's linear weights in the compute dtype."""
+    from gpupoor.plan.terms import heap_retention
 
     steady = Steady()
     steady.warm_up()
@@ -256,11 +272,7 @@ def calibrate(rounds: int, only: list[str]) -> None:
     ratios = []
     for name in names:
         measured = statistics.median(peaks[name])
-        loaded = load_recipe(recipe_file(name))
-        shape, _ = load_shape(loaded)
-        settings = resolve_settings(loaded.recipe, "cpu", shape)
-        terms, _ = plan_terms(shape, settings, uses_bitsandbytes(loaded.recipe))
-        _, churn, _ = activation_bytes(shape, settings)
+        shape, settings, terms, churn = planned(name)
         dequantized = shape.layer_linear_params * settings.act_bytes
         without = sum(t.bytes for t in terms) - heap_retention(shape, settings, churn, dequantized) \
             + heap_retention(shape, settings, churn)
@@ -291,29 +303,20 @@ def train_side_by_side(names: list[str], at_once: int) -> dict[str, list[float]]
             output, _ = process.communicate()
             if process.returncode != 0:
                 raise SystemExit(f"gpupoor train {name} failed:\n{output[-3000:]}")
-            records = [json.loads(line) for line in (WORK / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-            peaks[name] = [r["peak_mem_mb"] for r in records if "peak_mem_mb" in r]
+            peaks[name] = step_peaks(name)
     return peaks
 
 
 def recorded_peaks(names: list[str]) -> dict[str, list[float]]:
     """The peaks after each step (MiB) of the runs already under WORK/runs (`--reuse`: nothing is trained)."""
-    peaks = {}
-    for name in names:
-        records = [json.loads(line) for line in (WORK / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-        peaks[name] = [r["peak_mem_mb"] for r in records if "peak_mem_mb" in r]
-    return peaks
+    return {name: step_peaks(name) for name in names}
 
 
 def calibrate_retention(names: list[str], at_once: int, reuse: bool = False) -> None:
     """What the heap keeps (CPU_HEAP_RETENTION), fitted on RETENTION_CALIBRATION: measured peak - the plan without
     its retention term, against (layers that keep activations) x (one layer's allocations the heap serves), least
     squares per mode. Each recipe once, `at_once` processes side by side (a peak is memory, not time)."""
-    from gpupoor.plan.peak import plan_terms, uses_bitsandbytes
-    from gpupoor.plan.settings import resolve_settings
-    from gpupoor.plan.shape import load_shape
-    from gpupoor.plan.terms import activation_bytes, heap_retention, heap_served_bytes, what_trains
-    from gpupoor.recipe.loading import load_recipe
+    from gpupoor.plan.terms import heap_retention, heap_served_bytes, layers_keeping_activations
 
     build_fixtures()
     build_deep_models()
@@ -321,13 +324,8 @@ def calibrate_retention(names: list[str], at_once: int, reuse: bool = False) -> 
     points: dict[str, list[tuple[float, float]]] = {"checkpointing": [], "none": []}
     for name in names:
         measured = max(peaks[name]) * 2**20
-        loaded = load_recipe(recipe_file(name))
-        shape, _ = load_shape(loaded)
-        settings = resolve_settings(loaded.recipe, "cpu", shape)
-        terms, _ = plan_terms(shape, settings, uses_bitsandbytes(loaded.recipe))
-        _, churn, _ = activation_bytes(shape, settings)
-        training = what_trains(shape, settings)
-        layers = len(training.layers) - training.first_active_layer
+        shape, settings, terms, churn = planned(name)
+        layers = layers_keeping_activations(shape, settings)
         served = layers * heap_served_bytes(shape, settings, churn) / 2**20
         retained = (measured - sum(t.bytes for t in terms) + heap_retention(shape, settings, churn)) / 2**20
         points["checkpointing" if settings.checkpointing else "none"].append((served, retained))
@@ -374,8 +372,8 @@ def main() -> None:
     parser.add_argument("--only", default="")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--calibrate", action="store_true", help="measure the calibration recipes and print "
-                        "the heap retention ratio they imply")
+    parser.add_argument("--calibrate", action="store_true", help="measure the 4-bit calibration recipes and "
+                        "print the dequantized-weight retention (CPU_DEQUANTIZED_RETENTION) they imply")
     parser.add_argument("--calibrate-retention", action="store_true", help="measure RETENTION_CALIBRATION and "
                         "print the fit of the heap's retention (CPU_HEAP_RETENTION) they imply")
     parser.add_argument("--at-once", type=int, default=3, help="--calibrate-retention and --real: processes side by side")

@@ -339,12 +339,16 @@ def heap_served_bytes(shape: Shape, s: Settings, layer_allocations: int) -> int:
     return served + (wide if tokens * shape.intermediate * s.act_bytes <= GLIBC_MMAP_THRESHOLD_MAX else 0)
 
 
+def layers_keeping_activations(shape: Shape, s: Settings) -> int:
+    """The layers a step's backward runs through: from the first that trains (none below it keeps anything)."""
+    training = what_trains(shape, s)
+    return len(training.layers) - training.first_active_layer
+
+
 def heap_retention(shape: Shape, s: Settings, layer_allocations: int, dequantized_layer: int = 0) -> int:
     """Bytes of freed step memory the C heap keeps (CPU): from the layers that keep activations and one layer's
     allocations that the heap serves, and, with a quantized base, one layer's weights as bitsandbytes dequantizes
     them for each matmul."""
     base_mib, slope = CPU_HEAP_RETENTION["checkpointing" if s.checkpointing else "none"]
-    training = what_trains(shape, s)
-    layers = len(training.layers) - training.first_active_layer
     served = heap_served_bytes(shape, s, layer_allocations)
-    return max(0, int(base_mib * MiB + slope * layers * served + CPU_DEQUANTIZED_RETENTION * dequantized_layer))
+    return max(0, int(base_mib * MiB + slope * layers_keeping_activations(shape, s) * served + CPU_DEQUANTIZED_RETENTION * dequantized_layer))
