@@ -173,6 +173,34 @@ def choose_fused_loss(enabled: bool, postprocessing: str | None, head_adapted: b
     return True, "output head fused with the loss"
 
 
+# Families the fused decoder paths (gpupoor.model.fast_paths) are tested on: tests/unit/test_fused_layers.py.
+FUSED_FAMILIES = ("llama", "qwen2", "mistral", "gemma")
+
+
+@dataclass(frozen=True)
+class FusedPaths:
+    """Which fused decoder paths a run takes (model.fused_layers), as training installs them and the plan counts
+    them: the gated MLP as one function (plain LoRA on a dense fp32 base, or none), attention per packed example
+    (sdpa)."""
+
+    mlp: bool
+    attention: bool
+    reason: str
+
+
+def choose_fused_paths(enabled: bool, family: str | None, method: str, dropout: float, bits: int | None,
+                       precision: str, attention: str) -> FusedPaths:
+    if not enabled:
+        return FusedPaths(False, False, "model.fused_layers: false")
+    if family not in FUSED_FAMILIES:
+        return FusedPaths(False, False, f"{family} is not one of {', '.join(FUSED_FAMILIES)}, where they are tested")
+    why_not_mlp = ("" if method == "lora" and not dropout and bits is None and precision == "fp32" else
+                   f"peft.method {method}" if method != "lora" else "peft.dropout > 0" if dropout else
+                   "a quantized base" if bits is not None else f"{precision} weights under fp32 adapters")
+    return FusedPaths(not why_not_mlp, attention == "sdpa",
+                      why_not_mlp and f"the MLP runs as loaded ({why_not_mlp})")
+
+
 def loss_chunk_tokens(vocab: int) -> int:
     """Target tokens whose logits the fused loss computes at once."""
     return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpupoor.decisions import (choose_attention, choose_fused_loss, choose_precision, choose_reference, choose_sampler,
-                               choose_strategy)
+from gpupoor.decisions import (FusedPaths, choose_attention, choose_fused_loss, choose_fused_paths, choose_precision,
+                               choose_reference, choose_sampler, choose_strategy)
 from gpupoor.plan.device import GpuFacts
 from gpupoor.plan.shape import LINEARS, Shape
 from gpupoor.plan.training import LayerTraining, Training, resolve_training
@@ -66,6 +66,21 @@ class Settings:
     reference: str = "none"  # DPO's reference (gpupoor.decisions.choose_reference): none | adapter_off | copy
     reference_bits: int | None = None  # preference.reference_bits
     gpu_major: int | None = None  # the CUDA compute capability's major version; None: no GPU visible here
+    # model.fused_layers as training installs it (gpupoor.decisions.choose_fused_paths); None: the plain modules
+    fused_paths: FusedPaths | None = None
+
+    @property
+    def fused_mlp(self) -> bool:
+        return self.fused_paths is not None and self.fused_paths.mlp
+
+    @property
+    def attention_per_example(self) -> bool:
+        return self.fused_paths is not None and self.fused_paths.attention
+
+    @property
+    def packed_attention(self) -> bool:
+        """Packed rows attended per example: no block-diagonal mask."""
+        return self.attention_per_example and self.sampler == "packed"
 
     @property
     def half(self) -> bool:
@@ -128,7 +143,10 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                     teacher_bits=recipe.distill.bits if recipe.distill is not None else None,
                     distribution=distribution, reference=reference,
                     reference_bits=recipe.preference.reference_bits if reference == "copy" else None,
-                    gpu_major=gpu.major)
+                    gpu_major=gpu.major,
+                    fused_paths=choose_fused_paths(recipe.model.fused_layers, shape.model_type, recipe.peft.method,
+                                                   recipe.peft.dropout, recipe.quantization.bits, precision,
+                                                   attention))
 
 
 def what_trains(shape: Shape, s: Settings) -> Training:

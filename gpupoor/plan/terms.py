@@ -147,6 +147,10 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
             total += sum(lora_inputs.values()) * b
         for members, _ in INPUT_GROUPS:
             users = [n for n in members if (n in lora and not s.dropout) or n in layer.weights or n in feedforward]
+            if s.fused_mlp and "gate_proj" in members:
+                users = members  # the fused MLP keeps its input for backward, adapters or not
+            elif s.fused_mlp and "down_proj" in members:
+                users = []  # ... and recomputes the product down_proj reads
             total += min(len(users), 1) * shape.linear(members[0])[0] * b
     total += len(layer.norms) * h * s.residual_bytes  # a trained norm weight's gradient needs its normalized input
     if s.dropout:  # the dropout mask: bool on CUDA, the scaled noise in the input's dtype on the CPU
@@ -155,6 +159,13 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
     if method == "dora":  # the base and LoRA outputs, for the magnitude's gradient
         total += 2 * sum(shape.linear(name)[1] for name in lora) * b
     total += sum(shape.linear(name)[1] for name in out_scaled) * b  # IA3: the unscaled output, for the scale's gradient
+    if s.attention_per_example:
+        # gpupoor.model.packed_attention keeps rotated q, k and v, recomputes the rest, and leaves the output to
+        # o_proj, which keeps it where its own backward needs it (an adapted or trained o_proj; under autocast
+        # an adapter keeps its own cast copy, counted with the adapters' inputs).
+        keeps_output = "o_proj" in layer.weights or (not half and (("o_proj" in lora and not s.dropout)
+                                                                    or "o_proj" in feedforward))
+        return total + ((2 if keeps_output else 1) * q + 2 * kv) * b + _mlp_saved(shape, s)
     # attention: rotated q, k and v, and the output (kept by SDPA/flash for its backward; o_proj's input)
     total += (2 * q + 2 * kv) * b
     if s.attention == "eager":
@@ -164,8 +175,12 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
         total += heads * 4  # log-sum-exp per head
     if masked and s.attention != "flash_attention_2":
         total += row_tokens * (4 if s.device == "cpu" else b)  # the mask as an additive float bias, per layer
-    total += 3 * i * b  # gate, up, act(gate)
-    return total
+    return total + _mlp_saved(shape, s)
+
+
+def _mlp_saved(shape: Shape, s: Settings) -> float:
+    """The gated MLP's own: gate, up and act(gate); the fused MLP recomputes act(gate)."""
+    return (2 if s.fused_mlp else 3) * shape.intermediate * s.act_bytes
 
 
 def layer_transient_bytes_per_token(shape: Shape, s: Settings) -> float:
@@ -222,7 +237,7 @@ def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
     # Packed rows carry a block-diagonal mask. A random batch may pad a short example to a long one: a padding
     # mask. Length-grouped batches put the longest examples together: the longest batch has no padding.
     # flash-attn 2 needs neither.
-    masked = s.attention != "flash_attention_2" and (
+    masked = s.attention != "flash_attention_2" and not s.packed_attention and (
         s.sampler == "packed" or (s.sampler == "random" and s.micro_batch > 1))
     saved, per_layer, active, frozen = saved_activation_bytes(shape, s, masked)
     # Layers below the first trained one get no gradient: backward never reaches them, they keep nothing.

@@ -2,6 +2,7 @@
 are generated from these descriptions), with the checks of a single key. The rules across keys are
 gpupoor.recipe.rules (each section calls them once validated); reading a recipe file is gpupoor.recipe.loading.
 Facts about a key are marked on its field (RESUME_SAFE, ADDED). Imports no torch: `validate` and `--help` stay fast.
+It is longer than 600 lines because every key's documentation lives on its field, by design: one place, generated.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ class ModelSection(_Section):
         description="Attention backend. `auto` picks flash_attention_2 when flash-attn imports and the GPU "
         "supports it (compute capability >= 8), else sdpa. The startup summary says what was chosen and why.",
     )
+    fused_layers: bool = Field(True, description="On llama, qwen2, mistral and gemma: LoRA linears and the gated MLP "
+        "as single autograd functions (the MLP keeps 2 intermediate-wide tensors per token fewer and recomputes its "
+        "activation) and sdpa attention per packed example (cost sum of len^2, not max_length^2); losses and "
+        "gradients equal the plain modules' to rounding. Other families, DoRA, IA3, `full`, dropout > 0, quantized "
+        "or non-fp32 bases run the plain modules (the startup summary says which). `false`: plain everywhere.",
+        **ADDED(False))
 
     @model_validator(mode="after")
     def _rules(self) -> "ModelSection":

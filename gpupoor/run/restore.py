@@ -20,7 +20,16 @@ def check_checkpoint_matches(session: Session, checkpoint) -> None:
         raise UserError("the training data (or tokenizer, format or max_length) is not what this run was "
                         f"trained on: its fingerprint changed since checkpoint {checkpoint.path.name}",
                         hint="restore the original data, or pass --force to continue on the new data")
-    if checkpoint.manifest.get("recipe_hash") not in (None, trajectory_hash(session.recipe)):
+    recorded = checkpoint.manifest.get("recipe_hash")
+    if recorded not in (None, trajectory_hash(session.recipe)) and session.recipe.model.fused_layers:
+        unfused = session.recipe.model_copy(update={"model": session.recipe.model.model_copy(
+            update={"fused_layers": False})})
+        if recorded == trajectory_hash(unfused):
+            raise UserError(f"checkpoint {checkpoint.path.name} was written with the plain decoder modules (by a "
+                            "gpupoor before model.fused_layers, or with it off); the fused layers round differently",
+                            hint="resume with --set model.fused_layers=false to continue it exactly, or pass --force "
+                            "to continue with the fused layers")
+    if recorded not in (None, trajectory_hash(session.recipe)):
         raise UserError(f"run_dir/recipe.yaml no longer describes the run that wrote {checkpoint.path.name} "
                         "(its trajectory settings were edited)",
                         hint="restore them, or pass --force to continue with the edited recipe")

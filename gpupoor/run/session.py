@@ -205,6 +205,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     from gpupoor.decisions import choose_strategy, launch_layout
     from gpupoor.hardware import resolve_attention, resolve_device, resolve_precision, resolve_sampler
     from gpupoor.model.build import build_model, summarize
+    from gpupoor.model.fast_paths import apply_fast_paths
     from gpupoor.model.load import load_tokenizer, model_location
     from gpupoor.train.optim import build_optimizer, warmup_steps
     from gpupoor.quiet import quiet_libraries
@@ -237,6 +238,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     model = build_model(location, recipe.model, recipe.peft, quant=recipe.quantization, memory=recipe.memory,
                         precision=precision.value, attention=attention.value, device=str(accelerator.device),
                         seed=recipe.seed, smoke=smoke, resuming=resuming)
+    fused = apply_fast_paths(model, recipe.model.fused_layers)
     summary = summarize(model)
     built_on = {"precision": precision.value, "attention": attention.value, "device": str(accelerator.device),
                 "smoke": smoke}
@@ -258,7 +260,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
         prepared_model, optimizer = accelerator.prepare(model, raw_optimizer)  # DDP-wrapped with several processes
     clock.mark("optimizer")
     choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler,
-               "strategy": strategy}
+               "strategy": strategy, "fused": fused}
     return Session(recipe=recipe, run_dir=run_dir, smoke=smoke, accelerator=accelerator, choices=choices,
                    tokenizer=tokenizer, data=data, model=prepared_model,
                    unwrapped=accelerator.unwrap_model(prepared_model), raw_optimizer=raw_optimizer,

@@ -36,6 +36,8 @@ def print_summary(session: Session, *, say, checkpoint, loss_path: str) -> None:
                      "offload": "on, layer inputs offloaded to CPU" if session.device == "cuda"
                      else "on (offload has no effect on a CPU)"}[recipe.memory.gradient_checkpointing]
     say(f"  loss: {loss_path}; gradient checkpointing: {checkpointing}")
+    fused = choices["fused"]
+    say(f"  fused layers: {fused.value} ({fused.reason})")
     peft = recipe.peft
     scope = [f"the last {peft.last_layers} decoder layers" if peft.last_layers else
              ("" if peft.method == "full" and peft.modules_to_save else "every decoder layer")] + peft.modules_to_save

@@ -45,10 +45,12 @@ class _Saved:
 
 
 def tiny_llama_with(method="lora", layers=2, rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
-                    autocast_bf16=False, checkpointing=False, last_layers=None, modules_to_save=()):
+                    autocast_bf16=False, checkpointing=False, last_layers=None, modules_to_save=(), fused=True):
     """A random-weight Llama of LLAMA's dimensions with `method` applied the way peft and transformers do it:
     LoRA/DoRA/IA3 through peft (on the last `last_layers` layers), full by requires_grad on the chosen
-    parameters; trainable tensors in fp32 and input grads off, as gpupoor trains. Returns (model, decoder)."""
+    parameters; trainable tensors in fp32 and input grads off, as gpupoor trains; the fused layers installed
+    unless not `fused` (model.fused_layers). Returns (model, decoder)."""
+    from gpupoor.model.fast_paths import apply_fast_paths
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -69,6 +71,7 @@ def tiny_llama_with(method="lora", layers=2, rank=8, dropout=0.0, attention="sdp
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.float()
+    apply_fast_paths(model, fused)
     model.train()
     return model, causal_lm.model
 
@@ -126,12 +129,14 @@ def saved_bytes_of_forward(model, decoder, batch=2, seq=64, autocast_bf16=False)
 
 
 def saved_bytes_of_one_layer(rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
-                             batch=2, seq=64, autocast_bf16=False, checkpointing=False, method="lora") -> float:
+                             batch=2, seq=64, autocast_bf16=False, checkpointing=False, method="lora",
+                             fused=True) -> float:
     """What autograd keeps for one decoder layer: the saved tensors of a 2-layer model minus a 1-layer one."""
     totals = []
     for layers in (1, 2):
         model, decoder = tiny_llama_with(method, layers, rank=rank, dropout=dropout, attention=attention,
-                                         targets=targets, autocast_bf16=autocast_bf16, checkpointing=checkpointing)
+                                         targets=targets, autocast_bf16=autocast_bf16, checkpointing=checkpointing,
+                                         fused=fused)
         totals.append(saved_bytes_of_forward(model, decoder, batch, seq, autocast_bf16))
     return totals[1] - totals[0]
 
@@ -141,11 +146,12 @@ def tiny_shape(layers=2) -> Shape:
                           LLAMA["kv_heads"], LLAMA["hidden"] // LLAMA["heads"], 300, False, False)
 
 
-def tiny_settings(layers=2, seq=64, batch=2, precision="fp32", attention="sdpa", checkpointing=False, **peft):
+def tiny_settings(layers=2, seq=64, batch=2, precision="fp32", attention="sdpa", checkpointing=False, fused=True,
+                  **peft):
     """The plan's settings for a recipe on the LLAMA shape; length-grouped batches carry no mask, like the
     measured forwards."""
     shape = tiny_shape(layers)
-    recipe = Recipe.model_validate({"model": {"name_or_path": "x", "attention": attention},
+    recipe = Recipe.model_validate({"model": {"name_or_path": "x", "attention": attention, "fused_layers": fused},
                                     "data": {"path": "x.jsonl", "max_length": seq, "sampler": "length_grouped"},
                                     "peft": peft,
                                     "precision": precision, "training": {"micro_batch_size": batch},
@@ -154,26 +160,29 @@ def tiny_settings(layers=2, seq=64, batch=2, precision="fp32", attention="sdpa",
 
 
 def planned_layer_bytes(rank=8, dropout=0.0, attention="sdpa", targets=LINEARS, batch=2, seq=64,
-                        precision="fp32") -> float:
+                        precision="fp32", fused=True) -> float:
     shape, settings = tiny_settings(seq=seq, batch=batch, precision=precision, attention=attention, rank=rank,
-                                    dropout=dropout, target_modules=list(targets))
+                                    dropout=dropout, target_modules=list(targets), fused=fused)
     return layer_saved_bytes_per_token(shape, settings, seq, masked=False) * batch * seq
 
 
 @pytest.mark.parametrize("case", [
     {}, {"rank": 32}, {"dropout": 0.1}, {"attention": "eager"}, {"targets": ("q_proj", "v_proj")},
-    {"seq": 200, "batch": 1},
+    {"seq": 200, "batch": 1}, {"fused": False}, {"fused": False, "targets": ("q_proj", "v_proj")},
 ])
 def test_activation_term_equals_what_autograd_saves(case):
+    """The fused layers (model.fused_layers, on unless `fused` is False) and the plain modules, each planned as
+    autograd keeps them."""
     targets = case.get("targets", "all-linear")
     measured = saved_bytes_of_one_layer(rank=case.get("rank", 8), dropout=case.get("dropout", 0.0),
                                         attention=case.get("attention", "sdpa"),
                                         targets=list(targets) if targets != "all-linear" else targets,
-                                        batch=case.get("batch", 2), seq=case.get("seq", 64))
+                                        batch=case.get("batch", 2), seq=case.get("seq", 64),
+                                        fused=case.get("fused", True))
     planned = planned_layer_bytes(rank=case.get("rank", 8), dropout=case.get("dropout", 0.0),
                                   attention=case.get("attention", "sdpa"),
                                   targets=case.get("targets", LINEARS),
-                                  batch=case.get("batch", 2), seq=case.get("seq", 64))
+                                  batch=case.get("batch", 2), seq=case.get("seq", 64), fused=case.get("fused", True))
     assert planned == pytest.approx(measured, rel=0.02), (planned, measured)
 
 
