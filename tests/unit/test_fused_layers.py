@@ -1,0 +1,197 @@
+"""model.fused_layers: the fused LoRA linears, gated MLP and per-example attention give the plain transformers +
+peft model's loss and gradients (float64, so any x86 BLAS agrees to ~1e-12), hand over to the plain modules
+wherever their arithmetic is not plain LoRA on a frozen dense base, and keep fewer activations."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+
+from gpupoor.decisions import FUSED_FAMILIES
+from gpupoor.model.fast_paths import apply_fast_paths
+from gpupoor.model.packed_attention import segment_lengths
+
+VOCAB = 101
+
+
+def tiny_family(family: str, dtype=torch.float64, layers: int = 2, **extra):
+    """A random-weight model of `family` (hidden 32, intermediate 64, GQA 4/2) in `dtype`."""
+    import transformers
+
+    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "gemma": "Gemma"}
+    config_class = getattr(transformers, f"{names[family]}Config")
+    model_class = getattr(transformers, f"{names[family]}ForCausalLM")
+    config = config_class(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=128,
+                          use_cache=False, **extra)
+    torch.manual_seed(0)
+    return model_class._from_config(config, attn_implementation="sdpa", dtype=dtype)
+
+
+def with_lora(model, **options):
+    from peft import LoraConfig, get_peft_model
+
+    # init_lora_weights=False: B random too, so the adapters change the output and get gradients of every kind.
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=options.pop("target_modules", "all-linear"),
+                        init_lora_weights=False, **options)
+    return get_peft_model(model, config)
+
+
+def packed_batch(rows=2, length=24):
+    """Two packed rows: examples of 10, 9 and 5 tokens, and of 20 and a 4-token filler."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (rows, length))
+    positions = torch.stack([torch.cat([torch.arange(10), torch.arange(9), torch.arange(5)]),
+                             torch.cat([torch.arange(20), torch.arange(4)])])
+    labels = ids.clone()
+    labels[:, 0] = -100
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def loss_and_grads(model, batch):
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same(plain, fused, rel=1e-10):
+    (plain_loss, plain_grads), (fused_loss, fused_grads) = plain, fused
+    assert torch.allclose(fused_loss, plain_loss, rtol=rel, atol=0), (fused_loss, plain_loss)
+    assert plain_grads.keys() == fused_grads.keys()
+    for name, grad in plain_grads.items():
+        error = (fused_grads[name] - grad).norm() / grad.norm()
+        assert error < rel, (name, error.item())
+
+
+@pytest.mark.parametrize("family", FUSED_FAMILIES)
+def test_fused_layers_give_the_plain_models_loss_and_gradients_on_packed_rows(family):
+    plain = with_lora(tiny_family(family))
+    fused = copy.deepcopy(plain)
+    choice = apply_fast_paths(fused, True)
+    assert choice.value == "on" and "gated MLP x2" in choice.reason and "per packed example" in choice.reason
+    batch = packed_batch()
+    assert_same(loss_and_grads(plain, batch), loss_and_grads(fused, batch))
+
+
+def test_attention_crosses_no_example_in_a_packed_row():
+    """Changing the tokens of the second example leaves the first example's logits untouched, and the fused
+    attention agrees with transformers' block-diagonal mask for the whole row."""
+    model = with_lora(tiny_family("llama"))
+    apply_fast_paths(model, True)
+    batch = packed_batch()
+    changed = {**batch, "input_ids": batch["input_ids"].clone()}
+    changed["input_ids"][0, 10:19] = (changed["input_ids"][0, 10:19] + 1) % VOCAB
+    with torch.no_grad():
+        before, after = model(**batch).logits, model(**changed).logits
+    assert torch.equal(before[0, :10], after[0, :10])
+    assert not torch.allclose(before[0, 10:19], after[0, 10:19])
+
+
+def test_padded_batches_and_generation_run_transformers_own_attention():
+    """A batch with an attention mask (padding) and a cached generation give what the plain model gives."""
+    plain = with_lora(tiny_family("qwen2"))
+    fused = copy.deepcopy(plain)
+    apply_fast_paths(fused, True)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    with torch.no_grad():
+        assert torch.allclose(fused(input_ids=ids, attention_mask=mask).logits,
+                              plain(input_ids=ids, attention_mask=mask).logits, rtol=1e-10, atol=1e-12)
+    for model in (plain, fused):
+        model.config.use_cache = True
+        model.get_base_model().config.use_cache = True
+    prompt = ids[:1, :6]
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(fused.generate(input_ids=prompt, **kwargs), plain.generate(input_ids=prompt, **kwargs))
+
+
+@pytest.mark.parametrize("variant", ["dropout", "dora", "qv_only", "adapter_disabled", "full"])
+def test_each_fused_module_hands_over_where_its_arithmetic_differs(variant):
+    """LoRA dropout, DoRA and a disabled adapter (DPO's reference pass) run peft's own forward; LoRA on q and v
+    only leaves the MLP's linears frozen and plain (fused still); `full` trains the base weights (plain)."""
+    base = tiny_family("llama")
+    if variant == "full":
+        plain = base
+    else:
+        options = {"dropout": {"lora_dropout": 0.1}, "dora": {"use_dora": True},
+                   "qv_only": {"target_modules": ["q_proj", "v_proj"]}}.get(variant, {})
+        plain = with_lora(base, **options)
+    fused = copy.deepcopy(plain)
+    apply_fast_paths(fused, True)
+    batch = packed_batch()
+    if variant == "adapter_disabled":
+        with torch.no_grad(), plain.disable_adapter(), fused.disable_adapter():
+            assert torch.allclose(fused(**batch).logits, plain(**batch).logits, rtol=1e-10, atol=1e-12)
+        return
+    if variant == "dropout":  # the same dropout masks on both sides
+        torch.manual_seed(3)
+        plain_result = loss_and_grads(plain, batch)
+        torch.manual_seed(3)
+        assert_same(plain_result, loss_and_grads(fused, batch))
+        return
+    assert_same(loss_and_grads(plain, batch), loss_and_grads(fused, batch))
+
+
+def test_gradient_checkpointing_over_fused_layers_gives_the_same_gradients():
+    plain = tiny_family("llama")
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain = with_lora(plain)
+    fused = copy.deepcopy(plain)
+    apply_fast_paths(fused, True)
+    batch = packed_batch()
+    assert_same(loss_and_grads(plain, batch), loss_and_grads(fused, batch))
+
+
+def test_fused_layers_keep_two_intermediate_wide_tensors_per_token_fewer():
+    """Saved-tensor hooks over one forward: the fused model keeps at least 2 x intermediate x tokens x 8 bytes
+    fewer per layer (gate's activation and the MLP product are recomputed) than the plain one."""
+
+    def saved_bytes(model, batch):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        held = []
+
+        class Box:
+            def __init__(self, tensor):
+                self.tensor = tensor
+
+        def keep(tensor):
+            box = Box(tensor)
+            held.append((weakref.ref(box), tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+            return box
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda box: box.tensor):
+            out = model(**batch)
+        storages = {ptr: size for ref, ptr, size in held if ref() is not None and ptr not in params}
+        del out
+        return sum(storages.values())
+
+    plain = with_lora(tiny_family("llama"))
+    fused = copy.deepcopy(plain)
+    apply_fast_paths(fused, True)
+    batch = packed_batch()
+    tokens, layers, intermediate = batch["input_ids"].numel(), 2, 64
+    assert saved_bytes(plain, batch) - saved_bytes(fused, batch) >= 2 * intermediate * tokens * 8 * layers
+
+
+def test_other_families_and_the_switch_keep_the_plain_modules():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = with_lora(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB)),
+                     target_modules=["c_attn"], fan_in_fan_out=True)
+    choice = apply_fast_paths(gpt2, True)
+    assert choice.value == "off" and "gpt2 is not one of llama, qwen2, mistral, gemma" in choice.reason
+    assert "forward" not in vars(gpt2.get_base_model().transformer.h[0].mlp)
+    llama = with_lora(tiny_family("llama"))
+    assert apply_fast_paths(llama, False).value == "off"
+    assert not any("forward" in vars(module) for module in llama.modules())
+    assert llama.get_base_model().config._attn_implementation == "sdpa"
+
+
+def test_segment_lengths_follow_position_restarts_row_by_row():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+    assert segment_lengths(positions) == [3, 2, 1, 6]
