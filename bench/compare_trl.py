@@ -10,7 +10,8 @@ in alternating rounds (the order rotates every round) and every run is bracketed
 min-max over the rounds, lists the rejected and noisy runs, and the gpupoor/peer ratios are of the medians.
 
 Sides (--sides, comma-separated): gpupoor-SAMPLER[-gc] with SAMPLER packed, length_grouped or random,
-trl-packed[-gc], trl-padded[-gc], and lf-packed[-gc] (LLaMA-Factory in its own venv: bench/peer_llamafactory.py);
+trl-packed[-gc], trl-padded[-gc], and lf-packed[-gc], lf-neat[-gc] (LLaMA-Factory in its own venv, its default
+and its block-diagonal packing: bench/peer_llamafactory.py);
 "-gc" turns gradient checkpointing on for that side, and only for it.
 
     python bench/compare_trl.py [--rounds 3] [--vocab 32000] [--rows 160] [--sides ...] [--kit ../shared/bench]
@@ -42,7 +43,8 @@ SETTINGS = {"batch": 8, "seq": 512, "rank": 16}  # the comparison the issue asks
 REFERENCE_ROWS = 160  # the issue's reference fixture
 KIT_ROWS = 400  # fixture.py's own default: what bench/distributed.py trained on, kept for it
 DEFAULT_SIDES = "gpupoor-packed,gpupoor-packed-gc,trl-packed"
-SIDES_HELP = "comma-separated: gpupoor-{packed,length_grouped,random}[-gc], trl-{packed,padded}[-gc], lf-packed[-gc]"
+SIDES_HELP = ("comma-separated: gpupoor-{packed,length_grouped,random}[-gc], trl-{packed,padded}[-gc], "
+              "lf-{packed,neat}[-gc]")
 LF_PYTHON_HELP = (f"the python of LLaMA-Factory's venv, for lf-* sides (default: ${peer_llamafactory.PYTHON_ENV} or "
                   "../lf-venv/bin/python; `make bench-lf-venv` builds it)")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # both sides: no network call inflates a wall time
@@ -151,8 +153,8 @@ def run_trl(kit: Path, fixture: Path, packing: bool, checkpointing: bool) -> dic
             "peak_rss_mb": measured["peak_rss_mb"], "tokens": peer["tokens"], "loss": peer["loss"]}
 
 
-def run_llamafactory(kit: Path, fixture: Path, checkpointing: bool) -> dict:
-    command, run_dir, tokens = peer_llamafactory.prepare(fixture, SETTINGS, checkpointing)
+def run_llamafactory(kit: Path, fixture: Path, neat: bool, checkpointing: bool) -> dict:
+    command, run_dir, tokens = peer_llamafactory.prepare(fixture, SETTINGS, neat, checkpointing)
     measured = measured_run(kit, command, env=peer_llamafactory.environment())
     return {**peer_llamafactory.results(run_dir, tokens), "wall_s": measured["seconds"],
             "peak_rss_mb": measured["peak_rss_mb"]}
@@ -163,7 +165,7 @@ class Side:
     """One column of the comparison, as named on the command line: tool-layout[-gc]."""
 
     tool: str  # gpupoor | trl | lf (LLaMA-Factory)
-    layout: str  # gpupoor: its data.sampler; trl: packed | padded; lf: packed
+    layout: str  # gpupoor: its data.sampler; trl: packed | padded; lf: packed | neat (block-diagonal packing)
     checkpointing: bool
 
     @classmethod
@@ -171,15 +173,17 @@ class Side:
         tool, _, rest = name.partition("-")
         checkpointing = rest.endswith("-gc")
         layout = rest.removesuffix("-gc")
-        allowed = {"gpupoor": ("packed", "length_grouped", "random"), "trl": ("packed", "padded"), "lf": ("packed",)}
+        allowed = {"gpupoor": ("packed", "length_grouped", "random"), "trl": ("packed", "padded"),
+                   "lf": ("packed", "neat")}
         if layout not in allowed.get(tool, ()):
             raise SystemExit(f"unknown side {name!r}: use gpupoor-{{packed,length_grouped,random}}[-gc], "
-                             "trl-{packed,padded}[-gc] or lf-packed[-gc]")
+                             "trl-{packed,padded}[-gc] or lf-{packed,neat}[-gc]")
         return cls(tool, layout, checkpointing)
 
     def label(self, extra: list[str], versions: dict[str, str]) -> str:
         """`versions`: check_prerequisites' peer versions."""
-        what = {"random": "random order"}.get(self.layout, self.layout.replace("_", "-"))
+        what = {"random": "random order", "neat": "neat-packed (block-diagonal)"}.get(
+            self.layout, self.layout.replace("_", "-"))
         name = {"gpupoor": f"gpupoor {what}", "trl": f"TRL {versions.get('trl')} SFTTrainer + peft {what}",
                 "lf": f"LLaMA-Factory {versions.get('lf')} + peft {what}"}[self.tool]
         if self.tool == "gpupoor" and extra:
@@ -190,7 +194,7 @@ class Side:
         if self.tool == "gpupoor":
             return run_gpupoor(kit, fixture, self.layout, self.checkpointing, extra)
         if self.tool == "lf":
-            return run_llamafactory(kit, fixture, self.checkpointing)
+            return run_llamafactory(kit, fixture, self.layout == "neat", self.checkpointing)
         return run_trl(kit, fixture, packing=self.layout == "packed", checkpointing=self.checkpointing)
 
 
@@ -254,8 +258,8 @@ def render(vocab: int, rounds: int, results: dict[str, list[dict]], sides: dict[
              f"the row says so. Median (min-max) of {rounds} alternating rounds. Training s = each side's own "
              "training time (TRL's and LLaMA-Factory's `train_runtime`, gpupoor's `elapsed_s`); whole process = the "
              "process's wall time under the kit's measure.py, start-up included; peak RSS of the process; real "
-             "tokens/s = non-padding tokens / training s; loss = the mean step loss over the epoch (what TRL reports as "
-             "`training_loss`). " + steady.summary(), ""]
+             "tokens/s = non-padding tokens / training s; loss = the mean step loss over the epoch (what TRL "
+             "reports as `training_loss`). " + steady.summary(), ""]
     return "\n".join(lines + result_sections(results, sides, steady)) + "\n"
 
 

@@ -10,8 +10,9 @@ each as the same prompt/completion text on both sides: prompt = the user's messa
 Settings as the fixture benchmark's: micro batch 8, max_length 512, packed, LoRA r16 on all linear layers, fp32.
 
 Sides, rounds, the matmul probe around every run and the tables are compare_trl.py's. The LLaMA-Factory sides
-(lf-packed, lf-packed-gc) run it from its own venv (--lf-python; `make bench-lf-venv` builds ../lf-venv): its
-settings, packing mode and template are in bench/peer_llamafactory.py's docstring.
+(lf-packed, lf-neat, each also -gc) run it from its own venv (--lf-python; `make bench-lf-venv` builds
+../lf-venv): its settings, its two packings (lf-packed lets examples attend across a row, lf-neat does not and
+trains gpupoor's loss) and its template are in bench/peer_llamafactory.py's docstring.
 
 --threads N gives every side N threads: OMP_NUM_THREADS and MKL_NUM_THREADS for every process, and gpupoor also
 `--set training.cpu_threads=N`; the matmul probe runs at N threads too, the table says N, and the section's key
@@ -43,8 +44,10 @@ from machine import ROOT, Steady, shown_command, usable_cores, write_section  # 
 
 DEMO_ROWS = ROOT / "recipes" / "data" / "iso-dates-train.jsonl"
 # What a reader of an LF row must know (bench/peer_llamafactory.py's docstring says it all).
-LF_NOTE = ("LLaMA-Factory: `packing: true` (its default packing, not `neat_packing`: a packed row is one causal "
-           "sequence, examples attend to earlier ones in the row; gpupoor's never cross), `template: empty` over "
+LF_NOTE = ("LLaMA-Factory: `packing: true`; \"packed\" is its default packing (a packed row is one causal sequence, "
+           "examples attend to earlier ones in the row at restarted positions, so its loss is not the per-example "
+           "one), \"neat-packed\" its `neat_packing` (block-diagonal: examples never attend across, as in gpupoor's "
+           "packed rows, the same loss); `template: empty` over "
            "the same prompt text and the completion + EOS, `cutoff_len` 512, `lora_target: all`, fp32; its loss is "
            "`train_loss`, its training s `train_runtime`, its tokens counted from the rows as it encodes them. ")
 

@@ -25,19 +25,20 @@ response only (LF's SFT default, `train_on_prompt: false`), no eval, no mid-run 
 in the whole-process time), CPU (LF picks it by itself on a machine without CUDA: "device: cpu"), one data loader
 process. Gradient checkpointing is explicit both ways: LF turns it on unless `disable_gradient_checkpointing`.
 
-Packing: `packing: true` without `neat_packing`, LF's default. Rows are packed greedily (a knapsack by length) into
-rows of exactly cutoff_len (padded with the pad token, unlabeled); the attention mask is all ones, so a packed row
-is one causal sequence in which later examples attend to earlier ones (no block-diagonal mask: that is
-`neat_packing: true`), while the position ids restart at 0 for every example. gpupoor's packed rows keep examples
-apart (its data.sampler doc: attention never crosses examples). So each LF step is 8 rows of one dense causal
-512-token attention, the same shapes as padded rows, and its loss is not quite the per-example loss of the others.
+Packing, two sides. Both pack greedily (a knapsack by length) into rows of exactly cutoff_len (padded with the pad
+token, unlabeled), 8 rows a step, with position ids restarting at 0 for every example.
+- lf-packed: `packing: true`, LF's default packing. The attention mask is all ones, so a packed row is one causal
+  sequence in which later examples attend to earlier ones, at restarted positions. That is not the per-example
+  loss: on the first 16 demo rows the untrained model's loss reads 2.40 this way against 1.427 per example.
+- lf-neat: `neat_packing: true`, a block-diagonal 4D mask (attention never crosses examples, as in gpupoor's
+  packed rows): the same loss as gpupoor's, 1.4271 on those 16 rows for both.
 
 Text: `template: empty` (no chat markup, no BOS, no separator, no EOS of its own) over an alpaca file written from
 the fixture's prompt-completion.jsonl: instruction = the prompt exactly as the other sides see it (the peer kit's
 instruction + "\\n" + input + "\\n"), output = the completion + the tokenizer's EOS text (TRL and gpupoor append
-EOS; the tokenizer reads the EOS text as the EOS token). So every side trains the same text; the one difference
-is where the tokens split: LF encodes prompt and response apart (TRL and gpupoor too, as far as their counts show;
-compare the "tokens each side counted" line under the table). The `default` template would add "Human: " /
+EOS; the tokenizer reads the EOS text as the EOS token). So every side trains the same text and the same tokens
+(LF encodes prompt and response apart; on the first 16 demo rows LF and gpupoor both count 721, and the table's
+"tokens each side counted" line shows it for every run). The `default` template would add "Human: " /
 "Assistant:" markup, so `empty` is the closer one.
 
 Results: `train_runtime` and `train_loss` (the epoch's mean step loss, as TRL's `training_loss`) from LF's
@@ -104,31 +105,37 @@ def write_dataset(fixture: Path) -> int:
                for row in alpaca for key in ("instruction", "output"))
 
 
-def write_config(fixture: Path, run_dir: Path, settings: dict, checkpointing: bool) -> Path:
-    """LF's training YAML (JSON is YAML) for one epoch of the fixture under the benchmark's settings."""
+def write_config(fixture: Path, run_dir: Path, settings: dict, neat: bool, checkpointing: bool) -> Path:
+    """LF's training YAML (JSON is YAML) for one epoch of the fixture under the benchmark's settings; `neat`: the
+    block-diagonal packing."""
     config = {
         "model_name_or_path": str(fixture / "model"),
         "stage": "sft", "do_train": True, "finetuning_type": "lora",
         "lora_rank": settings["rank"], "lora_alpha": 2 * settings["rank"], "lora_dropout": 0.0, "lora_target": "all",
         "dataset": DATASET, "dataset_dir": str(fixture), "template": "empty",
-        "cutoff_len": settings["seq"], "packing": True, "overwrite_cache": True, "dataloader_num_workers": 0,
+        "cutoff_len": settings["seq"], "packing": True, "neat_packing": neat,
+        "overwrite_cache": True, "dataloader_num_workers": 0,
         "per_device_train_batch_size": settings["batch"], "gradient_accumulation_steps": 1,
         "learning_rate": 2.0e-4, "num_train_epochs": 1.0, "seed": 0, "bf16": False, "fp16": False,
         "disable_gradient_checkpointing": not checkpointing,
         "output_dir": str(run_dir), "overwrite_output_dir": True, "save_strategy": "no", "logging_steps": 1,
         "report_to": "none",
     }
-    path = fixture / f"llamafactory{'-gc' if checkpointing else ''}.yaml"
+    path = fixture / f"{run_name(neat, checkpointing)}.yaml"
     path.write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 
-def prepare(fixture: Path, settings: dict, checkpointing: bool) -> tuple[list[str], Path, int]:
+def run_name(neat: bool, checkpointing: bool) -> str:
+    return f"llamafactory{'-neat' if neat else ''}{'-gc' if checkpointing else ''}"
+
+
+def prepare(fixture: Path, settings: dict, neat: bool, checkpointing: bool) -> tuple[list[str], Path, int]:
     """(the command to measure, its output directory, the epoch's tokens) for one LF run of the fixture."""
-    run_dir = fixture / f"run-llamafactory{'-gc' if checkpointing else ''}"
+    run_dir = fixture / f"run-{run_name(neat, checkpointing)}"
     shutil.rmtree(run_dir, ignore_errors=True)
     tokens = write_dataset(fixture)
-    config = write_config(fixture, run_dir, settings, checkpointing)
+    config = write_config(fixture, run_dir, settings, neat, checkpointing)
     cli = Path(default_python()).parent / "llamafactory-cli"
     return [str(cli), "train", str(config)], run_dir, tokens
 
