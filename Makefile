@@ -92,6 +92,32 @@ bench-real: install fetch-real
 	$(PY) -m pip install -q "$(TRL_SPEC)"
 	$(PY) bench/compare_trl_real.py --kit $(KIT) --rounds 3
 
+# LLaMA-Factory as a further peer on the real model (issue #28): its own venv (it pins transformers, peft, trl and
+# datasets apart from ours), CPU torch kept by a constraint; its requirements less torchvision/torchaudio/torchdata
+# (bench/peer_llamafactory.py says why and shims torchaudio). Then gpupoor vs LLaMA-Factory at 1 and 2 threads,
+# with and without gradient checkpointing; ROWS=64 for issue #28's table (all 340 rows when unset). LF_SIDES adds
+# lf-neat,lf-neat-gc (LF's block-diagonal packing: the same loss as gpupoor's; its default packing's loss differs).
+LF_VENV ?= ../lf-venv
+LF_SPEC ?= llamafactory==0.9.5
+LF_SIDES ?= lf-packed,lf-packed-gc
+LF_REQUIREMENTS := "accelerate<=1.11.0" "av<=16.0.0" "datasets<=4.0.0" einops fastapi fire "gradio<=5.50.0" \
+	matplotlib modelscope numpy omegaconf packaging pandas "peft<=0.18.1" protobuf pydantic pyyaml safetensors scipy \
+	sentencepiece sse-starlette tiktoken "transformers<=5.6.0" "trl<=0.24.0" "tyro<0.9.0" uvicorn psutil
+.PHONY: bench-lf-venv bench-real-lf
+bench-lf-venv:
+	test -x $(LF_VENV)/bin/python || python3 -m venv $(LF_VENV)
+	echo "$(TORCH_SPEC)" > $(LF_VENV)/torch-constraint.txt
+	$(LF_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(LF_VENV)/bin/pip install -q -c $(LF_VENV)/torch-constraint.txt --no-deps "$(LF_SPEC)"
+	$(LF_VENV)/bin/pip install -q -c $(LF_VENV)/torch-constraint.txt $(LF_REQUIREMENTS)
+
+bench-real-lf: install fetch-real
+	@test -f $(KIT)/peer_trl.py || { echo "make bench-real-lf: the peer benchmark kit (its measure.py) is not at $(KIT). Set KIT=path/to/bench."; exit 1; }
+	@test -x $(LF_VENV)/bin/llamafactory-cli || { echo "make bench-real-lf: no LLaMA-Factory at $(LF_VENV): run make bench-lf-venv (or set LF_VENV)."; exit 1; }
+	for threads in 1 2; do $(PY) bench/compare_trl_real.py --kit $(KIT) --rounds 3 --threads $$threads \
+		--lf-python $(LF_VENV)/bin/python --sides gpupoor-packed,gpupoor-packed-gc,$(LF_SIDES) \
+		$(if $(ROWS),--rows $(ROWS)) || exit 1; done
+
 # Start-up latency (import floors, --smoke, validate, plan, the reference fixture's non-training time): ~5 min.
 .PHONY: bench-startup
 bench-startup: install

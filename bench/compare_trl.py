@@ -7,10 +7,12 @@ layers, fp32, the same prompt/completion text on every side, one epoch.
 Each side is a fresh process under the kit's measure.py (whole-process wall seconds, peak RSS). The sides run
 in alternating rounds (the order rotates every round) and every run is bracketed by the machine's matmul probe
 (bench/machine.py): a run the machine was busy for is rejected and repeated. The table gives medians with their
-min-max over the rounds, lists the rejected and noisy runs, and the gpupoor/TRL ratios are of the medians.
+min-max over the rounds, lists the rejected and noisy runs, and the gpupoor/peer ratios are of the medians.
 
-Sides (--sides, comma-separated): gpupoor-SAMPLER[-gc] with SAMPLER packed, length_grouped or random, and
-trl-packed[-gc], trl-padded[-gc]; "-gc" turns gradient checkpointing on for that side, and only for it.
+Sides (--sides, comma-separated): gpupoor-SAMPLER[-gc] with SAMPLER packed, length_grouped or random,
+trl-packed[-gc], trl-padded[-gc], and lf-packed[-gc], lf-neat[-gc] (LLaMA-Factory in its own venv, its default
+and its block-diagonal packing: bench/peer_llamafactory.py);
+"-gc" turns gradient checkpointing on for that side, and only for it.
 
     python bench/compare_trl.py [--rounds 3] [--vocab 32000] [--rows 160] [--sides ...] [--kit ../shared/bench]
 
@@ -34,12 +36,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_llamafactory  # noqa: E402
 from machine import ROOT, Steady, run_table_rows, shown_command, spread, usable_cores, write_section  # noqa: E402, F401
 
 SETTINGS = {"batch": 8, "seq": 512, "rank": 16}  # the comparison the issue asks for
 REFERENCE_ROWS = 160  # the issue's reference fixture
 KIT_ROWS = 400  # fixture.py's own default: what bench/distributed.py trained on, kept for it
 DEFAULT_SIDES = "gpupoor-packed,gpupoor-packed-gc,trl-packed"
+SIDES_HELP = ("comma-separated: gpupoor-{packed,length_grouped,random}[-gc], trl-{packed,padded}[-gc], "
+              "lf-{packed,neat}[-gc]")
+LF_PYTHON_HELP = (f"the python of LLaMA-Factory's venv, for lf-* sides (default: ${peer_llamafactory.PYTHON_ENV} or "
+                  "../lf-venv/bin/python; `make bench-lf-venv` builds it)")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # both sides: no network call inflates a wall time
 
 
@@ -52,9 +59,9 @@ def run_json(command: list[str], env: dict | None = None) -> dict:
     return json.loads(lines[-1])
 
 
-def measured_run(kit: Path, command: list[str]) -> dict:
+def measured_run(kit: Path, command: list[str], env: dict | None = None) -> dict:
     """The kit's measure.py around `command`; it exits 0 whatever the command did, so check the command's code."""
-    measured = run_json([sys.executable, str(kit / "measure.py"), *command], env=OFFLINE)
+    measured = run_json([sys.executable, str(kit / "measure.py"), *command], env={**OFFLINE, **(env or {})})
     if measured["code"] != 0:
         raise SystemExit(f"failed (exit {measured['code']}): {' '.join(command)}\n{measured['tail']}")
     return measured
@@ -146,12 +153,19 @@ def run_trl(kit: Path, fixture: Path, packing: bool, checkpointing: bool) -> dic
             "peak_rss_mb": measured["peak_rss_mb"], "tokens": peer["tokens"], "loss": peer["loss"]}
 
 
+def run_llamafactory(kit: Path, fixture: Path, neat: bool, checkpointing: bool) -> dict:
+    command, run_dir, tokens = peer_llamafactory.prepare(fixture, SETTINGS, neat, checkpointing)
+    measured = measured_run(kit, command, env=peer_llamafactory.environment())
+    return {**peer_llamafactory.results(run_dir, tokens), "wall_s": measured["seconds"],
+            "peak_rss_mb": measured["peak_rss_mb"]}
+
+
 @dataclass(frozen=True)
 class Side:
     """One column of the comparison, as named on the command line: tool-layout[-gc]."""
 
-    tool: str  # gpupoor | trl
-    layout: str  # gpupoor: its data.sampler; trl: packed | padded
+    tool: str  # gpupoor | trl | lf (LLaMA-Factory)
+    layout: str  # gpupoor: its data.sampler; trl: packed | padded; lf: packed | neat (block-diagonal packing)
     checkpointing: bool
 
     @classmethod
@@ -159,15 +173,19 @@ class Side:
         tool, _, rest = name.partition("-")
         checkpointing = rest.endswith("-gc")
         layout = rest.removesuffix("-gc")
-        allowed = {"gpupoor": ("packed", "length_grouped", "random"), "trl": ("packed", "padded")}
+        allowed = {"gpupoor": ("packed", "length_grouped", "random"), "trl": ("packed", "padded"),
+                   "lf": ("packed", "neat")}
         if layout not in allowed.get(tool, ()):
-            raise SystemExit(f"unknown side {name!r}: use gpupoor-{{packed,length_grouped,random}}[-gc] or "
-                             "trl-{packed,padded}[-gc]")
+            raise SystemExit(f"unknown side {name!r}: use gpupoor-{{packed,length_grouped,random}}[-gc], "
+                             "trl-{packed,padded}[-gc] or lf-{packed,neat}[-gc]")
         return cls(tool, layout, checkpointing)
 
-    def label(self, extra: list[str], trl_version: str) -> str:
-        what = {"random": "random order"}.get(self.layout, self.layout.replace("_", "-"))
-        name = f"gpupoor {what}" if self.tool == "gpupoor" else f"TRL {trl_version} SFTTrainer + peft {what}"
+    def label(self, extra: list[str], versions: dict[str, str]) -> str:
+        """`versions`: check_prerequisites' peer versions."""
+        what = {"random": "random order", "neat": "neat-packed (block-diagonal)"}.get(
+            self.layout, self.layout.replace("_", "-"))
+        name = {"gpupoor": f"gpupoor {what}", "trl": f"TRL {versions.get('trl')} SFTTrainer + peft {what}",
+                "lf": f"LLaMA-Factory {versions.get('lf')} + peft {what}"}[self.tool]
         if self.tool == "gpupoor" and extra:
             name += f" ({', '.join(extra)})"
         return name + (" + gradient checkpointing" if self.checkpointing else "")
@@ -175,6 +193,8 @@ class Side:
     def run(self, kit: Path, fixture: Path, extra: list[str]) -> dict:
         if self.tool == "gpupoor":
             return run_gpupoor(kit, fixture, self.layout, self.checkpointing, extra)
+        if self.tool == "lf":
+            return run_llamafactory(kit, fixture, self.layout == "neat", self.checkpointing)
         return run_trl(kit, fixture, packing=self.layout == "packed", checkpointing=self.checkpointing)
 
 
@@ -207,13 +227,13 @@ def result_table(results: dict[str, list[dict]]) -> list[str]:
 
 
 def ratio_table(results: dict[str, list[dict]], sides: dict[str, Side]) -> list[str]:
-    """Every gpupoor side against every TRL side, from the medians."""
+    """Every gpupoor side against every peer side (TRL, LLaMA-Factory), from the medians."""
     ours = [label for label in results if sides[label].tool == "gpupoor"]
-    peers = [label for label in results if sides[label].tool == "trl"]
+    peers = [label for label in results if sides[label].tool != "gpupoor"]
     if not ours or not peers:
         return []
-    lines = ["| gpupoor side | against | training time: TRL / gpupoor | whole process: TRL / gpupoor | "
-             "peak RSS: gpupoor / TRL | same checkpointing |", "|---|---|---:|---:|---:|---|"]
+    lines = ["| gpupoor side | against | training time: peer / gpupoor | whole process: peer / gpupoor | "
+             "peak RSS: gpupoor / peer | same checkpointing |", "|---|---|---:|---:|---:|---|"]
     for mine in ours:
         for peer in peers:
             a, b = results[mine], results[peer]
@@ -225,21 +245,21 @@ def ratio_table(results: dict[str, list[dict]], sides: dict[str, Side]) -> list[
 
 
 def render(vocab: int, rounds: int, results: dict[str, list[dict]], sides: dict[str, Side], stats: dict,
-           steady: Steady, command: str, trl_version: str) -> str:
+           steady: Steady, command: str, versions: dict[str, str]) -> str:
     rows = stats.get("rows", "?")
     tokens = f", {stats['tokens']:,} tokens as fixture.py counts them (without the EOS each side appends)" \
         if "tokens" in stats else ""
-    lines = [f"### Reference fixture at vocab {vocab}: gpupoor vs TRL {trl_version} SFTTrainer + peft (CPU, fp32)",
+    lines = [f"### Reference fixture at vocab {vocab}: gpupoor vs {peer_names(sides, versions)} (CPU, fp32)",
              "",
              f"`{command}` on {usable_cores()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}. The kit's "
              f"fixture: {rows} alpaca rows{tokens}, a random-weight Llama h256 x 4 layers, vocab {vocab}; one epoch, "
              f"micro batch {SETTINGS['batch']}, max_length {SETTINGS['seq']}, LoRA r{SETTINGS['rank']} on all "
              "linear layers, fp32, the same prompt/completion text on every side; gradient checkpointing only where "
              f"the row says so. Median (min-max) of {rounds} alternating rounds. Training s = each side's own "
-             "training time (TRL's `train_runtime`, gpupoor's `elapsed_s`); whole process = the process's wall "
-             "time under the kit's measure.py, start-up included; peak RSS of the process; real tokens/s = "
-             "non-padding tokens / training s; loss = the mean step loss over the epoch (what TRL reports as "
-             "`training_loss`). " + steady.summary(), ""]
+             "training time (TRL's and LLaMA-Factory's `train_runtime`, gpupoor's `elapsed_s`); whole process = the "
+             "process's wall time under the kit's measure.py, start-up included; peak RSS of the process; real "
+             "tokens/s = non-padding tokens / training s; loss = the mean step loss over the epoch (what TRL "
+             "reports as `training_loss`). " + steady.summary(), ""]
     return "\n".join(lines + result_sections(results, sides, steady)) + "\n"
 
 
@@ -257,18 +277,29 @@ def result_sections(results: dict[str, list[dict]], sides: dict[str, Side], stea
     return lines + ["", f"Tokens each side counted for the epoch: {counted}."]
 
 
-def check_prerequisites(kit: Path, sides: list[Side]) -> str:
-    """The kit must be there; trl only when a TRL side runs. Returns trl's version ('' without one)."""
+def peer_names(sides: dict[str, Side], versions: dict[str, str]) -> str:
+    """The peers a section compares against, for its heading: "TRL 1.16.0 SFTTrainer + peft and LLaMA-Factory ..."."""
+    names = {"trl": f"TRL {versions.get('trl')} SFTTrainer + peft", "lf": f"LLaMA-Factory {versions.get('lf')} + peft"}
+    return " and ".join(names[tool] for tool in names if any(side.tool == tool for side in sides.values())) or \
+        "no peer"
+
+
+def check_prerequisites(kit: Path, sides: list[Side], lf_python: str | None = None) -> dict[str, str]:
+    """The kit must be there; trl only when a TRL side runs, LLaMA-Factory (in `lf_python`'s venv) only when an LF
+    side runs. Returns the peers' versions: {"trl": ..., "lf": ...} for those that run."""
     if not (kit / "peer_trl.py").is_file():
         raise SystemExit(f"the peer benchmark kit is not at {kit}: `make bench` compares gpupoor against it "
                          "(a clone of gpupoor alone has no kit). Pass --kit PATH if it lives elsewhere.")
-    if not any(side.tool == "trl" for side in sides):
-        return ""
-    try:
-        import trl
-    except ImportError:
-        raise SystemExit("the peer needs trl: pip install trl (make bench does this)") from None
-    return trl.__version__
+    versions = {}
+    if any(side.tool == "lf" for side in sides):
+        versions["lf"] = peer_llamafactory.check_install(lf_python or peer_llamafactory.default_python())
+    if any(side.tool == "trl" for side in sides):
+        try:
+            import trl
+        except ImportError:
+            raise SystemExit("the peer needs trl: pip install trl (make bench does this)") from None
+        versions["trl"] = trl.__version__
+    return versions
 
 
 def main() -> None:
@@ -277,23 +308,24 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rows", type=int, default=REFERENCE_ROWS, help="the fixture's alpaca rows")
     parser.add_argument("--kit", default=str(ROOT.parent / "shared" / "bench"))
-    parser.add_argument("--sides", default=DEFAULT_SIDES,
-                        help="comma-separated: gpupoor-{packed,length_grouped,random}[-gc], trl-{packed,padded}[-gc]")
+    parser.add_argument("--sides", default=DEFAULT_SIDES, help=SIDES_HELP)
+    parser.add_argument("--lf-python", default=peer_llamafactory.default_python(), help=LF_PYTHON_HELP)
     parser.add_argument("--key", default=None, help="section of the doc to write (default: trl-vVOCAB)")
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to write into")
     parser.add_argument("--extra", default="", help="extra `--set` overrides for gpupoor, comma-separated")
     args = parser.parse_args()
     kit = Path(args.kit)
     parsed = [Side.parse(name) for name in args.sides.split(",") if name]
-    trl_version = check_prerequisites(kit, parsed)
+    versions = check_prerequisites(kit, parsed, args.lf_python)
+    os.environ[peer_llamafactory.PYTHON_ENV] = args.lf_python  # where the LF side's runs find it
     extra = [item for item in args.extra.split(",") if item]
-    sides = {side.label(extra, trl_version): side for side in parsed}
+    sides = {side.label(extra, versions): side for side in parsed}
     fixture = build_fixture(kit, args.vocab, args.rows)
     steady = Steady()
     print(f"matmul reference before the first run: {steady.warm_up():.0f} GFLOP/s", flush=True)
     results = run_rounds(sides, args.rounds, kit, fixture, extra, steady)
     command = shown_command("bench/compare_trl.py", sys.argv[1:])
-    body = render(args.vocab, args.rounds, results, sides, fixture_stats(fixture), steady, command, trl_version)
+    body = render(args.vocab, args.rounds, results, sides, fixture_stats(fixture), steady, command, versions)
     write_section(Path(args.doc), args.key or f"trl-v{args.vocab}", body)
     print(body)
 

@@ -1,5 +1,5 @@
-"""gpupoor vs the peer (TRL SFTTrainer + peft) on the real model: SmolLM2-135M-Instruct, one epoch of the real demo's
-task, side by side.
+"""gpupoor vs the peers (TRL SFTTrainer + peft, LLaMA-Factory + peft) on the real model: SmolLM2-135M-Instruct, one
+epoch of the real demo's task, side by side.
 
 The fixture benchmark (bench/compare_trl.py) trains a random 4-layer model whose head and loss dominate; this one
 trains a real pretrained model (30 layers, width 576, GQA 9/3, tied embeddings, vocab 49,152) whose decoder layers
@@ -9,9 +9,19 @@ the whole-process times comparable). The data is the demo's 340 training rows (r
 each as the same prompt/completion text on both sides: prompt = the user's message, completion = the reply.
 Settings as the fixture benchmark's: micro batch 8, max_length 512, packed, LoRA r16 on all linear layers, fp32.
 
-Sides, rounds, the matmul probe around every run and the tables are compare_trl.py's.
+Sides, rounds, the matmul probe around every run and the tables are compare_trl.py's. The LLaMA-Factory sides
+(lf-packed, lf-neat, each also -gc) run it from its own venv (--lf-python; `make bench-lf-venv` builds
+../lf-venv): its settings, its two packings (lf-packed lets examples attend across a row, lf-neat does not and
+trains gpupoor's loss) and its template are in bench/peer_llamafactory.py's docstring.
 
-    python bench/compare_trl_real.py [--rounds 3] [--sides ...] [--kit ../shared/bench]
+--threads N gives every side N threads: OMP_NUM_THREADS and MKL_NUM_THREADS for every process, and gpupoor also
+`--set training.cpu_threads=N`; the matmul probe runs at N threads too, the table says N, and the section's key
+ends in -tN (so the 1- and 2-thread tables sit side by side in docs/benchmarks.md). Without it every side uses
+its own default (all the cores it may use).
+
+    python bench/compare_trl_real.py [--rounds 3] [--sides ...] [--threads N] [--rows N] [--kit ../shared/bench]
+    python bench/compare_trl_real.py --threads 1 --rows 64 \
+        --sides gpupoor-packed,gpupoor-packed-gc,lf-packed,lf-packed-gc     # issue #28's table, at 1 thread
 
 `make bench-real` runs it (3 rounds, ~45 minutes on a 2-core machine of ~130 matmul GFLOP/s; TRL's epoch is half).
 """
@@ -20,17 +30,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_trl import (DEFAULT_SIDES, SETTINGS, Side, check_prerequisites, result_sections,  # noqa: E402
-                         run_rounds)
+import peer_llamafactory  # noqa: E402
+from compare_trl import (DEFAULT_SIDES, LF_PYTHON_HELP, SETTINGS, SIDES_HELP, Side, check_prerequisites,  # noqa: E402
+                         peer_names, result_sections, run_rounds)
 from machine import ROOT, Steady, shown_command, usable_cores, write_section  # noqa: E402
 
 DEMO_ROWS = ROOT / "recipes" / "data" / "iso-dates-train.jsonl"
+# What a reader of an LF row must know (bench/peer_llamafactory.py's docstring says it all).
+LF_NOTE = ("LLaMA-Factory: `packing: true`; \"packed\" is its default packing (a packed row is one causal sequence, "
+           "examples attend to earlier ones in the row at restarted positions, so its loss is not the per-example "
+           "one), \"neat-packed\" its `neat_packing` (block-diagonal: examples never attend across, as in gpupoor's "
+           "packed rows, the same loss); `template: empty` over "
+           "the same prompt text and the completion + EOS, `cutoff_len` 512, `lora_target: all`, fp32; its loss is "
+           "`train_loss`, its training s `train_runtime`, its tokens counted from the rows as it encodes them. ")
 
 
 def build_real_fixture(rows: int | None = None) -> Path:
@@ -63,15 +82,21 @@ def build_real_fixture(rows: int | None = None) -> Path:
 
 
 def render(rounds: int, results: dict, sides: dict, rows: int, steady: Steady, command: str,
-           trl_version: str) -> str:
-    lines = [f"### Real model: SmolLM2-135M-Instruct, gpupoor vs TRL {trl_version} SFTTrainer + peft (CPU, fp32)", "",
-             f"`{command}` on {usable_cores()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}. "
+           versions: dict[str, str], threads: int | None) -> str:
+    threads_said = (f"{threads} thread{'s' if threads > 1 else ''} per side" if threads
+                    else "each side's default threads")
+    lines = [f"### Real model: SmolLM2-135M-Instruct, gpupoor vs {peer_names(sides, versions)} (CPU, fp32, "
+             f"{threads_said})", "",
+             f"`{command}` on {usable_cores()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}, "
+             f"{threads_said}" + (" (OMP_NUM_THREADS, MKL_NUM_THREADS, gpupoor's training.cpu_threads)"
+                                  if threads else "") + ". "
              "SmolLM2-135M-Instruct (llama, 30 layers, width 576, GQA 9/3, tied embeddings, vocab 49,152) from "
-             "`make fetch-real`'s GGUF, dequantized once to an fp32 directory that both sides load; one epoch of "
+             "`make fetch-real`'s GGUF, dequantized once to an fp32 directory that every side loads; one epoch of "
              f"the real demo's {rows} training rows as prompt/completion text (the same text on every side); "
              f"micro batch {SETTINGS['batch']}, max_length {SETTINGS['seq']}, packed, LoRA r{SETTINGS['rank']} on "
              "all linear layers, fp32; gradient checkpointing only where the row says so. Median (min-max) of "
-             f"{rounds} alternating rounds; columns as in the fixture tables above. " + steady.summary(), ""]
+             f"{rounds} alternating rounds; columns as in the fixture tables above. "
+             + (LF_NOTE if any(side.tool == "lf" for side in sides.values()) else "") + steady.summary(), ""]
     return "\n".join(lines + result_sections(results, sides, steady)) + "\n"
 
 
@@ -79,23 +104,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kit", default=str(ROOT.parent / "shared" / "bench"))
-    parser.add_argument("--sides", default=DEFAULT_SIDES,
-                        help="comma-separated: gpupoor-{packed,length_grouped,random}[-gc], trl-{packed,padded}[-gc]")
+    parser.add_argument("--sides", default=DEFAULT_SIDES, help=SIDES_HELP)
+    parser.add_argument("--lf-python", default=peer_llamafactory.default_python(), help=LF_PYTHON_HELP)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for every side (OMP/MKL_NUM_THREADS; gpupoor's training.cpu_threads)")
     parser.add_argument("--rows", type=int, default=None, help="only the first N demo rows (a quick check)")
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to write into")
     args = parser.parse_args()
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads}: give 1 or more")
     kit = Path(args.kit)
     parsed = [Side.parse(name) for name in args.sides.split(",") if name]
-    trl_version = check_prerequisites(kit, parsed)
-    sides = {side.label([], trl_version): side for side in parsed}
+    versions = check_prerequisites(kit, parsed, args.lf_python)
+    os.environ[peer_llamafactory.PYTHON_ENV] = args.lf_python  # where the LF side's runs find it
+    extra = []
+    if args.threads:  # inherited by every process the sides start (and by the probe's, which also sets it)
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+        extra = [f"training.cpu_threads={args.threads}"]
+    sides = {side.label([], versions): side for side in parsed}
     fixture = build_real_fixture(args.rows)
-    steady = Steady()
+    steady = Steady(threads=args.threads)
     print(f"matmul reference before the first run: {steady.warm_up():.0f} GFLOP/s", flush=True)
-    results = run_rounds(sides, args.rounds, kit, fixture, [], steady)
+    results = run_rounds(sides, args.rounds, kit, fixture, extra, steady)
     command = shown_command("bench/compare_trl_real.py", sys.argv[1:])
     rows = json.loads((fixture / "fixture.json").read_text())["rows"]
-    body = render(args.rounds, results, sides, rows, steady, command, trl_version)
-    write_section(Path(args.doc), "trl-real-smollm2" if args.rows is None else "trl-real-smollm2-partial", body)
+    body = render(args.rounds, results, sides, rows, steady, command, versions, args.threads)
+    key = "trl-real-smollm2" + (f"-t{args.threads}" if args.threads else "") + ("" if args.rows is None else "-partial")
+    write_section(Path(args.doc), key, body)
     print(body)
 
 
