@@ -103,6 +103,8 @@ def render(rounds: int, results: dict, sides: dict, rows: int, steady: Steady, c
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--attempts", type=int, default=3,
+                        help="tries per run when the probe says the machine was busy (1: never repeat, flag it)")
     parser.add_argument("--kit", default=str(ROOT.parent / "shared" / "bench"))
     parser.add_argument("--sides", default=DEFAULT_SIDES, help=SIDES_HELP)
     parser.add_argument("--lf-python", default=peer_llamafactory.default_python(), help=LF_PYTHON_HELP)
@@ -123,7 +125,7 @@ def main() -> None:
         extra = [f"training.cpu_threads={args.threads}"]
     sides = {side.label([], versions): side for side in parsed}
     fixture = build_real_fixture(args.rows)
-    steady = Steady(threads=args.threads)
+    steady = Steady(threads=args.threads, attempts=args.attempts)
     print(f"matmul reference before the first run: {steady.warm_up():.0f} GFLOP/s", flush=True)
     results = run_rounds(sides, args.rounds, kit, fixture, extra, steady)
     command = shown_command("bench/compare_trl_real.py", sys.argv[1:])

@@ -193,12 +193,14 @@ def choose_fused_paths(enabled: bool, family: str | None, method: str, dropout: 
     if not enabled:
         return FusedPaths(False, False, "model.fused_layers: false")
     if family not in FUSED_FAMILIES:
-        return FusedPaths(False, False, f"{family} is not one of {', '.join(FUSED_FAMILIES)}, where they are tested")
+        return FusedPaths(False, False, f"{family} is not one of {', '.join(FUSED_FAMILIES)}, where they are "
+                          "tested")
     why_not_mlp = ("" if method == "lora" and not dropout and bits is None and precision == "fp32" else
                    f"peft.method {method}" if method != "lora" else "peft.dropout > 0" if dropout else
                    "a quantized base" if bits is not None else f"{precision} weights under fp32 adapters")
-    return FusedPaths(not why_not_mlp, attention == "sdpa",
-                      why_not_mlp and f"the MLP runs as loaded ({why_not_mlp})")
+    reasons = [f"LoRA linears and MLP as loaded ({why_not_mlp})" if why_not_mlp else "",
+               "" if attention == "sdpa" else f"attention {attention} as loaded"]
+    return FusedPaths(not why_not_mlp, attention == "sdpa", "; ".join(filter(None, reasons)))
 
 
 def loss_chunk_tokens(vocab: int) -> int:

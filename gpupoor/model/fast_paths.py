@@ -1,32 +1,32 @@
-"""`model.fused_layers`: the decoder's fast paths switched on for the families they are tested on, and what the
-startup summary says about them. The paths themselves: gpupoor.model.fused_lora (LoRA linears and the gated MLP
-as single autograd functions) and gpupoor.model.packed_attention (attention per packed example)."""
+"""`model.fused_layers`: the decoder's fast paths switched on where they apply (gpupoor.decisions.choose_fused_paths,
+the rule `gpupoor plan` counts by too), and what the startup summary says about them. The paths themselves:
+gpupoor.model.fused_lora (LoRA linears and the gated MLP as single autograd functions) and
+gpupoor.model.packed_attention (attention per packed example)."""
 
 from __future__ import annotations
 
-from gpupoor.decisions import FUSED_FAMILIES, Choice
+from gpupoor.decisions import Choice, choose_fused_paths
 from gpupoor.model.fused_lora import fuse_lora_layers
 from gpupoor.model.packed_attention import use_packed_attention
 
 
-def apply_fast_paths(model, enabled: bool) -> Choice:
-    """Install the fast paths on `model` (the peft-wrapped model or the base) unless they are not `enabled` or the
-    family is untested; the choice and why, for the summary."""
-    if not enabled:
-        return Choice("off", "model.fused_layers: false; the plain transformers and peft modules")
+def apply_fast_paths(model, enabled: bool, *, method: str = "lora", dropout: float = 0.0, bits: int | None = None,
+                     precision: str = "fp32") -> Choice:
+    """Install on `model` (peft-wrapped or not) the fast paths the recipe's settings allow; the choice and why,
+    for the summary. Each installed module still checks per call and hands over to the plain one where its
+    arithmetic is not plain LoRA on a frozen dense base (a DPO reference pass with the adapter off, say)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    family = getattr(base.config, "model_type", None)
-    if family not in FUSED_FAMILIES:
-        return Choice("off", f"{family} is not one of {', '.join(FUSED_FAMILIES)}, where they are tested: "
-                      "the plain transformers and peft modules")
-    counts = fuse_lora_layers(base)
-    unused_attention = use_packed_attention(base)
-    parts = []
-    if counts["mlp"]:
-        parts.append(f"gated MLP x{counts['mlp']} (recomputes its activation in backward)")
-    if counts["linear"]:
-        parts.append(f"LoRA linears x{counts['linear']}")
-    parts.append("attention per packed example" if unused_attention is None
-                 else f"attention as loaded ({unused_attention})")
-    return Choice("on", f"{family}: " + ", ".join(parts) + "; each hands over to the plain module where its "
-                  "arithmetic is not plain LoRA on a frozen dense base (model.fused_layers: false turns them off)")
+    paths = choose_fused_paths(enabled, getattr(base.config, "model_type", None), method, dropout, bits, precision,
+                               base.config._attn_implementation)
+    if not (paths.mlp or paths.attention):
+        return Choice("off", f"{paths.reason}: the plain transformers and peft modules")
+    family, parts = base.config.model_type, []
+    if paths.mlp:
+        counts = fuse_lora_layers(base)
+        parts.append(f"LoRA linears x{counts['linear']} and gated MLP x{counts['mlp']} as single functions (the MLP "
+                     "recomputes its activation in backward)")
+    if paths.attention:
+        use_packed_attention(base)
+        parts.append("sdpa per packed example")
+    not_fused = f"; {paths.reason}" if paths.reason else ""
+    return Choice("on", f"{family}: " + ", ".join(parts) + not_fused + "; model.fused_layers: false turns them off")

@@ -161,12 +161,12 @@ def gated_mlp_forward(self, x):
     return GatedMlpFunction.apply(x, self.act_fn, *parts, *trainable)
 
 
-def fuse_lora_layers(model) -> dict[str, int]:
-    """Install the fused forwards on `model`'s LoRA linears and gated MLPs (each checks per call whether it
-    applies). Returns how many of each were installed."""
+def fuse_lora_layers(model, mlp: bool = True) -> dict[str, int]:
+    """Install the fused forwards on `model`'s LoRA linears and (unless not `mlp`: a benchmark's variant) gated
+    MLPs, each checking per call whether it applies. Returns how many of each were installed."""
     counts = {"mlp": 0, "linear": 0}
     for module in model.modules():
-        if _is_gated_mlp(module):
+        if mlp and _is_gated_mlp(module):
             module.forward = types.MethodType(gated_mlp_forward, module)
             counts["mlp"] += 1
         elif hasattr(module, "lora_A") and type(getattr(module, "base_layer", None)) is nn.Linear:

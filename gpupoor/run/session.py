@@ -238,7 +238,8 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     model = build_model(location, recipe.model, recipe.peft, quant=recipe.quantization, memory=recipe.memory,
                         precision=precision.value, attention=attention.value, device=str(accelerator.device),
                         seed=recipe.seed, smoke=smoke, resuming=resuming)
-    fused = apply_fast_paths(model, recipe.model.fused_layers)
+    fused = apply_fast_paths(model, recipe.model.fused_layers, method=recipe.peft.method, dropout=recipe.peft.dropout,
+                             bits=recipe.quantization.bits, precision=precision.value)
     summary = summarize(model)
     built_on = {"precision": precision.value, "attention": attention.value, "device": str(accelerator.device),
                 "smoke": smoke}

@@ -12,7 +12,8 @@ import torch
 
 from gpupoor.decisions import FUSED_FAMILIES
 from gpupoor.model.fast_paths import apply_fast_paths
-from gpupoor.model.packed_attention import segment_lengths
+from gpupoor.model.fused_lora import fuse_lora_layers
+from gpupoor.model.packed_attention import segment_lengths, use_packed_attention
 
 VOCAB = 101
 
@@ -72,7 +73,7 @@ def test_fused_layers_give_the_plain_models_loss_and_gradients_on_packed_rows(fa
     plain = with_lora(tiny_family(family))
     fused = copy.deepcopy(plain)
     choice = apply_fast_paths(fused, True)
-    assert choice.value == "on" and "gated MLP x2" in choice.reason and "per packed example" in choice.reason
+    assert choice.value == "on" and "gated MLP x2" in choice.reason and "sdpa per packed example" in choice.reason
     batch = packed_batch()
     assert_same(loss_and_grads(plain, batch), loss_and_grads(fused, batch))
 
@@ -122,7 +123,9 @@ def test_each_fused_module_hands_over_where_its_arithmetic_differs(variant):
                    "qv_only": {"target_modules": ["q_proj", "v_proj"]}}.get(variant, {})
         plain = with_lora(base, **options)
     fused = copy.deepcopy(plain)
-    apply_fast_paths(fused, True)
+    # Installed regardless of what the recipe rule (choose_fused_paths) would install: each module must hand over.
+    fuse_lora_layers(fused)
+    use_packed_attention(fused)
     batch = packed_batch()
     if variant == "adapter_disabled":
         with torch.no_grad(), plain.disable_adapter(), fused.disable_adapter():
@@ -178,7 +181,7 @@ def test_fused_layers_keep_two_intermediate_wide_tensors_per_token_fewer():
     assert saved_bytes(plain, batch) - saved_bytes(fused, batch) >= 2 * intermediate * tokens * 8 * layers
 
 
-def test_other_families_and_the_switch_keep_the_plain_modules():
+def test_other_families_settings_that_change_the_arithmetic_and_the_switch_keep_the_plain_modules():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = with_lora(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB)),
@@ -186,6 +189,10 @@ def test_other_families_and_the_switch_keep_the_plain_modules():
     choice = apply_fast_paths(gpt2, True)
     assert choice.value == "off" and "gpt2 is not one of llama, qwen2, mistral, gemma" in choice.reason
     assert "forward" not in vars(gpt2.get_base_model().transformer.h[0].mlp)
+    for settings, why in (({"dropout": 0.1}, "peft.dropout > 0"), ({"precision": "bf16"}, "bf16 weights"),
+                          ({"bits": 4}, "a quantized base"), ({"method": "dora"}, "peft.method dora")):
+        choice = apply_fast_paths(with_lora(tiny_family("llama")), True, **settings)
+        assert why in choice.reason and "LoRA linears x" not in choice.reason, choice.reason
     llama = with_lora(tiny_family("llama"))
     assert apply_fast_paths(llama, False).value == "off"
     assert not any("forward" in vars(module) for module in llama.modules())

@@ -71,7 +71,7 @@ def tiny_llama_with(method="lora", layers=2, rank=8, dropout=0.0, attention="sdp
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.float()
-    apply_fast_paths(model, fused)
+    apply_fast_paths(model, fused, method=method, dropout=dropout, precision="bf16" if autocast_bf16 else "fp32")
     model.train()
     return model, causal_lm.model
 
