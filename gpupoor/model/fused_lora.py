@@ -70,13 +70,14 @@ def _forward(x2d, part: LowRank):
     return out, xa
 
 
-def _backward(grad_out, x2d, xa, part: LowRank, needs_a: bool, needs_b: bool):
-    """The input's gradient, and A's and B's (None where not needed)."""
-    grad_in = grad_out @ part.weight
+def _backward(grad_out, x2d, xa, part: LowRank, needs_a: bool, needs_b: bool, needs_in: bool = True):
+    """The input's gradient, and A's and B's (None where not needed: the first layer's input needs none)."""
+    grad_in = grad_out @ part.weight if needs_in else None
     if part.lora_a is None:
         return grad_in, None, None
     grad_low = (grad_out @ part.lora_b).mul_(part.scaling)  # rank-wide: the scaling costs nothing here
-    grad_in.addmm_(grad_low, part.lora_a)
+    if needs_in:
+        grad_in.addmm_(grad_low, part.lora_a)
     grad_a = grad_low.t() @ x2d if needs_a else None
     grad_b = (grad_out.t() @ xa).mul_(part.scaling) if needs_b else None
     return grad_in, grad_a, grad_b
@@ -97,8 +98,8 @@ class LoraLinearFunction(torch.autograd.Function):
         x2d, xa, weight, lora_a, lora_b = ctx.saved_tensors
         part = LowRank(weight, None, lora_a, lora_b, ctx.scaling)
         grad_in, grad_a, grad_b = _backward(grad_out.reshape(-1, grad_out.shape[-1]), x2d, xa, part,
-                                            ctx.needs_input_grad[3], ctx.needs_input_grad[4])
-        grad_x = grad_in.view(ctx.input_shape) if ctx.needs_input_grad[0] else None
+                                            ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.needs_input_grad[0])
+        grad_x = grad_in.view(ctx.input_shape) if grad_in is not None else None
         return grad_x, None, None, grad_a, grad_b, None
 
 
@@ -142,11 +143,11 @@ class GatedMlpFunction(torch.autograd.Function):
         grad_u = grad_h * activated.detach()
         (grad_g,) = torch.autograd.grad(activated, g_leaf, grad_h.mul_(u))
         del activated, g_leaf
-        grad_x, grad_gate_a, grad_gate_b = _backward(grad_g, x2d, xa_gate, gate, needs[0], needs[1])
+        needs_x = ctx.needs_input_grad[0]
+        grad_x, grad_gate_a, grad_gate_b = _backward(grad_g, x2d, xa_gate, gate, needs[0], needs[1], needs_x)
         del grad_g
-        grad_x_up, grad_up_a, grad_up_b = _backward(grad_u, x2d, xa_up, up, needs[2], needs[3])
-        grad_x.add_(grad_x_up)
-        grad_x = grad_x.view(ctx.input_shape) if ctx.needs_input_grad[0] else None
+        grad_x_up, grad_up_a, grad_up_b = _backward(grad_u, x2d, xa_up, up, needs[2], needs[3], needs_x)
+        grad_x = grad_x.add_(grad_x_up).view(ctx.input_shape) if needs_x else None
         return (grad_x, None, None, None, None,
                 grad_gate_a, grad_gate_b, grad_up_a, grad_up_b, grad_down_a, grad_down_b)
 

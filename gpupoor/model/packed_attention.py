@@ -37,12 +37,13 @@ def segment_lengths(position_ids: torch.Tensor) -> list[int]:
 _last_segments: tuple[torch.Tensor | None, list[int]] = (None, [])
 
 
-def _segments(position_ids: torch.Tensor) -> list[int]:
+def _segments(position_ids: torch.Tensor, batch: int) -> list[int]:
     """segment_lengths, once per forward: every layer gets the same position_ids tensor."""
     global _last_segments
     cached, lengths = _last_segments
     if cached is not position_ids:
-        lengths = segment_lengths(position_ids)
+        # The position ids are sometimes one row for the whole batch (unsqueezed, not expanded).
+        lengths = segment_lengths(position_ids.expand(batch, -1))
         _last_segments = (position_ids, lengths)
     return lengths
 
@@ -55,7 +56,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     position_ids = kwargs.get("position_ids")
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     same_length = query.shape[2] == key.shape[2]
-    if attention_mask is not None or not same_length or dropout or kwargs.get("softcap") is not None:
+    if attention_mask is not None or not same_length:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     batch, heads, length, dim = query.shape
@@ -63,9 +64,9 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     if position_ids is None:
         lengths = [length] * batch
     else:
-        lengths = _segments(position_ids.expand(batch, -1))
-    if window is not None and max(lengths) > window:
-        return _windowed(module, query, key, value, lengths, window, scaling, kwargs)
+        lengths = _segments(position_ids, batch)
+    if dropout or (window is not None and max(lengths) > window):
+        return _explicit_mask(module, query, key, value, lengths, window, scaling, dropout, kwargs)
     # Rows laid end to end: (batch * len, heads, dim); each example a slice of them.
     q_rows = query.transpose(1, 2).reshape(batch * length, heads, dim)
     k_rows = key.transpose(1, 2).reshape(batch * length, kv_heads, dim)
@@ -115,18 +116,21 @@ class PerExampleAttention(torch.autograd.Function):
         return *grads, None, None
 
 
-def _windowed(module, query, key, value, lengths, window, scaling, kwargs):
-    """An example longer than a sliding window (Mistral's 4,096, when a recipe packs longer rows): the
-    block-diagonal, banded mask built explicitly, through transformers' SDPA function."""
+def _explicit_mask(module, query, key, value, lengths, window, scaling, dropout, kwargs):
+    """Attention dropout, or an example longer than a sliding window (Mistral's 4,096, when a recipe packs longer
+    rows): the block-diagonal (banded) mask built explicitly, through transformers' SDPA function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, _, length, _ = query.shape
     example = torch.repeat_interleave(torch.arange(len(lengths), device=query.device),
                                       torch.tensor(lengths, device=query.device)).view(batch, length)
     index = torch.arange(length, device=query.device)
-    causal_band = (index[None, :] <= index[:, None]) & (index[:, None] - index[None, :] < window)
-    mask = (example[:, :, None] == example[:, None, :]) & causal_band
-    return sdpa_attention_forward(module, query, key, value, mask[:, None], scaling=scaling, **kwargs)
+    allowed = index[None, :] <= index[:, None]
+    if window is not None:
+        allowed = allowed & (index[:, None] - index[None, :] < window)
+    mask = (example[:, :, None] == example[:, None, :]) & allowed
+    return sdpa_attention_forward(module, query, key, value, mask[:, None], dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
 
 def packed_mask(*args, attention_mask=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, **kwargs):

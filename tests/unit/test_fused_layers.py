@@ -202,3 +202,18 @@ def test_other_families_settings_that_change_the_arithmetic_and_the_switch_keep_
 def test_segment_lengths_follow_position_restarts_row_by_row():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
     assert segment_lengths(positions) == [3, 2, 1, 6]
+
+
+@pytest.mark.parametrize("family, extra", [("mistral", {"sliding_window": 6}), ("llama", {"attention_dropout": 0.3})])
+def test_a_window_shorter_than_an_example_and_attention_dropout_get_the_explicit_packed_mask(family, extra):
+    """Mistral's sliding window (here 6 tokens, shorter than the 10- and 20-token examples) and attention dropout
+    run through transformers' SDPA with the block-diagonal mask built here: the plain model's result, the same
+    dropout draws included."""
+    plain = with_lora(tiny_family(family, **extra))
+    fused = copy.deepcopy(plain)
+    apply_fast_paths(fused, True)
+    batch = packed_batch()
+    torch.manual_seed(5)
+    plain_result = loss_and_grads(plain, batch)
+    torch.manual_seed(5)
+    assert_same(plain_result, loss_and_grads(fused, batch))
