@@ -4,8 +4,9 @@ A packed row holds several examples back to back, told apart by position ids tha
 transformers' SDPA path builds a (batch, 1, len, len) block-diagonal mask from those position ids and runs the
 whole row through one masked kernel: every query meets every key, and the CPU kernel cannot skip the masked
 blocks. This backend cuts the row into its examples and runs each through SDPA with `is_causal=True`, so the work
-is the examples' own triangles and no mask is built. Everything else (padding masks, a KV cache in generation)
-goes to transformers' own SDPA function with the mask transformers builds, so the backend is safe to leave on.
+is the examples' own triangles and no mask is built. Padding masks and a KV cache (generation) go to
+transformers' own SDPA function with the mask transformers builds; attention dropout and a sliding window shorter
+than an example go there with the block-diagonal mask built here. So the backend is safe to leave on.
 
 It is registered with transformers' AttentionInterface / AttentionMaskInterface under NAME, and a model uses it by
 `use_packed_attention` when its family is one this is tested on (gpupoor.decisions.FUSED_FAMILIES: plain

@@ -75,7 +75,10 @@ class Settings:
 
     @property
     def attention_per_example(self) -> bool:
-        return self.fused_paths is not None and self.fused_paths.attention
+        """gpupoor.model.packed_attention's own path: batches without a padding mask (a padded random batch goes
+        through transformers' SDPA with its mask)."""
+        padded = self.sampler == "random" and self.micro_batch > 1
+        return self.fused_paths is not None and self.fused_paths.attention and not padded
 
     @property
     def packed_attention(self) -> bool:
