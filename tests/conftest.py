@@ -75,6 +75,37 @@ def shipped_recipes(real: bool = False) -> list[Path]:
             if str(yaml.safe_load(path.read_text())["model"]["name_or_path"]).endswith(".gguf") == real]
 
 
+class _Saved:
+    """What the saved-tensors hook packs: alive exactly as long as autograd keeps the tensor for backward."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def saved_tensor_bytes(model, forward: Callable) -> int:
+    """Bytes of what autograd keeps for backward at the end of `forward()`: unique storages, `model`'s parameters
+    excluded, only tensors still held then (DoRA's B@A builds a graph it frees within the forward)."""
+    import weakref
+
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    packed = []
+
+    def keep(tensor):
+        box = _Saved(tensor)
+        packed.append((weakref.ref(box), tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda box: box.tensor):
+        out = forward()
+    held = {ptr: size for ref, ptr, size in packed if ref() is not None and ptr not in params}
+    del out
+    return sum(held.values())
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

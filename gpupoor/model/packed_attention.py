@@ -9,8 +9,9 @@ transformers' own SDPA function with the mask transformers builds; attention dro
 than an example go there with the block-diagonal mask built here. So the backend is safe to leave on.
 
 It is registered with transformers' AttentionInterface / AttentionMaskInterface under NAME, and a model uses it by
-`use_packed_attention` when its family is one this is tested on (gpupoor.decisions.FUSED_FAMILIES: plain
-scaled dot-product attention, no logit soft-capping, position_ids passed through to the attention function).
+`use_packed_attention` when gpupoor.decisions.choose_fused_paths allows: a family it is tested on (FUSED_FAMILIES:
+plain scaled dot-product attention, no logit soft-capping, position_ids passed through to the attention function)
+loaded with sdpa.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpupoor.decisions import FUSED_FAMILIES
 
 NAME = "gpupoor_packed_sdpa"
 
@@ -157,14 +157,7 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, packed_mask)
 
 
-def use_packed_attention(model) -> str | None:
-    """Switch `model` (loaded with sdpa) to this backend when its family is tested; the reason it was not, else."""
-    config = model.config
-    family = getattr(config, "model_type", None)
-    if family not in FUSED_FAMILIES:
-        return f"{family}: not one of {', '.join(FUSED_FAMILIES)}"
-    if config._attn_implementation != "sdpa":
-        return f"attention is {config._attn_implementation}"
+def use_packed_attention(model) -> None:
+    """Switch `model` (loaded with sdpa; gpupoor.decisions.choose_fused_paths says when) to this backend."""
     register()
     model.set_attn_implementation(NAME)
-    return None

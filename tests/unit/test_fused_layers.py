@@ -5,11 +5,11 @@ wherever their arithmetic is not plain LoRA on a frozen dense base, and keep few
 from __future__ import annotations
 
 import copy
-import weakref
 
 import pytest
 import torch
 
+from conftest import saved_tensor_bytes
 from gpupoor.decisions import FUSED_FAMILIES
 from gpupoor.model.fast_paths import apply_fast_paths
 from gpupoor.model.fused_lora import fuse_lora_layers
@@ -153,32 +153,14 @@ def test_gradient_checkpointing_over_fused_layers_gives_the_same_gradients():
 def test_fused_layers_keep_two_intermediate_wide_tensors_per_token_fewer():
     """Saved-tensor hooks over one forward: the fused model keeps at least 2 x intermediate x tokens x 8 bytes
     fewer per layer (gate's activation and the MLP product are recomputed) than the plain one."""
-
-    def saved_bytes(model, batch):
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        held = []
-
-        class Box:
-            def __init__(self, tensor):
-                self.tensor = tensor
-
-        def keep(tensor):
-            box = Box(tensor)
-            held.append((weakref.ref(box), tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
-            return box
-
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda box: box.tensor):
-            out = model(**batch)
-        storages = {ptr: size for ref, ptr, size in held if ref() is not None and ptr not in params}
-        del out
-        return sum(storages.values())
-
     plain = with_lora(tiny_family("llama"))
     fused = copy.deepcopy(plain)
     apply_fast_paths(fused, True)
     batch = packed_batch()
     tokens, layers, intermediate = batch["input_ids"].numel(), 2, 64
-    assert saved_bytes(plain, batch) - saved_bytes(fused, batch) >= 2 * intermediate * tokens * 8 * layers
+    saved = {name: saved_tensor_bytes(model, lambda m=model: m(**batch)) for name, model in
+             (("plain", plain), ("fused", fused))}
+    assert saved["plain"] - saved["fused"] >= 2 * intermediate * tokens * 8 * layers
 
 
 def test_other_families_settings_that_change_the_arithmetic_and_the_switch_keep_the_plain_modules():

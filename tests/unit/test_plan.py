@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,20 +27,11 @@ from gpupoor.recipe.loading import LoadedRecipe, load_recipe
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import MiB, format_bytes
 
-from conftest import PEFT_METHODS, read_metrics, shipped_recipes
+from conftest import PEFT_METHODS, read_metrics, saved_tensor_bytes, shipped_recipes
 
 runner = CliRunner()
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 LLAMA = dict(hidden=64, intermediate=176, heads=4, kv_heads=2)
-
-
-class _Saved:
-    """What the saved-tensors hook packs: alive exactly as long as autograd keeps the tensor for backward."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
 
 
 def tiny_llama_with(method="lora", layers=2, rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
@@ -108,24 +98,10 @@ def apply_method_like_peft(model, method, rank=4, dropout=0.0, targets="all-line
 
 
 def saved_bytes_of_forward(model, decoder, batch=2, seq=64, autocast_bf16=False) -> int:
-    """Bytes of what autograd keeps for backward at the end of `decoder`'s forward: unique storages,
-    parameters excluded, only tensors still held then (DoRA's B@A builds a graph it frees within the
-    forward)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    packed = []
-
-    def keep(t):
-        box = _Saved(t)
-        packed.append((weakref.ref(box), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
-        return box
-
+    """Bytes of what autograd keeps for backward at the end of `decoder`'s forward (conftest.saved_tensor_bytes)."""
     ids = torch.randint(0, 300, (batch, seq))
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda box: box.tensor), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-        out = decoder(input_ids=ids)
-    held = {ptr: n for ref, ptr, n in packed if ref() is not None and ptr not in params}
-    del out
-    return sum(held.values())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+        return saved_tensor_bytes(model, lambda: decoder(input_ids=ids))
 
 
 def saved_bytes_of_one_layer(rank=8, dropout=0.0, attention="sdpa", targets="all-linear",
