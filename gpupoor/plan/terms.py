@@ -160,12 +160,15 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
         total += 2 * sum(shape.linear(name)[1] for name in lora) * b
     total += sum(shape.linear(name)[1] for name in out_scaled) * b  # IA3: the unscaled output, for the scale's gradient
     if s.attention_per_example:
-        # gpupoor.model.packed_attention keeps rotated q, k and v, recomputes the rest, and leaves the output to
-        # o_proj, which keeps it where its own backward needs it (an adapted or trained o_proj; under autocast
-        # an adapter keeps its own cast copy, counted with the adapters' inputs).
-        keeps_output = "o_proj" in layer.weights or (not half and (("o_proj" in lora and not s.dropout)
-                                                                    or "o_proj" in feedforward))
-        return total + ((2 if keeps_output else 1) * q + 2 * kv) * b + _mlp_saved(shape, s)
+        # gpupoor.model.packed_attention keeps rotated q, k and v. On the CPU it keeps its output and log-sum-exp
+        # too; the output is o_proj's input, one copy for both. Elsewhere it recomputes the attention in backward
+        # and leaves the output to o_proj, which keeps it where its own backward needs it (an adapted or trained
+        # o_proj; under autocast an adapter keeps its own cast copy, counted with the adapters' inputs).
+        cpu = s.device == "cpu"
+        keeps_output = cpu or "o_proj" in layer.weights or (not half and (("o_proj" in lora and not s.dropout)
+                                                                           or "o_proj" in feedforward))
+        total += ((2 if keeps_output else 1) * q + 2 * kv) * b + (heads * 4 if cpu else 0)
+        return total + _mlp_saved(shape, s)
     # attention: rotated q, k and v, and the output (kept by SDPA/flash for its backward; o_proj's input)
     total += (2 * q + 2 * kv) * b
     if s.attention == "eager":

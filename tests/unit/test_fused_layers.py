@@ -13,7 +13,8 @@ from conftest import saved_tensor_bytes
 from gpupoor.decisions import FUSED_FAMILIES
 from gpupoor.model.fast_paths import apply_fast_paths
 from gpupoor.model.fused_lora import fuse_lora_layers
-from gpupoor.model.packed_attention import segment_lengths, use_packed_attention
+from gpupoor.model import packed_attention
+from gpupoor.model.packed_attention import PerExampleAttention, example_groups, segment_lengths, use_packed_attention
 
 VOCAB = 101
 
@@ -184,6 +185,51 @@ def test_other_families_settings_that_change_the_arithmetic_and_the_switch_keep_
 def test_segment_lengths_follow_position_restarts_row_by_row():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
     assert segment_lengths(positions) == [3, 2, 1, 6]
+
+
+def test_examples_of_similar_length_share_one_padded_batch_and_map_back_to_their_rows():
+    lengths = (10, 9, 5, 20, 4)
+    groups = example_groups(lengths, "cpu", ratio=0.75)
+    assert groups.shapes == [(1, 20), (2, 10), (2, 5)]  # 9 >= 0.75 * 10 joins 10; 5 < 7.5 starts a group
+    rows = torch.arange(sum(lengths))
+    padded = rows[groups.gather]
+    assert padded.numel() == 20 + 2 * 10 + 2 * 5
+    assert torch.equal(padded[groups.inverse], rows)
+    assert groups.pads.tolist() == [20 + 19, 20 + 2 * 10 + 9]  # the 9- and 4-token examples' last slot
+
+
+def reference_attention(q_rows, k_rows, v_rows, lengths):
+    """Causal SDPA over each example on its own (rows (tokens, heads, dim))."""
+    out, start = [], 0
+    for length in lengths:
+        q, k, v = (t[start:start + length].transpose(0, 1)[None] for t in (q_rows, k_rows, v_rows))
+        out.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    enable_gqa=True)[0].transpose(0, 1))
+        start += length
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.75, 1.0])
+@pytest.mark.parametrize("kernel", ["cpu flash ops", "recompute"])
+def test_grouped_attention_equals_each_example_on_its_own(monkeypatch, ratio, kernel):
+    """Whether every example is padded to the longest (ratio 0), grouped, or alone (1.0), through the CPU flash
+    ops or the recomputing path (a GPU's), output and gradients are each example's own causal attention."""
+    monkeypatch.setattr(packed_attention, "GROUP_RATIO", ratio)
+    if kernel == "recompute":
+        monkeypatch.setattr(packed_attention, "_CPU_FLASH", None)
+    else:
+        assert packed_attention._CPU_FLASH is not None  # this torch has the ops; otherwise the test is moot
+    lengths = (7, 13, 3, 12, 1, 6)
+    torch.manual_seed(2)
+    leaves = [torch.randn(sum(lengths), heads, 8, dtype=torch.float64, requires_grad=True) for heads in (4, 2, 2)]
+    grad_out = torch.randn(sum(lengths), 4, 8, dtype=torch.float64)
+    out = PerExampleAttention.apply(*leaves, lengths, None)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    expected = reference_attention(*leaves, lengths)
+    expected_grads = torch.autograd.grad(expected, leaves, grad_out)
+    assert (out - expected).norm() <= 1e-12 * expected.norm()
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert (grad - expected_grad).norm() <= 1e-12 * expected_grad.norm()
 
 
 @pytest.mark.parametrize("family, extra", [("mistral", {"sliding_window": 6}), ("llama", {"attention_dropout": 0.3})])
