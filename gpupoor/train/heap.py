@@ -50,15 +50,48 @@ def heap_trimmer(device_type: str) -> HeapTrimmer | None:
     return HeapTrimmer(trim, resident_bytes) if trim is not None else None
 
 
-def malloc_trim() -> Callable[[], None] | None:
-    """glibc's malloc_trim(0) (every whole free page of every arena back to the OS), or None without it."""
+# glibc's mallopt parameters (malloc.h), and the values gpupoor sets for a CPU process.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the heap's top is never given back on glibc's own account
+
+
+def serve_tensors_from_heap() -> bool:
+    """Have glibc serve every block under 32 MiB from its heap and keep the heap's free top, from the first step.
+
+    Left to itself glibc maps each block above its dynamic mmap threshold (128 KiB at start, rising only as
+    mapped blocks are freed) afresh and unmaps it when freed, and gives the heap's free top back above a trim
+    threshold that follows it. A training step frees and reallocates the same activation-sized blocks layer after
+    layer, so each came back as fresh pages, every one faulted in again. On the real model (SmolLM2-135M, 8 x 512
+    packed tokens, 2 threads) a step took 24-34 s so and 19.6-21.4 s with the thresholds pinned here, at the
+    same peak (5.0-5.1 GB; docs/benchmarks.md). A heap that creeps is still trimmed by HeapTrimmer. Returns
+    whether it was set: not on a C library without mallopt, nor where the environment sets glibc's own
+    (GLIBC_TUNABLES, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), which wins."""
+    if any(os.environ.get(name) for name in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def _libc_function(name: str, argtypes: list):
+    """glibc's `name` with its argument types (returning int), or None off Linux or where the C library lacks it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
+
+
+def malloc_trim() -> Callable[[], None] | None:
+    """glibc's malloc_trim(0) (every whole free page of every arena back to the OS), or None without it."""
+    trim = _libc_function("malloc_trim", [ctypes.c_size_t])
+    if trim is None:
+        return None
 
     def release() -> None:
         trim(0)  # 0: keep no padding at the heap's top

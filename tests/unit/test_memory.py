@@ -152,6 +152,25 @@ print(before, anon_mib())
 """
 
 
+REUSE_PROBE = """
+import ctypes, resource, sys
+from gpupoor.train.heap import serve_tensors_from_heap
+
+pinned = serve_tensors_from_heap() if sys.argv[1] == "pinned" else False
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = 24 * 2**20  # an intermediate-wide activation of the real model (4,096 tokens x 1,536 x fp32)
+block = libc.malloc(size)
+ctypes.memset(block, 1, size)
+libc.free(block)  # what a step does with an activation; the next step asks for the same size again
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+block = libc.malloc(size)
+ctypes.memset(block, 2, size)
+print(int(pinned), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+"""
+
+
 def test_the_heap_is_trimmed_only_when_the_resident_size_creeps_up():
     """After each backward pass: no trim while the resident size holds still (a trim costs the next step its page
     faults), one when it grows more than 10% above where it stood, and memory that a trim cannot give back (the
