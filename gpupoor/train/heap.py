@@ -63,7 +63,7 @@ def serve_tensors_from_heap() -> bool:
     mapped blocks are freed) afresh and unmaps it when freed, and gives the heap's free top back above a trim
     threshold that follows it. A training step frees and reallocates the same activation-sized blocks layer after
     layer, so each came back as fresh pages, every one faulted in again. On the real model (SmolLM2-135M, 8 x 512
-    packed tokens, 2 threads) a step took 24-34 s so and 19.6-21.4 s with the thresholds pinned here, at the
+    packed tokens, 2 threads) a step took 24-34 s that way and 19.6-21.4 s with the thresholds pinned, at the
     same peak (5.0-5.1 GB; docs/benchmarks.md). A heap that creeps is still trimmed by HeapTrimmer. Returns
     whether it was set: not on a C library without mallopt, nor where the environment sets glibc's own
     (GLIBC_TUNABLES, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), which wins."""
