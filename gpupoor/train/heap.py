@@ -15,7 +15,6 @@ Not on a GPU: there the activations live in torch's caching allocator, not in th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 from typing import Callable
@@ -76,11 +75,13 @@ def serve_tensors_from_heap() -> bool:
 
 
 def _libc_function(name: str, argtypes: list):
-    """glibc's `name` with its argument types (returning int), or None off Linux or where the C library lacks it."""
+    """glibc's `name` with its argument types (returning int), or None off Linux or where the C library lacks it.
+    Looked up among the symbols the process has loaded already (libc's among them): ctypes.util.find_library
+    would run ldconfig in a subprocess on every start of the command (~10 ms)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+        function = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
     function.argtypes, function.restype = argtypes, ctypes.c_int

@@ -50,7 +50,17 @@ def test_the_heap_trimmer_returns_freed_heap_pages_to_the_os():
     assert trimmed_after < trimmed_before - 150, (trimmed_before, trimmed_after)
 
 
+def _huge_pages_always() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            return "[always]" in setting.read()
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
+@pytest.mark.skipif(_huge_pages_always(), reason="THP 'always' faults a fresh mapping in 2 MiB at a time: the control "
+                                                 "count below is for 4 KiB pages")
 def test_the_heap_trimmer_is_the_only_one_to_give_freed_memory_back():
     """With gpupoor's mallopt settings a freed 24 MiB block is reused in place; glibc's defaults unmap it and
     fault 6,144 pages in afresh for the next one, which is what made real-model steps 20-35% slower."""
@@ -60,6 +70,7 @@ def test_the_heap_trimmer_is_the_only_one_to_give_freed_memory_back():
         out = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode], capture_output=True, text=True, check=True)
         return tuple(map(int, out.stdout.split()))
 
-    assert faults("default") >= (0, 6000)
+    pinned, refaults = faults("default")
+    assert pinned == 0 and refaults >= 6000, refaults  # the control: 24 MiB / 4 KiB = 6,144 fresh pages
     pinned, refaults = faults("pinned")
     assert pinned == 1 and refaults < 100, refaults
