@@ -370,6 +370,39 @@ def merge_lora(
 
 
 @app.command()
+def export(
+    source: Path = typer.Argument(..., help="A run directory, a PEFT adapter directory or a model directory."),
+    quant: list[str] = typer.Option(["q8_0"], "--quant", "-q", help="f32 | f16 | bf16 | q8_0 | q6_k | q5_k_m | "
+                                    "q5_1 | q5_0 | q4_k_m | q4_1 | q4_0 | iq4_nl; repeat for one file each, from "
+                                    "one merge."),
+    fmt: str = typer.Option("gguf", "--format", help="gguf (llama.cpp, Ollama, LM Studio)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="The .gguf file to write (with several "
+                                          "--quant, -QUANT is added before .gguf). Default: RUN_DIR/gguf/NAME-QUANT"
+                                          ".gguf, or beside a model directory. Must not exist."),
+    checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
+    eval_file: Optional[Path] = typer.Option(None, "--eval", help="Text to measure perplexity on: .txt, or .jsonl "
+                                             "rows with a \"text\" field. Default: the run's eval set."),
+    eval_tokens: int = typer.Option(16384, "--eval-tokens", min=1, help="Score at most about this many target "
+                                    "tokens."),
+    quality: bool = typer.Option(True, "--quality/--no-quality", help="Measure each file's perplexity against "
+                                 "the full-precision model (loads each file back with transformers)."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Write the trained model as GGUF files (adapter merged first) and measure what each quantization costs in
+    perplexity: a table printed and written as NAME-QUANT.quality.json, with an Ollama Modelfile beside each file."""
+
+    def action() -> int:
+        from gpupoor.commands.export import export as run_export
+        from gpupoor.quiet import quiet_libraries
+
+        quiet_libraries()
+        run_export(source, quant, fmt, output, checkpoint, eval_file, eval_tokens, quality, say=typer.echo)
+        return 0
+
+    _guarded(debug, action)
+
+
+@app.command()
 def generate(
     source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (the instruction, user turn or text)."),

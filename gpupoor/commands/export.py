@@ -1,0 +1,219 @@
+"""`gpupoor export`: a run (or a model directory) as GGUF files for llama.cpp, Ollama and LM Studio, one per
+`--quant`, from one merge, and a table of what each quantization cost in perplexity.
+
+Everything that can be refused is refused before any work: the format, the quant names, the architecture, the
+output paths. An adapter is merged once into a temporary fp32 model directory beside the output (the streaming
+merge of merge-lora, QLoRA through the dequantized base) and removed afterwards; a full fine-tune or a model
+directory is read as it is."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from gpupoor.errors import UserError
+from gpupoor.model.gguf import INSTALL
+
+FORMATS = ("gguf",)
+
+
+@dataclass
+class QualityRow:
+    type: str  # the --quant name, or "full precision"
+    file: str | None
+    size_bytes: int
+    bits_per_weight: float
+    perplexity: float | None
+    change_pct: float | None  # perplexity change vs full precision, in percent
+    tensor_types: dict | None = None
+
+
+@dataclass
+class ExportSource:
+    weights_dir: Path  # an adapter, or a whole model
+    run_dir: Path | None
+    is_adapter: bool
+    config: dict  # the model's config.json (the base's, for an adapter)
+    name: str
+
+
+def check_request(fmt: str, quants: list[str]) -> list[str]:
+    """The quant names, deduplicated in order, or a UserError for an unknown format or quant."""
+    from gpupoor.export.quant_types import QUANTS
+
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: gpupoor exports {', '.join(FORMATS)}",
+                        hint="merged safetensors: gpupoor merge-lora")
+    unknown = [q for q in quants if q not in QUANTS]
+    if unknown:
+        raise UserError(f"--quant {unknown[0]!r} is not a GGUF type gpupoor writes",
+                        hint="use one or more of " + ", ".join(QUANTS))
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise UserError("GGUF export needs the gguf package, which is not installed", hint=INSTALL) from None
+    return list(dict.fromkeys(quants)) or ["q8_0"]
+
+
+def resolve_source(path: Path, checkpoint: str) -> ExportSource:
+    """The weights behind PATH (a run's final/ or step-N, an adapter, a model directory), verified, and the
+    config of the model they make."""
+    from gpupoor.commands.merge import base_config
+    from gpupoor.storage.run_weights import locate_weights
+
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory", hint="pass a run directory, an adapter or a model directory")
+    weights = locate_weights(path, checkpoint)
+    if not weights.is_adapter and not (weights.path / "config.json").is_file():
+        raise UserError(f"{path} is neither a gpupoor run directory, an adapter nor a model directory (no "
+                        "recipe.yaml, adapter_config.json or config.json)")
+    weights.verify()
+    if weights.is_adapter:
+        adapter = json.loads((weights.path / "adapter_config.json").read_text())
+        base = adapter.get("base_model_name_or_path")
+        config = base_config(base, adapter.get("revision")) if base else None
+        if config is None:
+            raise UserError(f"cannot read the config of the adapter's base model {base!r}",
+                            hint="make the base model available locally (or online) and export again")
+    else:
+        config = json.loads((weights.path / "config.json").read_text())
+    name = (weights.run_dir or weights.path).resolve().name
+    return ExportSource(weights.path, weights.run_dir, weights.is_adapter, config, name)
+
+
+def output_paths(source: ExportSource, quants: list[str], output: Path | None) -> tuple[dict[str, Path], Path]:
+    """Where each quant's file goes: --output (with -QUANT before .gguf when there are several), else RUN_DIR/gguf/
+    or beside a model directory, none existing yet; and the quality table's JSON (NAME.quality.json)."""
+    if output is not None:
+        output = output.expanduser().absolute()
+        if output.is_dir():
+            raise UserError(f"--output {output} is a directory", hint="give a file name ending in .gguf")
+        if output.suffix != ".gguf":
+            raise UserError(f"--output {output}: a GGUF file's name ends in .gguf", hint=f"e.g. {output}.gguf")
+        paths = {q: output if len(quants) == 1 else output.with_name(f"{output.stem}-{q}.gguf") for q in quants}
+        table = output.with_name(f"{output.stem}.quality.json")
+    else:
+        folder = source.run_dir.absolute() / "gguf" if source.run_dir else source.weights_dir.resolve().parent
+        paths = {q: folder / f"{source.name}-{q}.gguf" for q in quants}
+        table = folder / f"{source.name}.quality.json"
+    for path in paths.values():
+        if path.exists():
+            raise UserError(f"{path} already exists", hint="choose another --output, or delete it")
+    return paths, table
+
+
+@contextlib.contextmanager
+def model_directory(source: ExportSource, scratch_parent: Path, say: Callable[[str], None]):
+    """A transformers model directory of the trained model: the weights themselves, or the adapter merged into its
+    base in fp32 in a temporary directory (removed afterwards)."""
+    if not source.is_adapter:
+        yield source.weights_dir
+        return
+    from gpupoor.commands.merge import merge_lora
+    from gpupoor.storage.run_weights import RunWeights
+
+    with tempfile.TemporaryDirectory(prefix=".gpupoor-export-", dir=scratch_parent) as scratch:
+        say("merging the adapter into its base (fp32)")
+        merged = merge_lora(RunWeights(source.weights_dir, source.run_dir), Path(scratch) / "merged", dtype="fp32",
+                            say=say)
+        yield merged
+
+
+def export(path: Path, quants: list[str], fmt: str = "gguf", output: Path | None = None,
+           checkpoint: str = "final", eval_file: Path | None = None, eval_tokens: int = 16384,
+           quality: bool = True, say: Callable[[str], None] = print) -> list[QualityRow]:
+    from gpupoor.export.architectures import family_of
+    from gpupoor.export.quant_types import QUANTS
+    from gpupoor.storage.rundir import check_writable
+
+    quants = check_request(fmt, quants)
+    source = resolve_source(path, checkpoint)
+    family = family_of(source.config, str(path))
+    paths, table = output_paths(source, quants, output)
+    if quality and eval_file is None and source.run_dir is None:
+        raise UserError(f"{path} is not a run, so there is no eval set to measure the quantization cost on",
+                        hint="pass --eval FILE (plain text, or JSONL rows with a \"text\" field), or --no-quality")
+    folder = next(iter(paths.values())).parent
+    check_writable(folder, f"--output {folder}", hint="give --output a file in a writable directory")
+    with _folder_kept_if_written(folder), model_directory(source, folder, say) as model_dir:
+        from gpupoor.export.gguf_file import write_gguf
+
+        written = []
+        for quant, target in paths.items():
+            file = write_gguf(model_dir, target, QUANTS[quant], name=source.name)
+            say(f"wrote {file.path} ({file.size_bytes / 2**20:.1f} MiB, {file.bits_per_weight:.2f} bits/weight)")
+            written.append(file)
+        write_modelfiles(model_dir, written, family.gguf_arch, say)
+        rows = measure(model_dir, source, written, eval_file, eval_tokens, table, say) if quality else \
+            [QualityRow(f.quant, f.path.name, f.size_bytes, round(f.bits_per_weight, 3), None, None,
+                        dict(f.types)) for f in written]
+    return rows
+
+
+@contextlib.contextmanager
+def _folder_kept_if_written(folder: Path):
+    """Create the output folder; remove it again if the export fails before anything is in it."""
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if created and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
+
+
+def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Path | None, eval_tokens: int,
+            table: Path, say: Callable[[str], None]) -> list[QualityRow]:
+    """Perplexity of the full-precision model and of each file read back, printed as a table and written as JSON
+    beside the files."""
+    from gpupoor.export.quality import file_eval_text, perplexity_of_gguf, perplexity_of_model_dir, run_eval_text
+    from gpupoor.model.load import load_tokenizer
+    from gpupoor.recipe.schema import ModelSection
+
+    tokenizer = load_tokenizer(str(model_dir), ModelSection(name_or_path=str(model_dir)))
+    text = file_eval_text(eval_file, tokenizer, eval_tokens) if eval_file else \
+        run_eval_text(source.run_dir, tokenizer, eval_tokens)
+    reference, tokens = perplexity_of_model_dir(model_dir, text)
+    say(f"measuring perplexity on {tokens} target tokens of {text.source}")
+    parameters = written[0].parameters
+    rows = [QualityRow("full precision", None, 4 * parameters, 32.0, round(reference, 4), 0.0)]
+    for file in written:
+        value = perplexity_of_gguf(file.path, text)
+        rows.append(QualityRow(file.quant, file.path.name, file.size_bytes, round(file.bits_per_weight, 3),
+                               round(value, 4), round(100 * (value / reference - 1), 3), dict(file.types)))
+    say(render_table(rows))
+    report = {"eval": {"source": text.source, "target_tokens": tokens}, "rows": [asdict(row) for row in rows]}
+    _write_text(table, json.dumps(report, indent=2) + "\n")
+    say(f"wrote {table}")
+    return rows
+
+
+def render_table(rows: list[QualityRow]) -> str:
+    lines = ["| type | size MiB | bits/weight | perplexity | change |", "|---|---:|---:|---:|---:|"]
+    for row in rows:
+        change = "" if row.change_pct is None or row.type == "full precision" else f"{row.change_pct:+.2f}%"
+        lines.append(f"| {row.type} | {row.size_bytes / 2**20:.1f} | {row.bits_per_weight:.2f} | "
+                     f"{'' if row.perplexity is None else f'{row.perplexity:.3f}'} | {change} |")
+    return "\n".join(lines)
+
+
+def write_modelfiles(model_dir: Path, written: list, gguf_arch: str, say: Callable[[str], None]) -> None:
+    """An Ollama Modelfile beside each GGUF (`ollama create NAME -f FILE.Modelfile`)."""
+    from gpupoor.export.modelfile import modelfile
+
+    for file in written:
+        target = file.path.with_name(f"{file.path.name.removesuffix('.gguf')}.Modelfile")
+        _write_text(target, modelfile(file.path.name, model_dir, gguf_arch))
+    say(f"wrote an Ollama Modelfile beside each file (ollama create NAME -f {target.name})")
+
+
+def _write_text(target: Path, text: str) -> None:
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, target)

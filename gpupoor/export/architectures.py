@@ -1,0 +1,109 @@
+"""Which transformers architectures a GGUF export can write, and what each needs that the tensors alone do not
+say: llama.cpp's architecture name, the hyperparameters its loader reads, and the ways llama.cpp's layout differs
+from transformers' (the rotary halves of q/k interleaved for llama; Gemma's RMSNorm weights stored as 1 + w).
+What llama.cpp's own convert_hf_to_gguf.py does for each family, written from the checkpoint's config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpupoor.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    gguf_arch: str  # llama.cpp's architecture name (general.architecture), a gguf.MODEL_ARCH_NAMES value
+    permute_qk: bool = False  # llama: llama.cpp's rope pairs neighbouring dims, transformers' the two halves
+    norm_offset: float = 0.0  # Gemma computes x * (1 + w); llama.cpp computes x * w, so the file stores 1 + w
+    softcapping: bool = False  # gemma2: attention and final logit softcapping keys
+    sliding_window: bool = False  # the family's llama.cpp graph reads attention.sliding_window
+
+
+# model_type (config.json) -> how llama.cpp names and lays it out. Mistral is llama.cpp's llama architecture.
+FAMILIES = {
+    "llama": Family("llama", permute_qk=True),
+    "mistral": Family("llama", permute_qk=True),
+    "qwen2": Family("qwen2"),
+    "gemma": Family("gemma", norm_offset=1.0),
+    "gemma2": Family("gemma2", norm_offset=1.0, softcapping=True, sliding_window=True),
+    "gemma3_text": Family("gemma3", norm_offset=1.0, sliding_window=True),
+    "phi3": Family("phi3", sliding_window=True),
+}
+
+
+def family_of(config: dict, where: str) -> Family:
+    """The export rules of a model's config.json, or a UserError naming its architecture (before any work)."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise UserError(f"{where}: cannot export a {model_type!r} model to GGUF: there is no mapping for that "
+                        "architecture", hint="architectures gpupoor exports: " + ", ".join(sorted(FAMILIES))
+                        + "; llama.cpp's convert_hf_to_gguf.py converts others from the merged model directory "
+                        "(gpupoor merge-lora)")
+    return FAMILIES[model_type]
+
+
+def rope_theta(config: dict) -> float:
+    """The rope base of the full-attention layers (transformers 5 keeps it in rope_parameters, nested per layer
+    type for Gemma 3; older configs have rope_theta at the top)."""
+    parameters = config.get("rope_parameters") or {}
+    if "full_attention" in parameters:
+        parameters = parameters["full_attention"]
+    return float(parameters.get("rope_theta") or config.get("rope_theta") or 10000.0)
+
+
+def head_dim(config: dict) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def write_hyperparameters(writer, config: dict, family: Family) -> None:
+    """The {arch}.* keys llama.cpp's loader needs for this family (and transformers' GGUF loader reads back)."""
+    heads = config["num_attention_heads"]
+    writer.add_context_length(int(config.get("max_position_embeddings") or 4096))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
+    writer.add_rope_freq_base(rope_theta(config))
+    writer.add_vocab_size(config["vocab_size"])
+    dim = head_dim(config)
+    if family.gguf_arch == "phi3":
+        rotary = float((config.get("rope_parameters") or {}).get("partial_rotary_factor")
+                       or config.get("partial_rotary_factor") or 1.0)
+        writer.add_rope_dimension_count(int(rotary * config["hidden_size"]) // heads)
+        original = config.get("original_max_position_embeddings")
+        if original:
+            writer.add_rope_scaling_orig_ctx_len(int(original))
+    else:
+        writer.add_rope_dimension_count(dim)
+    if family.gguf_arch.startswith("gemma"):
+        writer.add_key_length(dim)
+        writer.add_value_length(dim)
+    if family.softcapping:
+        for key, add in (("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+                         ("final_logit_softcapping", writer.add_final_logit_softcapping)):
+            if config.get(key) is not None:
+                add(float(config[key]))
+    if family.sliding_window:
+        writer.add_sliding_window(int(config.get("sliding_window") or 0))
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert script's reordering of each head's rows of q_proj/k_proj (the rotary halves
+    interleaved); transformers' GGUF loader undoes it."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def to_llama_cpp_layout(name: str, tensor: np.ndarray, config: dict, family: Family) -> np.ndarray:
+    """One transformers tensor (float32) as llama.cpp stores it."""
+    if family.permute_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return _permute(tensor, config["num_attention_heads"])
+    if family.permute_qk and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        return _permute(tensor, config.get("num_key_value_heads") or config["num_attention_heads"])
+    if family.norm_offset and name.endswith("norm.weight"):
+        return tensor + np.float32(family.norm_offset)
+    return tensor

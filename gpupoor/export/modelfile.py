@@ -1,0 +1,59 @@
+"""An Ollama Modelfile for an exported GGUF: FROM the file, the chat format the model was tuned on as Ollama's
+TEMPLATE (Go template syntax) and its end-of-turn token as a stop. The format is recognised from the chat
+template's own marker tokens; a model without a chat template gets the prompt passed through as it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# (marker in the Jinja chat template, Ollama TEMPLATE, stop token), first match wins.
+CHAT_FORMATS = (
+    ("<|im_start|>", "chatml",
+     '{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}{{ if .Prompt }}<|im_start|>user\n'
+     '{{ .Prompt }}<|im_end|>\n{{ end }}<|im_start|>assistant\n{{ .Response }}<|im_end|>\n', "<|im_end|>"),
+    ("<|start_header_id|>", "llama 3",
+     '{{ if .System }}<|start_header_id|>system<|end_header_id|>\n\n{{ .System }}<|eot_id|>{{ end }}'
+     '{{ if .Prompt }}<|start_header_id|>user<|end_header_id|>\n\n{{ .Prompt }}<|eot_id|>{{ end }}'
+     '<|start_header_id|>assistant<|end_header_id|>\n\n{{ .Response }}<|eot_id|>', "<|eot_id|>"),
+    ("<start_of_turn>", "gemma",
+     '<start_of_turn>user\n{{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}<end_of_turn>\n'
+     '<start_of_turn>model\n{{ .Response }}<end_of_turn>\n', "<end_of_turn>"),
+    ("<|assistant|>", "phi 3",
+     '{{ if .System }}<|system|>\n{{ .System }}<|end|>\n{{ end }}{{ if .Prompt }}<|user|>\n{{ .Prompt }}<|end|>\n'
+     '{{ end }}<|assistant|>\n{{ .Response }}<|end|>\n', "<|end|>"),
+    ("[INST]", "mistral / llama 2",
+     '[INST] {{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }} [/INST] {{ .Response }}', "[/INST]"),
+)
+
+
+def chat_template_of(model_dir: Path) -> str | None:
+    import json
+
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = model_dir / "tokenizer_config.json"
+    template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+    return template if isinstance(template, str) else None
+
+
+def chat_format(template: str | None) -> tuple[str, str, str] | None:
+    """(name, Ollama TEMPLATE, stop) of the chat template's format, or None when there is none gpupoor maps."""
+    for marker, name, ollama, stop in CHAT_FORMATS:
+        if template and marker in template:
+            return name, ollama, stop
+    return None
+
+
+def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str) -> str:
+    found = chat_format(chat_template_of(model_dir))
+    lines = [f"# Ollama: ollama create NAME -f {gguf_name.removesuffix('.gguf')}.Modelfile, then ollama run NAME",
+             f"FROM ./{gguf_name}"]
+    if found is None:
+        lines += ["# The model has no chat template gpupoor recognises: prompts go to it as they are.",
+                  'TEMPLATE """{{ .Prompt }}"""']
+    else:
+        name, template, stop = found
+        lines += [f"# The {name} chat format the model was tuned with ({gguf_arch}).", f'TEMPLATE """{template}"""',
+                  f'PARAMETER stop "{stop}"']
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,123 @@
+"""What a quantization cost: perplexity on held-out text of the full-precision model and of each written GGUF,
+the GGUF read back by an independent reader (transformers' GGUF loader, which dequantizes with the gguf package)
+and run in torch, in float32. The same token ids and targets for every model: the merged model's tokenizer
+encodes them once.
+
+The text is the run's eval set (its examples and targets, as eval_loss counts them), or `--eval FILE` (plain text
+or JSONL rows with a "text" field, cut into windows), or, for a run that held nothing out, its training examples
+(said in the table: a perplexity on trained text is lower, the change between types still reads the same)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpupoor.errors import UserError
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class EvalText:
+    examples: list[tuple[torch.Tensor, torch.Tensor]]  # (input ids, labels: -100 where not a target)
+    source: str  # what the text is, for the table
+
+
+def _capped(examples, max_tokens: int) -> list:
+    kept, total = [], 0
+    for ids, labels in examples:
+        if total >= max_tokens:
+            break
+        kept.append((ids, labels))
+        total += int((labels != IGNORE_INDEX).sum())
+    return kept
+
+
+def run_eval_text(run_dir: Path, tokenizer, max_tokens: int) -> EvalText:
+    """The run's eval examples (or its training examples when it held none out), tokenized as it trained."""
+    from gpupoor.data.build import build_data
+    from gpupoor.storage.rundir import stored_recipe
+
+    recipe = stored_recipe(run_dir)
+    if recipe.data.format == "preference":
+        raise UserError(f"{run_dir} trained on preference pairs: its eval set is pairs, not text to score",
+                        hint="pass --eval FILE with plain text (or JSONL rows with a \"text\" field)")
+    bundle = build_data(recipe.data, tokenizer, micro_batch_size=1, seed=recipe.seed, base_dir=run_dir)
+    dataset, source = (bundle.eval, "the run's eval set") if bundle.eval is not None and len(bundle.eval) else \
+        (bundle.train, "the run's training examples (it held out no eval set; pass --eval FILE for unseen text)")
+    return EvalText(_capped((dataset[i] for i in range(len(dataset))), max_tokens), source)
+
+
+def file_eval_text(path: Path, tokenizer, max_tokens: int, window: int = 512) -> EvalText:
+    """Plain text (.txt) or JSONL rows with a "text" field, tokenized and cut into windows of `window` tokens."""
+    if not path.is_file():
+        raise UserError(f"--eval {path}: no such file", hint="give a .txt file or a .jsonl file with a \"text\" field")
+    raw = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        texts = []
+        for number, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"--eval {path}:{number}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise UserError(f"--eval {path}:{number}: a row needs a \"text\" string",
+                                hint="or give the text as a .txt file")
+            texts.append(row["text"])
+        raw = "\n\n".join(texts)
+    ids = torch.tensor(tokenizer(raw, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if len(ids) < 2:
+        raise UserError(f"--eval {path}: fewer than two tokens of text to score")
+    examples = [(ids[start:start + window], ids[start:start + window].clone())
+                for start in range(0, len(ids) - 1, window) if len(ids[start:start + window]) > 1]
+    return EvalText(_capped(examples, max_tokens), f"{path.name}")
+
+
+def mean_nll(model, examples: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int = 4) -> tuple[float, int]:
+    """(mean negative log-likelihood per target token, target tokens) of `model` on the examples, in float64 sums."""
+    from gpupoor.data.build import collate
+
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            rows = examples[start:start + batch_size]
+            batch = collate(rows, list(range(len(rows))), pad_id=0)  # padding is masked out: any id works
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            labels = batch["labels"][:, 1:]
+            losses = torch.nn.functional.cross_entropy(logits[:, :-1].double().flatten(0, 1), labels.flatten(),
+                                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            total += float(losses)
+            count += int((labels != IGNORE_INDEX).sum())
+    if count == 0:
+        raise UserError("the eval text has no target tokens to score")
+    return total / count, count
+
+
+def perplexity_of_model_dir(model_dir: Path, text: EvalText) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    nll, tokens = mean_nll(model, text.examples)
+    return math.exp(nll), tokens
+
+
+def perplexity_of_gguf(path: Path, text: EvalText) -> float:
+    """The GGUF loaded by transformers (dequantized to float32) and scored on the same ids."""
+    import functools
+    from unittest import mock
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
+    from transformers import AutoModelForCausalLM
+
+    # The loader's own tqdm bar ignores transformers' progress-bar switch: one bar per file is noise here.
+    with mock.patch.object(gguf_loading, "tqdm", functools.partial(gguf_loading.tqdm, disable=True)):
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    nll, _ = mean_nll(model, text.examples)
+    return math.exp(nll)
