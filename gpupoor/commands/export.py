@@ -184,7 +184,7 @@ def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Pat
     parameters = written[0].parameters
     rows = [QualityRow("full precision", None, 4 * parameters, 32.0, round(reference, 4), 0.0)]
     for file in written:
-        value = perplexity_of_gguf(file.path, text)
+        value = perplexity_of_gguf(file.path, text, model_dir)
         rows.append(QualityRow(file.quant, file.path.name, file.size_bytes, round(file.bits_per_weight, 3),
                                round(value, 4), round(100 * (value / reference - 1), 3), dict(file.types)))
     say(render_table(rows))

@@ -22,6 +22,7 @@ class Family:
 
 
 # model_type (config.json) -> how llama.cpp names and lays it out. Mistral is llama.cpp's llama architecture.
+# transformers' GGUF loader reads all of them back except Gemma 1 (gpupoor.export.quality reads that one itself).
 FAMILIES = {
     "llama": Family("llama", permute_qk=True),
     "mistral": Family("llama", permute_qk=True),
@@ -91,6 +92,11 @@ def write_hyperparameters(writer, config: dict, family: Family) -> None:
         writer.add_sliding_window(int(config.get("sliding_window") or 0))
 
 
+def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert script's reordering of each head's rows of q_proj/k_proj (the rotary halves
     interleaved); transformers' GGUF loader undoes it."""
@@ -106,4 +112,15 @@ def to_llama_cpp_layout(name: str, tensor: np.ndarray, config: dict, family: Fam
         return _permute(tensor, config.get("num_key_value_heads") or config["num_attention_heads"])
     if family.norm_offset and name.endswith("norm.weight"):
         return tensor + np.float32(family.norm_offset)
+    return tensor
+
+
+def from_llama_cpp_layout(name: str, tensor: np.ndarray, config: dict, family: Family) -> np.ndarray:
+    """The inverse of `to_llama_cpp_layout`: a tensor read from a GGUF file as transformers holds it."""
+    if family.permute_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return _unpermute(tensor, config["num_attention_heads"])
+    if family.permute_qk and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        return _unpermute(tensor, config.get("num_key_value_heads") or config["num_attention_heads"])
+    if family.norm_offset and name.endswith("norm.weight"):
+        return tensor - np.float32(family.norm_offset)
     return tensor

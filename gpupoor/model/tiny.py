@@ -123,3 +123,30 @@ def _add_tokenizer(writer, model_dir: Path) -> None:
     writer.add_add_bos_token(True)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_causal_lm(path: str | Path, tokenizer, model_type: str, hidden: int = 64, layers: int = 2,
+                         heads: int = 4, kv_heads: int = 2, intermediate: int | None = None, seed: int = 0) -> Path:
+    """Save a random-weight model of any transformers `model_type` (llama, qwen2, gemma2, phi3...) and its tokenizer.
+    Norm weights and biases are perturbed away from their initial ones and zeros, so a layout mistake in them
+    (Gemma's 1 + w, a dropped bias) changes the logits."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    settings = dict(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads,
+                    intermediate_size=intermediate or 2 * hidden, max_position_embeddings=512,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
+    if model_type.startswith("gemma"):
+        settings["head_dim"] = hidden // heads
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**settings))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,247 @@
+"""GGUF export of tiny random models of every supported architecture: the file read back by an independent reader
+(transformers' GGUF loader; the gguf package's dequantizer for Gemma 1, which transformers cannot load) gives the
+original model's logits (f32: bitwise; quantized: within a bound per type), its tokenizer gives the original ids on
+a multilingual sample, each tensor has the type llama.cpp's rules give it, and bad input is refused (exit 2) with
+nothing left behind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import invoke
+
+gguf = pytest.importorskip("gguf")
+
+ARCHITECTURES = ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text", "phi3"]
+SAMPLE = "Grüße aus Köln! 你好，世界。Привет, мир! こんにちは. Ελληνικά 123 4567 🙂 Below is an instruction"
+# Relative logit error (Frobenius norm) of a 2-layer width-256 Llama read back from each type. Measured on this
+# machine's random model (f16 6e-4, bf16 4e-3, q8_0 0.016, q6_k 0.05, q5_* 0.10-0.11, q4_* and iq4_nl 0.18-0.21);
+# the bounds are about twice that. A layout mistake (an unpermuted q/k, a norm without Gemma's offset, scales in
+# the wrong bytes) gives errors of order 1.
+BOUNDS = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 4e-2, "q6_k": 0.12, "q5_k_m": 0.22, "q5_1": 0.22, "q5_0": 0.22,
+          "q4_k_m": 0.4, "q4_1": 0.4, "q4_0": 0.4, "iq4_nl": 0.4}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory, tokenizer):
+    """model_type -> a saved tiny random model of it (built on first use)."""
+    from gpupoor.model.tiny import build_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("architectures")
+    built: dict[str, Path] = {}
+
+    def get(model_type: str, hidden: int = 64, layers: int = 2) -> Path:
+        key = f"{model_type}-{hidden}-{layers}"
+        if key not in built:
+            built[key] = build_tiny_causal_lm(root / key, tokenizer, model_type, hidden=hidden, layers=layers)
+        return built[key]
+
+    return get
+
+
+def write(model_dir: Path, quant: str, folder: Path) -> Path:
+    from gpupoor.export.gguf_file import write_gguf
+    from gpupoor.export.quant_types import QUANTS
+
+    target = folder / f"model-{quant}.gguf"
+    write_gguf(model_dir, target, QUANTS[quant], name="tiny test model")
+    return target
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def original(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_an_f32_file_reads_back_as_the_same_model_and_tokenizer(model_type, tiny_models, tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    from gpupoor.export.quality import load_gguf_back
+
+    model_dir = tiny_models(model_type)
+    path = write(model_dir, "f32", tmp_path)
+    ids = tokenizer(SAMPLE, return_tensors="pt").input_ids
+    back = load_gguf_back(path, model_dir).eval()
+    # Same weights, same operations, same machine: the same logits, bit for bit.
+    assert torch.equal(logits(back, ids), logits(original(model_dir), ids))
+    if model_type != "gemma":  # transformers builds no model from a Gemma 1 file, and no tokenizer either
+        read = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        assert read(SAMPLE).input_ids == ids[0].tolist()
+        assert read.decode(read(SAMPLE).input_ids, skip_special_tokens=True) == SAMPLE
+
+
+@pytest.mark.parametrize("quant", sorted(BOUNDS))
+def test_each_quantized_file_stays_within_its_bound(quant, tiny_models, tokenizer, tmp_path):
+    from gpupoor.export.quality import load_gguf_back
+
+    model_dir = tiny_models("llama", hidden=256)  # 256: the K types' block fits the rows, no fallback
+    path = write(model_dir, quant, tmp_path)
+    ids = tokenizer([SAMPLE, SAMPLE[::-1]], return_tensors="pt", padding=True).input_ids
+    reference = logits(original(model_dir), ids)
+    error = float((logits(load_gguf_back(path, model_dir), ids) - reference).norm() / reference.norm())
+    assert 0 < error < BOUNDS[quant], f"{quant}: relative logit error {error:.3g}"
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "phi3"])
+def test_the_other_families_read_back_quantized_within_the_q8_0_bound(model_type, tiny_models, tokenizer, tmp_path):
+    from gpupoor.export.quality import load_gguf_back
+
+    model_dir = tiny_models(model_type)
+    path = write(model_dir, "q8_0", tmp_path)
+    ids = tokenizer(SAMPLE, return_tensors="pt").input_ids
+    reference = logits(original(model_dir), ids)
+    assert float((logits(load_gguf_back(path, model_dir), ids) - reference).norm() / reference.norm()) < 0.04
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    return {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_q4_k_m_gives_more_bits_where_llama_cpp_does(tiny_models, tmp_path):
+    """8 layers: use_more_bits picks layers 0 (first eighth), 7 (last eighth), 3 and 6 (every third between),
+    worked out by hand from llama.cpp's rule."""
+    types = tensor_types(write(tiny_models("llama", hidden=256, layers=8), "q4_k_m", tmp_path))
+    assert types["output.weight"] == "Q6_K"
+    assert types["token_embd.weight"] == "Q4_K"
+    for layer in range(8):
+        more = "Q6_K" if layer in (0, 3, 6, 7) else "Q4_K"
+        assert types[f"blk.{layer}.attn_v.weight"] == more
+        assert types[f"blk.{layer}.ffn_down.weight"] == more
+        assert types[f"blk.{layer}.attn_q.weight"] == types[f"blk.{layer}.ffn_up.weight"] == "Q4_K"
+        assert types[f"blk.{layer}.attn_norm.weight"] == "F32"
+
+
+def test_rows_the_k_block_does_not_divide_fall_back_as_llama_cpp_does(tiny_models, tmp_path):
+    """Width 64 is no multiple of 256: Q4_K -> Q5_0, Q6_K -> Q8_0 (the head); 32-blocks fit."""
+    types = tensor_types(write(tiny_models("llama"), "q4_k_m", tmp_path))
+    assert types["output.weight"] == "Q8_0"
+    assert types["blk.0.attn_q.weight"] == "Q5_0"
+    assert types["blk.1.attn_v.weight"] == "Q8_0"  # more bits (the last layer): Q6_K, which falls back
+    assert set(tensor_types(write(tiny_models("llama"), "q6_k", tmp_path)).values()) == {"Q8_0", "F32"}
+
+
+def test_the_metadata_says_what_llama_cpp_reads(tiny_models, tmp_path):
+    from gpupoor.model.gguf import read_gguf
+
+    model_dir = tiny_models("gemma2")
+    facts = read_gguf(write(model_dir, "q8_0", tmp_path))
+    config = json.loads((model_dir / "config.json").read_text())
+    assert facts.architecture == "gemma2"
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "head_dim", "sliding_window", "vocab_size"):
+        assert facts.config[key] == config[key], key
+    assert facts.config["tie_word_embeddings"] is True
+    reader = gguf.GGUFReader(str(tmp_path / "model-q8_0.gguf"))
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    assert reader.fields["gemma2.attn_logit_softcapping"].contents() == pytest.approx(config["attn_logit_softcapping"])
+
+
+def test_the_modelfile_maps_a_chatml_template(tiny_models, tmp_path):
+    from gpupoor.export.modelfile import modelfile
+
+    model_dir = tmp_path / "chat"
+    shutil.copytree(tiny_models("qwen2"), model_dir)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    text = modelfile("chat-q4_0.gguf", model_dir, "qwen2")
+    assert "FROM ./chat-q4_0.gguf" in text
+    assert "<|im_start|>user\n{{ .Prompt }}<|im_end|>" in text and 'PARAMETER stop "<|im_end|>"' in text
+    plain = modelfile("plain.gguf", tiny_models("qwen2"), "qwen2")
+    assert 'TEMPLATE """{{ .Prompt }}"""' in plain and "stop" not in plain
+
+
+# -- bad input: exit 2, what and what to do, nothing written --------------------------------------------------------
+
+def export(*args):
+    return invoke("export", *args)
+
+
+def test_an_unknown_quant_or_format_is_refused_before_any_work(tiny_models, tmp_path):
+    result = export(tiny_models("llama"), "--quant", "q3_k_s", "--output", tmp_path / "x.gguf", "--no-quality")
+    assert result.exit_code == 2
+    assert "--quant 'q3_k_s'" in result.output and "q4_k_m" in result.output
+    result = export(tiny_models("llama"), "--format", "onnx", "--output", tmp_path / "x.gguf")
+    assert result.exit_code == 2 and "--format 'onnx'" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_architecture_without_a_mapping_is_named(tmp_path, tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model_dir = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(tokenizer))).save_pretrained(model_dir)
+    result = export(model_dir, "--output", tmp_path / "out" / "x.gguf", "--no-quality")
+    assert result.exit_code == 2
+    assert "'gpt2'" in result.output and "llama" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_output_or_a_directory_is_refused(tiny_models, tmp_path):
+    taken = tmp_path / "taken.gguf"
+    taken.write_bytes(b"keep me")
+    result = export(tiny_models("llama"), "--output", taken, "--no-quality")
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert taken.read_bytes() == b"keep me"
+    result = export(tiny_models("llama"), "--output", tmp_path, "--no-quality")
+    assert result.exit_code == 2 and "is a directory" in result.output
+
+
+def test_a_model_directory_needs_eval_text_to_measure(tiny_models, tmp_path):
+    result = export(tiny_models("llama"), "--output", tmp_path / "x.gguf")
+    assert result.exit_code == 2 and "--eval FILE" in result.output
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_run_without_final_says_to_finish_it(tmp_path, make_recipe):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(make_recipe(), run / "recipe.yaml")
+    result = export(run, "--no-quality")
+    assert result.exit_code == 2 and "has not finished" in result.output
+
+
+def test_a_disk_that_fills_mid_write_leaves_nothing_under_the_final_name(tiny_models, tmp_path, monkeypatch):
+    written = []
+
+    def fill_up(self, tensor, *args, **kwargs):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(tensor.nbytes)
+        original_write(self, tensor, *args, **kwargs)
+
+    original_write = gguf.GGUFWriter.write_tensor_data
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", fill_up)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = export(tiny_models("llama"), "--quant", "q8_0", "--output", out / "model.gguf", "--no-quality")
+    assert result.exit_code == 2 and "disk filled" in result.output
+    assert written and list(out.iterdir()) == []
+
+
+def test_an_export_of_a_model_directory_measures_on_eval_text(tiny_models, tmp_path):
+    text = tmp_path / "eval.txt"
+    text.write_text(" ".join([SAMPLE] * 20))
+    out = tmp_path / "out" / "m.gguf"
+    result = export(tiny_models("qwen2"), "-q", "f32", "-q", "q4_0", "--output", out, "--eval", text)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "m-f32.gguf").is_file() and (tmp_path / "out" / "m-q4_0.Modelfile").is_file()
+    report = json.loads((tmp_path / "out" / "m.quality.json").read_text())
+    rows = {row["type"]: row for row in report["rows"]}
+    assert set(rows) == {"full precision", "f32", "q4_0"}
+    assert rows["f32"]["perplexity"] == rows["full precision"]["perplexity"]  # the same model, the same ids
+    assert rows["q4_0"]["perplexity"] != rows["f32"]["perplexity"]
+    assert rows["q4_0"]["size_bytes"] < rows["f32"]["size_bytes"] / 3
+    assert report["eval"]["target_tokens"] > 100 and "| q4_0 |" in result.output
