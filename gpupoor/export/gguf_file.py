@@ -120,6 +120,10 @@ def write_gguf(model_dir: Path, output: Path, quant: Quant, name: str) -> Writte
         for tensor in planned:  # the order the header declared them in
             with safe_open(by_shard[tensor.hf_name], framework="pt") as handle:
                 weights = handle.get_tensor(tensor.hf_name).float().numpy()
+            if not np.isfinite(weights).all():
+                raise UserError(f"{model_dir}: tensor {tensor.hf_name} holds NaN or infinite values: the model "
+                                "diverged, and no quantization can represent it",
+                                hint="export an earlier checkpoint (--checkpoint step-N) from before the loss diverged")
             weights = to_llama_cpp_layout(tensor.hf_name, weights, config, family)
             writer.write_tensor_data(encode(weights, tensor.qtype))
         writer.close()

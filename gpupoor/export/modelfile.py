@@ -4,7 +4,12 @@ template's own marker tokens; a model without a chat template gets the prompt pa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+# A default system prompt written into a ChatML template as a literal (SmolLM2's, Qwen2.5's): the model was tuned
+# with it whenever a conversation had no system turn, so Ollama should send it too.
+DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system\\?n?\n?([^<'\"{}]+?)<\|im_end\|>")
 
 # (marker in the Jinja chat template, Ollama TEMPLATE, stop token), first match wins.
 CHAT_FORMATS = (
@@ -56,4 +61,7 @@ def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str) -> str:
         name, template, stop = found
         lines += [f"# The {name} chat format the model was tuned with ({gguf_arch}).", f'TEMPLATE """{template}"""',
                   f'PARAMETER stop "{stop}"']
+        system = DEFAULT_SYSTEM.search(chat_template_of(model_dir) or "")
+        if system:
+            lines.append(f'SYSTEM """{system.group(1).strip()}"""')
     return "\n".join(lines) + "\n"

@@ -154,11 +154,13 @@ def test_the_modelfile_maps_a_chatml_template(tiny_models, tmp_path):
 
     model_dir = tmp_path / "chat"
     shutil.copytree(tiny_models("qwen2"), model_dir)
-    (model_dir / "chat_template.jinja").write_text(
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    (model_dir / "chat_template.jinja").write_text(  # SmolLM2's shape: a default system prompt as a literal
+        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a tiny model.<|im_end|>\\n' }}"
+        "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
     text = modelfile("chat-q4_0.gguf", model_dir, "qwen2")
     assert "FROM ./chat-q4_0.gguf" in text
     assert "<|im_start|>user\n{{ .Prompt }}<|im_end|>" in text and 'PARAMETER stop "<|im_end|>"' in text
+    assert 'SYSTEM """You are a tiny model."""' in text
     plain = modelfile("plain.gguf", tiny_models("qwen2"), "qwen2")
     assert 'TEMPLATE """{{ .Prompt }}"""' in plain and "stop" not in plain
 
@@ -245,3 +247,16 @@ def test_an_export_of_a_model_directory_measures_on_eval_text(tiny_models, tmp_p
     assert rows["q4_0"]["perplexity"] != rows["f32"]["perplexity"]
     assert rows["q4_0"]["size_bytes"] < rows["f32"]["size_bytes"] / 3
     assert report["eval"]["target_tokens"] > 100 and "| q4_0 |" in result.output
+
+
+def test_a_diverged_model_is_refused_naming_the_tensor(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "diverged"
+    shutil.copytree(tiny_models("llama"), model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    result = export(model_dir, "--output", tmp_path / "out.gguf", "--no-quality")
+    assert result.exit_code == 2 and "model.layers.1.mlp.up_proj.weight holds NaN" in result.output
+    assert not (tmp_path / "out.gguf").exists() and not list(tmp_path.glob(".out.gguf*"))

@@ -1,0 +1,60 @@
+"""`gpupoor export` of trained runs: the adapter merged once, several files from that merge, the f32 file the very
+model merge-lora writes, and the quality table measured on the run's own eval set."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import invoke, write_recipe, alpaca_rows, write_jsonl
+
+pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("export")
+    data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
+    recipe = write_recipe(root / "recipe.yaml", tiny_model, data, data={"eval_rows": 8},
+                          training={"max_steps": 6, "learning_rate": 2e-2})
+    result = invoke("train", recipe, "--output-dir", root / "run")
+    assert result.exit_code == 0, result.output
+    return root / "run"
+
+
+def test_one_merge_writes_each_file_and_measures_it_on_the_runs_eval_set(lora_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from gpupoor.export.quality import load_gguf_back
+
+    result = invoke("export", lora_run, "-q", "f32", "-q", "q8_0", "-q", "q4_k_m")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("merging the adapter") == 1
+    folder = lora_run / "gguf"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [f"run-{q}.{ext}" for q in ("f32", "q8_0", "q4_k_m") for ext in ("gguf", "Modelfile")] + ["run.quality.json"])
+    assert not list(folder.glob(".*")), "the merge's scratch directory is removed"
+    report = json.loads((folder / "run.quality.json").read_text())
+    assert report["eval"]["source"] == "the run's eval set"
+    rows = {row["type"]: row for row in report["rows"]}
+    assert rows["f32"]["perplexity"] == rows["full precision"]["perplexity"]
+    assert abs(rows["q8_0"]["change_pct"]) < 1.0
+    # The f32 file is the model merge-lora writes (fp32), bit for bit.
+    assert invoke("merge-lora", lora_run, "--output", tmp_path / "merged", "--dtype", "fp32").exit_code == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 17, 33, 60, 2, 7, 11, 90]])
+    with torch.no_grad():
+        assert torch.equal(load_gguf_back(folder / "run-f32.gguf", tmp_path / "merged")(ids).logits,
+                           merged(ids).logits)
+
+
+def test_a_second_export_to_the_same_names_is_refused_and_keeps_the_first(lora_run):
+    first = (lora_run / "gguf" / "run-q8_0.gguf").read_bytes() if (lora_run / "gguf").exists() else None
+    if first is None:
+        assert invoke("export", lora_run, "-q", "q8_0", "--no-quality").exit_code == 0
+        first = (lora_run / "gguf" / "run-q8_0.gguf").read_bytes()
+    result = invoke("export", lora_run, "-q", "q8_0", "--no-quality")
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert (lora_run / "gguf" / "run-q8_0.gguf").read_bytes() == first
