@@ -20,6 +20,7 @@ from gpupoor.errors import UserError
 from gpupoor.model.gguf import INSTALL
 
 FORMATS = ("gguf",)
+MIN_GGUF = (0, 18)  # the oldest gguf whose files (Gemma 3, Phi-3 metadata) read back exactly
 
 
 @dataclass
@@ -53,10 +54,15 @@ def check_request(fmt: str, quants: list[str]) -> list[str]:
     if unknown:
         raise UserError(f"--quant {unknown[0]!r} is not a GGUF type gpupoor writes",
                         hint="use one or more of " + ", ".join(QUANTS))
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        import gguf  # noqa: F401
-    except ImportError:
+        installed = version("gguf")
+    except PackageNotFoundError:
         raise UserError("GGUF export needs the gguf package, which is not installed", hint=INSTALL) from None
+    if tuple(int(part) for part in installed.split(".")[:2] if part.isdigit()) < MIN_GGUF:
+        raise UserError(f"GGUF export needs gguf {'.'.join(map(str, MIN_GGUF))} or newer (this is {installed})",
+                        hint="pip install -U gguf")
     return list(dict.fromkeys(quants)) or ["q8_0"]
 
 
@@ -84,6 +90,25 @@ def resolve_source(path: Path, checkpoint: str) -> ExportSource:
         config = json.loads((weights.path / "config.json").read_text())
     name = (weights.run_dir or weights.path).resolve().name
     return ExportSource(weights.path, weights.run_dir, weights.is_adapter, config, name)
+
+
+def same_grid_notes(source: ExportSource, quants: list[str]) -> list[str]:
+    """A LoRA trained on a GGUF base and exported at the base's own type: quantization rounds the merged weights
+    to the nearest point of the grid the base's weights sit on exactly, and a small update rounds back to it (on
+    the real demo, q4_1 of a run on SmolLM2's Q4_1 file lost most of what it learned: docs/export.md)."""
+    from gpupoor.export.quant_types import QUANTS
+    from gpupoor.model.gguf import is_gguf, read_gguf
+
+    if not source.is_adapter:
+        return []
+    base = json.loads((source.weights_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not (is_gguf(base) and Path(base).is_file()):
+        return []
+    base_type = read_gguf(Path(base)).quantization.split(", ")[0]
+    return [f"the base {Path(base).name} is {base_type}: --quant {quant} rounds the merged weights to that same grid, "
+            "where a small fine-tuning update can round back to the base's own weights; compare its row in the "
+            "quality table with a type of another grid (q4_0, q4_k_m, q5_0...)"
+            for quant in quants if QUANTS[quant].base == base_type]
 
 
 def output_paths(source: ExportSource, quants: list[str], output: Path | None) -> tuple[dict[str, Path], Path]:
@@ -134,6 +159,8 @@ def export(path: Path, quants: list[str], fmt: str = "gguf", output: Path | None
     quants = check_request(fmt, quants)
     source = resolve_source(path, checkpoint)
     family = family_of(source.config, str(path))
+    for note in same_grid_notes(source, quants):
+        say(f"note: {note}")
     paths, table = output_paths(source, quants, output)
     if quality and eval_file is None and source.run_dir is None:
         raise UserError(f"{path} is not a run, so there is no eval set to measure the quantization cost on",
@@ -179,8 +206,10 @@ def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Pat
     tokenizer = load_tokenizer(str(model_dir), ModelSection(name_or_path=str(model_dir)))
     text = file_eval_text(eval_file, tokenizer, eval_tokens) if eval_file else \
         run_eval_text(source.run_dir, tokenizer, eval_tokens)
-    reference, tokens = perplexity_of_model_dir(model_dir, text)
-    say(f"measuring perplexity on {tokens} target tokens of {text.source}")
+    tokens = sum(int((labels != -100).sum()) for _, labels in text.examples)
+    say(f"measuring perplexity on {tokens} target tokens of {text.source}: the full-precision model, then each file "
+        "read back by transformers")
+    reference, _ = perplexity_of_model_dir(model_dir, text)
     parameters = written[0].parameters
     rows = [QualityRow("full precision", None, 4 * parameters, 32.0, round(reference, 4), 0.0)]
     for file in written:

@@ -106,7 +106,7 @@ def write_gguf(model_dir: Path, output: Path, quant: Quant, name: str) -> Writte
         writer.add_file_type(gguf.LlamaFileType[quant.file_type])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         write_hyperparameters(writer, config, family)
-        write_tokenizer(writer, model_dir, config["vocab_size"], family.gguf_arch)
+        write_tokenizer(writer, model_dir, config["vocab_size"])
         for tensor in planned:
             writer.add_tensor_info(tensor.gguf_name, tensor.shape, np.dtype(np.float32),
                                    nbytes(tensor.qtype, tensor.shape), raw_dtype=tensor.qtype)

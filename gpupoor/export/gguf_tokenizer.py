@@ -21,7 +21,7 @@ from gpupoor.errors import UserError
 PREFERRED_PRE_NAMES = ("llama-bpe", "qwen2", "tekken", "gpt-4o")
 
 
-def write_tokenizer(writer, model_dir: Path, vocab_size: int, gguf_arch: str) -> None:
+def write_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
     import gguf
 
     path = model_dir / "tokenizer.json"
@@ -31,7 +31,8 @@ def write_tokenizer(writer, model_dir: Path, vocab_size: int, gguf_arch: str) ->
     spec = json.loads(path.read_text(encoding="utf-8"))
     model = spec.get("model") or {}
     if model.get("type") == "BPE" and model.get("byte_fallback"):
-        _sentencepiece_style(writer, model_dir, vocab_size, gguf_arch)
+        _sentencepiece_style(writer, model_dir, vocab_size)
+        writer.add_add_space_prefix(adds_space_prefix(spec))
     elif model.get("type") == "BPE":
         _byte_level(writer, model_dir, spec, vocab_size)
     else:
@@ -82,7 +83,20 @@ def pre_tokenizer_name(pre: dict | None) -> str:
     return "gpt-2"
 
 
-def _sentencepiece_style(writer, model_dir: Path, vocab_size: int, gguf_arch: str) -> None:
+def adds_space_prefix(spec: dict) -> bool:
+    """Whether the tokenizer puts ▁ before the text (Llama 2's and Mistral's do; Gemma's do not): a Prepend("▁")
+    normalizer, or a Metaspace pre-tokenizer that prepends."""
+    def parts(step: dict | None) -> list[dict]:
+        step = step or {}
+        return step.get("normalizers") or step.get("pretokenizers") or [step]
+
+    prepends = any(part.get("type") == "Prepend" and part.get("prepend") == "▁" for part in parts(spec.get("normalizer")))
+    metaspace = any(part.get("type") == "Metaspace" and part.get("prepend_scheme", "always") != "never"
+                    for part in parts(spec.get("pre_tokenizer")))
+    return prepends or metaspace
+
+
+def _sentencepiece_style(writer, model_dir: Path, vocab_size: int) -> None:
     import gguf
 
     vocab = gguf.LlamaHfVocab(model_dir)
@@ -100,5 +114,3 @@ def _sentencepiece_style(writer, model_dir: Path, vocab_size: int, gguf_arch: st
     writer.add_token_list(tokens[:vocab_size])
     writer.add_token_scores(scores[:vocab_size])
     writer.add_token_types(types[:vocab_size])
-    if gguf_arch.startswith("gemma"):
-        writer.add_add_space_prefix(False)

@@ -26,6 +26,39 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
                                    pad_token="<pad>", unk_token="<unk>")
 
 
+def train_sentencepiece_style_tokenizer(texts: Iterable[str], vocab_size: int = 512, space_prefix: bool = True):
+    """A BPE tokenizer laid out as Llama 2's, Mistral's, Gemma's and Phi-3's tokenizer.json are (what transformers
+    converts their SentencePiece models to): spaces as ▁, byte fallback through <0x00>..<0xFF> at ids 3-258, and
+    BOS added; `space_prefix`: a ▁ before the text, as Llama 2's (Gemma's has none). Tests export it to GGUF as the
+    SentencePiece kind, with no sentencepiece package needed."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    def spaces_as_metaspace():
+        return normalizers.Sequence([normalizers.Prepend("▁")] * space_prefix + [normalizers.Replace(" ", "▁")])
+
+    learner = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    learner.normalizer = spaces_as_metaspace()
+    learner.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                                           show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{byte:02X}>": 3 + byte for byte in range(256)}}
+    for token, _ in sorted(learned["vocab"].items(), key=lambda item: item[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = spaces_as_metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="</s>")
+
+
 def build_tiny_llama(path: str | Path, tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4,
                      kv_heads: int = 2, intermediate: int | None = None, seed: int = 0,
                      tie_embeddings: bool = False, vocab_size: int | None = None) -> Path:

@@ -83,6 +83,44 @@ def test_an_f32_file_reads_back_as_the_same_model_and_tokenizer(model_type, tiny
         assert read.decode(read(SAMPLE).input_ids, skip_special_tokens=True) == SAMPLE
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_style_tokenizers():
+    """space_prefix -> a SentencePiece-style tokenizer (Llama 2's layout with, Gemma's without, a leading ▁)."""
+    import random
+
+    from conftest import _sentence
+    from gpupoor.data.formats import alpaca_prompt
+    from gpupoor.model.tiny import train_sentencepiece_style_tokenizer
+
+    rng = random.Random(1)
+    texts = [alpaca_prompt(_sentence(rng, 2, 9), _sentence(rng, 0, 5)) + _sentence(rng, 1, 9) for _ in range(300)]
+    return {prefix: train_sentencepiece_style_tokenizer(texts, vocab_size=500, space_prefix=prefix)
+            for prefix in (True, False)}
+
+
+@pytest.mark.parametrize("model_type,space_prefix", [("llama", True), ("mistral", True), ("gemma2", False),
+                                                     ("gemma3_text", False), ("phi3", True)])
+def test_a_sentencepiece_style_tokenizer_is_written_with_scores_and_reads_back(model_type, space_prefix,
+                                                                              sentencepiece_style_tokenizers, tmp_path):
+    """Llama 2, Mistral, Gemma and Phi-3 ship SentencePiece tokenizers: the file holds them as llama.cpp's `llama`
+    kind (tokens, scores, byte tokens typed BYTE, whether a ▁ goes first), which transformers rebuilds per family."""
+    from transformers import AutoTokenizer
+
+    from gpupoor.model.tiny import build_tiny_causal_lm
+
+    tokenizer = sentencepiece_style_tokenizers[space_prefix]
+    model_dir = build_tiny_causal_lm(tmp_path / model_type, tokenizer, model_type)
+    path = write(model_dir, "q8_0", tmp_path)
+    fields = gguf.GGUFReader(str(path)).fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is space_prefix
+    assert len(fields["tokenizer.ggml.scores"].contents()) == len(tokenizer)
+    assert fields["tokenizer.ggml.token_type"].contents()[3 + ord("A")] == gguf.TokenType.BYTE  # <0x41>
+    read = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert read(SAMPLE).input_ids == tokenizer(SAMPLE).input_ids
+    assert read.decode(read(SAMPLE).input_ids, skip_special_tokens=True) == SAMPLE
+
+
 @pytest.mark.parametrize("quant", sorted(BOUNDS))
 def test_each_quantized_file_stays_within_its_bound(quant, tiny_models, tokenizer, tmp_path):
     from gpupoor.export.quality import load_gguf_back
