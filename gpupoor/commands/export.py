@@ -152,13 +152,14 @@ def model_directory(source: ExportSource, scratch_parent: Path, say: Callable[[s
 def export(path: Path, quants: list[str], fmt: str = "gguf", output: Path | None = None,
            checkpoint: str = "final", eval_file: Path | None = None, eval_tokens: int = 16384,
            quality: bool = True, say: Callable[[str], None] = print) -> list[QualityRow]:
-    from gpupoor.export.architectures import family_of
+    from gpupoor.export.architectures import check_rope, family_of
     from gpupoor.export.quant_types import QUANTS
     from gpupoor.storage.rundir import check_writable
 
     quants = check_request(fmt, quants)
     source = resolve_source(path, checkpoint)
     family = family_of(source.config, str(path))
+    check_rope(source.config, str(path))
     for note in same_grid_notes(source, quants):
         say(f"note: {note}")
     paths, table = output_paths(source, quants, output)

@@ -45,6 +45,43 @@ def family_of(config: dict, where: str) -> Family:
     return FAMILIES[model_type]
 
 
+# Rope scalings llama.cpp runs: linear and YaRN as keys, Llama 3's as a per-frequency factor tensor (rope_freqs).
+EXPORTED_ROPE = ("default", "linear", "yarn", "llama3")
+
+
+def rope_scaling(config: dict) -> dict:
+    """The rope parameters of the full-attention layers ({"rope_type": "default"} when there is no scaling)."""
+    parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if "full_attention" in parameters:
+        parameters = dict(parameters["full_attention"])
+    parameters.setdefault("rope_type", parameters.get("type") or "default")
+    return parameters
+
+
+def check_rope(config: dict, where: str) -> None:
+    kind = rope_scaling(config)["rope_type"]
+    if kind not in EXPORTED_ROPE:
+        raise UserError(f"{where}: the model's rope scaling {kind!r} cannot be exported to GGUF by gpupoor (it "
+                        f"writes {', '.join(EXPORTED_ROPE)})", hint="convert the merged model (gpupoor merge-lora) "
+                        "with llama.cpp's convert_hf_to_gguf.py")
+
+
+def extra_tensors(config: dict) -> dict[str, np.ndarray]:
+    """Tensors llama.cpp needs that the checkpoint does not hold: Llama 3's rope scaling as the factor each rotary
+    frequency is divided by (rope_freqs), computed by transformers' own Llama 3 rope so the file runs the rotation
+    the model was trained with."""
+    if rope_scaling(config)["rope_type"] != "llama3":
+        return {}
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.for_model(**config), "cpu")
+    dim = head_dim(config)
+    plain = 1.0 / (rope_theta(config) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return {"rope_freqs.weight": (plain / scaled).numpy().astype(np.float32)}
+
+
 def rope_theta(config: dict) -> float:
     """The rope base of the full-attention layers (transformers 5 keeps it in rope_parameters, nested per layer
     type for Gemma 3; older configs have rope_theta at the top)."""
@@ -80,6 +117,14 @@ def write_hyperparameters(writer, config: dict, family: Family) -> None:
             writer.add_rope_scaling_orig_ctx_len(int(original))
     else:
         writer.add_rope_dimension_count(dim)
+    scaling = rope_scaling(config)
+    if scaling["rope_type"] in ("linear", "yarn"):
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType[scaling["rope_type"].upper()])
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        if scaling.get("original_max_position_embeddings"):
+            writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
     if family.gguf_arch.startswith("gemma"):
         writer.add_key_length(dim)
         writer.add_value_length(dim)

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from gpupoor.errors import UserError
-from gpupoor.export.architectures import Family, family_of, to_llama_cpp_layout, write_hyperparameters
+from gpupoor.export.architectures import (Family, check_rope, extra_tensors, family_of, to_llama_cpp_layout,
+                                          write_hyperparameters)
 from gpupoor.export.gguf_tokenizer import write_tokenizer
 from gpupoor.export.quant_types import Quant, encode, nbytes, tensor_type
 from gpupoor.storage.shards import weight_files
@@ -74,6 +75,8 @@ def plan_tensors(model_dir: Path, config: dict, family: Family, quant: Quant) ->
                 shape = tuple(handle.get_slice(name).get_shape())
                 is_head = gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight")
                 planned.append(Planned(name, gguf_name, shape, tensor_type(quant, gguf_name, shape, layers, is_head)))
+    for name, values in extra_tensors(config).items():  # 1-D: F32 whatever the quant
+        planned.append(Planned(name, name, values.shape, tensor_type(quant, name, values.shape, layers, False)))
     return planned
 
 
@@ -97,7 +100,9 @@ def write_gguf(model_dir: Path, output: Path, quant: Quant, name: str) -> Writte
 
     config = read_config(model_dir)
     family = family_of(config, str(model_dir))
+    check_rope(config, str(model_dir))
     planned = plan_tensors(model_dir, config, family, quant)
+    extras = extra_tensors(config)
     temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     # gguf logs each special token it sets, and transformers' tokenizer warns about the pair template: not news.
     with _removed_unless_complete(temporary, output), _quiet("gguf"), _quiet("transformers"):
@@ -118,6 +123,9 @@ def write_gguf(model_dir: Path, output: Path, quant: Quant, name: str) -> Writte
             with safe_open(shard, framework="pt") as handle:
                 by_shard.update({key: shard for key in handle.keys()})
         for tensor in planned:  # the order the header declared them in
+            if tensor.hf_name in extras:
+                writer.write_tensor_data(encode(extras[tensor.hf_name], tensor.qtype))
+                continue
             with safe_open(by_shard[tensor.hf_name], framework="pt") as handle:
                 weights = handle.get_tensor(tensor.hf_name).float().numpy()
             if not np.isfinite(weights).all():

@@ -124,10 +124,20 @@ def load_gguf_back(path: Path, model_dir: Path):
     import transformers.modeling_gguf_pytorch_utils as gguf_loading
     from transformers import AutoModelForCausalLM
 
+    from gpupoor.export.architectures import rope_scaling
+
     # The loader's own tqdm bar ignores transformers' progress-bar switch: one bar per file is noise here.
     with mock.patch.object(gguf_loading, "tqdm", functools.partial(gguf_loading.tqdm, disable=True)):
-        if json.loads((model_dir / "config.json").read_text()).get("model_type") == "gemma":
+        config = json.loads((model_dir / "config.json").read_text())
+        if config.get("model_type") == "gemma":
             return read_with_gguf(path, model_dir)
+        if rope_scaling(config)["rope_type"] != "default":
+            # transformers' GGUF loader reads no rope-scaling keys (llama.cpp does): its config would rotate
+            # differently from the file's, so the tensors are read from the file into the original config.
+            from transformers import AutoConfig
+
+            return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                        config=AutoConfig.from_pretrained(model_dir))
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
 
 

@@ -298,3 +298,50 @@ def test_a_diverged_model_is_refused_naming_the_tensor(tiny_models, tmp_path):
     result = export(model_dir, "--output", tmp_path / "out.gguf", "--no-quality")
     assert result.exit_code == 2 and "model.layers.1.mlp.up_proj.weight holds NaN" in result.output
     assert not (tmp_path / "out.gguf").exists() and not list(tmp_path.glob(".out.gguf*"))
+
+
+def rope_scaled_llama(path: Path, tokenizer, rope: dict) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                         rope_parameters={"rope_theta": 10000.0, **rope})
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("rope", [LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])
+def test_rope_scaling_is_written_as_llama_cpp_reads_it(rope, tokenizer, tmp_path):
+    """Llama 3.1/3.2's rope: rope_freqs, the factor llama.cpp divides each rotary frequency by, so that the plain
+    frequencies divided by it are the model's own (its rotary embedding's inv_freq); linear: the scaling keys. Read
+    back into the original config (transformers' GGUF loader reads no rope scaling), the logits are the model's."""
+    from gpupoor.export.quality import load_gguf_back
+
+    model_dir = rope_scaled_llama(tmp_path / "model", tokenizer, rope)
+    path = write(model_dir, "f32", tmp_path)
+    reader = gguf.GGUFReader(str(path))
+    model = original(model_dir)
+    if rope["rope_type"] == "llama3":
+        factors = torch.from_numpy(next(t for t in reader.tensors if t.name == "rope_freqs.weight").data.copy())
+        plain = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).double() / 16))
+        torch.testing.assert_close((plain / factors.double()).float(), model.model.rotary_emb.inv_freq,
+                                   rtol=1e-6, atol=0)
+        assert factors[0] == 1 and factors[-1] == 8  # the fastest frequency kept, the slowest divided by 8
+    else:
+        assert reader.fields["llama.rope.scaling.type"].contents() == "linear"
+        assert reader.fields["llama.rope.scaling.factor"].contents() == 4.0
+    ids = torch.randint(0, len(tokenizer), (1, 200), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(load_gguf_back(path, model_dir), ids), logits(model, ids))
+
+
+def test_a_rope_scaling_llama_cpp_does_not_run_is_refused(tokenizer, tmp_path):
+    model_dir = rope_scaled_llama(tmp_path / "model", tokenizer, {"rope_type": "dynamic", "factor": 2.0})
+    result = export(model_dir, "--output", tmp_path / "x.gguf", "--no-quality")
+    assert result.exit_code == 2 and "rope scaling 'dynamic'" in result.output
+    assert not (tmp_path / "x.gguf").exists()
