@@ -71,3 +71,24 @@ def test_a_run_on_a_gguf_base_exports_and_is_warned_about_the_bases_own_grid(tmp
     assert result.exit_code == 0, result.output
     assert result.output.count("note: the base base-f16.gguf is F16: --quant f16 rounds") == 1
     assert (tmp_path / "run" / "gguf" / "run-q8_0.gguf").is_file()
+
+
+def test_a_qlora_run_exports_the_model_it_trained(tmp_path, tiny_model):
+    """QLoRA: the adapter is merged into the base as the run saw it (4-bit, dequantized), as merge-lora does."""
+    from transformers import AutoModelForCausalLM
+
+    from gpupoor.export.quality import load_gguf_back
+
+    data = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(16))
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_model, data, training={"max_steps": 2},
+                          quantization={"bits": 4})
+    assert invoke("train", recipe, "--output-dir", tmp_path / "run").exit_code == 0
+    result = invoke("export", tmp_path / "run", "-q", "f32", "--no-quality")
+    assert result.exit_code == 0, result.output
+    assert "QLoRA run: merging into the base as the run saw it" in result.output
+    assert invoke("merge-lora", tmp_path / "run", "--output", tmp_path / "merged", "--dtype", "fp32").exit_code == 0
+    ids = torch.tensor([[1, 5, 9, 17, 33, 60, 2, 7, 11, 90]])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(load_gguf_back(tmp_path / "run" / "gguf" / "run-f32.gguf", tmp_path / "merged")(ids).logits,
+                           merged(ids).logits)

@@ -195,6 +195,8 @@ def test_the_modelfile_maps_a_chatml_template(tiny_models, tmp_path):
     (model_dir / "chat_template.jinja").write_text(  # SmolLM2's shape: a default system prompt as a literal
         "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a tiny model.<|im_end|>\\n' }}"
         "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    fields = gguf.GGUFReader(str(write(model_dir, "q4_0", tmp_path))).fields
+    assert fields["tokenizer.chat_template"].contents() == (model_dir / "chat_template.jinja").read_text()
     text = modelfile("chat-q4_0.gguf", model_dir, "qwen2")
     assert "FROM ./chat-q4_0.gguf" in text
     assert "<|im_start|>user\n{{ .Prompt }}<|im_end|>" in text and 'PARAMETER stop "<|im_end|>"' in text
