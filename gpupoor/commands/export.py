@@ -93,9 +93,10 @@ def resolve_source(path: Path, checkpoint: str) -> ExportSource:
 
 
 def same_grid_notes(source: ExportSource, quants: list[str]) -> list[str]:
-    """A LoRA trained on a GGUF base and exported at the base's own type: quantization rounds the merged weights
-    to the nearest point of the grid the base's weights sit on exactly, and a small update rounds back to it (on
-    the real demo, q4_1 of a run on SmolLM2's Q4_1 file lost most of what it learned: docs/export.md)."""
+    """A LoRA trained on a GGUF base: the base's weights sit on that file's grid, and re-quantizing the merged
+    weights interacts with it. At the base's own type a small update rounds back to the base's weights; on a grid
+    that maps onto it (q5_1 over Q4_1) every level moves the same way. On the real demo (SmolLM2's Q4_1 file) q4_1
+    and q5_1 cost far more than q4_0, q5_0 or q4_k_m: docs/export.md."""
     from gpupoor.export.quant_types import QUANTS
     from gpupoor.model.gguf import is_gguf, read_gguf
 
@@ -105,10 +106,15 @@ def same_grid_notes(source: ExportSource, quants: list[str]) -> list[str]:
     if not (is_gguf(base) and Path(base).is_file()):
         return []
     base_type = read_gguf(Path(base)).quantization.split(", ")[0]
-    return [f"the base {Path(base).name} is {base_type}: --quant {quant} rounds the merged weights to that same grid, "
-            "where a small fine-tuning update can round back to the base's own weights; compare its row in the "
-            "quality table with a type of another grid (q4_0, q4_k_m, q5_0...)"
-            for quant in quants if QUANTS[quant].base == base_type]
+    notes = [f"the base {Path(base).name} is {base_type}: --quant {quant} rounds the merged weights to that same grid, "
+             "where a small fine-tuning update can round back to the base's own weights"
+             for quant in quants if QUANTS[quant].base == base_type]
+    if base_type not in ("F32", "F16", "BF16"):
+        notes.append(f"the base {Path(base).name} is quantized ({base_type}): its weights sit on that grid, and "
+                     "re-quantizing them can undo or distort the fine-tuning update (on the real demo's Q4_1 base, "
+                     "q4_1 and q5_1 cost far more than q4_0, q5_0 or q4_k_m; docs/export.md). Read the quality "
+                     "table before choosing")
+    return notes
 
 
 def output_paths(source: ExportSource, quants: list[str], output: Path | None) -> tuple[dict[str, Path], Path]:

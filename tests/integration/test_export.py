@@ -60,16 +60,22 @@ def test_a_second_export_to_the_same_names_is_refused_and_keeps_the_first(lora_r
     assert (lora_run / "gguf" / "run-q8_0.gguf").read_bytes() == first
 
 
-def test_a_run_on_a_gguf_base_exports_and_is_warned_about_the_bases_own_grid(tmp_path, tiny_model):
-    from gpupoor.model.tiny import write_tiny_gguf
+def test_a_run_on_a_quantized_gguf_base_is_warned_about_the_bases_grid(tmp_path, tiny_model):
+    """The base is a Q8_0 file gpupoor itself exported: training reads it (dequantized), and exporting the run
+    says that its weights sit on that grid, and which requested type is that very grid."""
+    from gpupoor.export.gguf_file import write_gguf
+    from gpupoor.export.quant_types import QUANTS
 
-    base = write_tiny_gguf(tiny_model, tmp_path / "base-f16.gguf", f16=True)
+    base = tmp_path / "base-q8_0.gguf"
+    write_gguf(tiny_model, base, QUANTS["q8_0"], name="tiny base")
     data = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(16))
     recipe = write_recipe(tmp_path / "recipe.yaml", base, data, training={"max_steps": 2})
     assert invoke("train", recipe, "--output-dir", tmp_path / "run").exit_code == 0
     result = invoke("export", tmp_path / "run", "-q", "f16", "-q", "q8_0", "--no-quality")
     assert result.exit_code == 0, result.output
-    assert result.output.count("note: the base base-f16.gguf is F16: --quant f16 rounds") == 1
+    assert result.output.count("note: the base base-q8_0.gguf is Q8_0: --quant q8_0 rounds") == 1
+    assert "--quant f16 rounds" not in result.output
+    assert "note: the base base-q8_0.gguf is quantized (Q8_0)" in result.output
     assert (tmp_path / "run" / "gguf" / "run-q8_0.gguf").is_file()
 
 
