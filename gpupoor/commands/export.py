@@ -182,7 +182,7 @@ def export(path: Path, quants: list[str], fmt: str = "gguf", output: Path | None
             file = write_gguf(model_dir, target, QUANTS[quant], name=source.name)
             say(f"wrote {file.path} ({file.size_bytes / 2**20:.1f} MiB, {file.bits_per_weight:.2f} bits/weight)")
             written.append(file)
-        write_modelfiles(model_dir, written, family.gguf_arch, say)
+        write_modelfiles(model_dir, written, family.gguf_arch, source.run_dir, say)
         rows = measure(model_dir, source, written, eval_file, eval_tokens, table, say) if quality else \
             [QualityRow(f.quant, f.path.name, f.size_bytes, round(f.bits_per_weight, 3), None, None,
                         dict(f.types)) for f in written]
@@ -239,13 +239,18 @@ def render_table(rows: list[QualityRow]) -> str:
     return "\n".join(lines)
 
 
-def write_modelfiles(model_dir: Path, written: list, gguf_arch: str, say: Callable[[str], None]) -> None:
-    """An Ollama Modelfile beside each GGUF (`ollama create NAME -f FILE.Modelfile`)."""
+def write_modelfiles(model_dir: Path, written: list, gguf_arch: str, run_dir: Path | None,
+                     say: Callable[[str], None]) -> None:
+    """An Ollama Modelfile beside each GGUF (`ollama create NAME -f FILE.Modelfile`), in the prompt format the run
+    trained on."""
     from gpupoor.export.modelfile import modelfile
+    from gpupoor.storage.rundir import stored_recipe
 
+    sources = stored_recipe(run_dir).data.sources() if run_dir else []
+    trained_format = sources[0].format if len(sources) == 1 else None
     for file in written:
         target = file.path.with_name(f"{file.path.name.removesuffix('.gguf')}.Modelfile")
-        _write_text(target, modelfile(file.path.name, model_dir, gguf_arch))
+        _write_text(target, modelfile(file.path.name, model_dir, gguf_arch, trained_format))
     say(f"wrote an Ollama Modelfile beside each file (ollama create NAME -f {target.name})")
 
 

@@ -50,11 +50,17 @@ def chat_format(template: str | None) -> tuple[str, str, str] | None:
     return None
 
 
-def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str) -> str:
+def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str, trained_format: str | None = None) -> str:
+    """`trained_format`: the run's data format; an alpaca run answers Alpaca's prompt, not a chat template."""
     found = chat_format(chat_template_of(model_dir))
     lines = [f"# Ollama: ollama create NAME -f {gguf_name.removesuffix('.gguf')}.Modelfile, then ollama run NAME",
              f"FROM ./{gguf_name}"]
-    if found is None:
+    if trained_format == "alpaca":
+        from gpupoor.data.formats import alpaca_prompt
+
+        lines += ["# The Alpaca prompt the run was trained on; the answer ends at the model's end-of-sequence token.",
+                  f'TEMPLATE """{alpaca_prompt("{{ .Prompt }}")}{{{{ .Response }}}}"""']
+    elif found is None:
         lines += ["# The model has no chat template gpupoor recognises: prompts go to it as they are.",
                   'TEMPLATE """{{ .Prompt }}"""']
     else:

@@ -36,6 +36,8 @@ def test_one_merge_writes_each_file_and_measures_it_on_the_runs_eval_set(lora_ru
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [f"run-{q}.{ext}" for q in ("f32", "q8_0", "q4_k_m") for ext in ("gguf", "Modelfile")] + ["run.quality.json"])
     assert not list(folder.glob(".*")), "the merge's scratch directory is removed"
+    modelfile = (folder / "run-q8_0.Modelfile").read_text()  # an alpaca run: Alpaca's prompt, not a chat template
+    assert "### Instruction:\n{{ .Prompt }}\n\n### Response:\n{{ .Response }}" in modelfile
     report = json.loads((folder / "run.quality.json").read_text())
     assert report["eval"]["source"] == "the run's eval set"
     rows = {row["type"]: row for row in report["rows"]}
