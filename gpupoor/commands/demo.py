@@ -30,6 +30,27 @@ def accuracy(model, tokenizer, rows: list[dict]) -> tuple[float, list[str]]:
     return correct / len(rows), answers
 
 
+PROMPTS = "recipes/data/prompts.jsonl"  # shipped: three rows of the demo's task, in its alpaca format
+
+
+def next_commands(run_dir: Path) -> list[tuple[str, str]]:
+    """(command line, what it shows) to try on the run the demo just made, as a new user types them."""
+    run = str(run_dir)
+    return [(f"gpupoor generate {run} --file {PROMPTS}", "the tuned model's answers (greedy)"),
+            (f"gpupoor status {run}", "steps, checkpoints, metrics"),
+            (f"gpupoor report {run}", f"loss and eval-loss plots in {run}/report.html"),
+            (f"gpupoor merge-lora {run} --output merged/{run_dir.name}", "a standalone transformers model"),
+            (f"gpupoor export {run} -q q8_0", "a GGUF file for llama.cpp / Ollama, with its quality cost")]
+
+
+def print_next_commands(run_dir: Path) -> None:
+    print("\nnext, on this run (`gpupoor` is .venv/bin/gpupoor: `source .venv/bin/activate` puts it on your PATH):")
+    lines = next_commands(run_dir)
+    width = max(len(command) for command, _ in lines)
+    for command, what in lines:
+        print(f"  {command:<{width}}  # {what}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--recipe", default="recipes/demo.yaml")
@@ -75,7 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     if after < before + 0.5:
         print("error: the demo did not learn the task as expected", file=sys.stderr)
         return 1
+    print_next_commands(_relative(result.run_dir))
     return 0
+
+
+def _relative(path: Path) -> Path:
+    """The run as the user would type it from here (runs/demo-...), or as it is when elsewhere."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
 
 
 if __name__ == "__main__":
