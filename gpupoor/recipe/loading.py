@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from gpupoor.errors import UserError
+from gpupoor.recipe.peer_keys import peer_hint
 from gpupoor.recipe.schema import ADDED_MARK, Recipe, section_model
 
 
@@ -178,7 +179,10 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[str, 
             allowed = _allowed_keys(loc)
             guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             msg = f"{where}: unknown key '{dotted}'"
-            if guess:
+            peer = peer_hint(str(loc[-1]), loc[:-1])
+            if peer:  # a key from another tool's recipes: say where gpupoor has it, not a spelling guess
+                msg += f"; {peer}"
+            elif guess:
                 parent = ".".join(str(p) for p in loc[:-1])
                 msg += f"; did you mean '{parent + '.' if parent else ''}{guess[0]}'?"
             msg += f"\n    allowed here: {', '.join(allowed)}"

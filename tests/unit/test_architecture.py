@@ -17,7 +17,8 @@ LEAVES = {"gpupoor.errors": set(), "gpupoor.storage.files": set(), "gpupoor.unit
                                      "gpupoor.recipe.loading", "gpupoor.units"},
           "gpupoor.recipe.rules": {"gpupoor.errors", "gpupoor.decisions", "gpupoor.optimizers"},
           "gpupoor.recipe.schema": {"gpupoor.errors", "gpupoor.optimizers", "gpupoor.units", "gpupoor.recipe.rules"},
-          "gpupoor.recipe.loading": {"gpupoor.errors", "gpupoor.recipe.schema"},
+          "gpupoor.recipe.loading": {"gpupoor.errors", "gpupoor.recipe.schema", "gpupoor.recipe.peer_keys"},
+          "gpupoor.recipe.peer_keys": set(),
           "gpupoor.recipe.diff": {"gpupoor.recipe.schema"}}
 # The import order of docs/architecture.md: a part imports only the parts before it (and itself). The top-level
 # modules before `recipe` are utilities any part may use; `cli` (and `__main__`) come last.

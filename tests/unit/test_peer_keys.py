@@ -1,0 +1,70 @@
+"""Keys from LLaMA-Factory and axolotl recipes: the unknown-key error says where gpupoor has each, every gpupoor key
+the table names exists, and docs/migration.md lists them all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpupoor.errors import UserError
+from gpupoor.recipe.loading import load_recipe, section_model
+from gpupoor.recipe.peer_keys import PEER_KEYS
+from gpupoor.recipe.schema import Recipe
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "migration.md"
+
+
+def schema_has(dotted: str) -> bool:
+    model = Recipe
+    for part in dotted.split("."):
+        if model is None or part not in model.model_fields:
+            return False
+        model = section_model(model.model_fields[part].annotation)
+    return True
+
+
+@pytest.mark.parametrize("key", sorted(PEER_KEYS))
+def test_every_gpupoor_key_the_table_names_exists(key):
+    assert schema_has(PEER_KEYS[key].ours), f"{key} -> {PEER_KEYS[key].ours}"
+
+
+def test_a_recipe_written_with_their_keys_is_told_ours_at_each_line(tmp_path):
+    theirs = {"model": {"name_or_path": "gpupoor:demo"}, "data": {"path": "rows.jsonl"},
+              "base_model": "x", "model_name_or_path": "x",
+              "lora_r": 8, "lora_rank": 8, "cutoff_len": 512, "sequence_len": 512, "num_train_epochs": 3,
+              "per_device_train_batch_size": 4, "gradient_checkpointing": True, "learning_rate": 1e-4}
+    path = tmp_path / "theirs.yaml"
+    path.write_text(yaml.safe_dump(theirs, sort_keys=False))
+    with pytest.raises(UserError) as caught:
+        load_recipe(path)
+    message = caught.value.message
+    lines = path.read_text().splitlines()
+    for key in theirs:
+        if key in ("model", "data"):
+            continue
+        line = next(number for number, text in enumerate(lines, 1) if text.startswith(f"{key}:"))
+        assert f"{path}:{line}: unknown key '{key}'; " in message
+        assert f"'{key}' is gpupoor's '{PEER_KEYS[key].ours}'" in message
+
+
+def test_a_key_already_where_gpupoor_has_it_is_no_error(tmp_path, make_recipe):
+    recipe = load_recipe(make_recipe(training={"learning_rate": 3e-4, "gradient_accumulation_steps": 2,
+                                               "max_steps": 3})).recipe
+    assert recipe.training.gradient_accumulation_steps == 2
+
+
+def test_nested_under_the_wrong_section_names_the_right_one(tmp_path, make_recipe):
+    path = make_recipe(data={"cutoff_len": 256})
+    with pytest.raises(UserError) as caught:
+        load_recipe(path)
+    assert "unknown key 'data.cutoff_len'; LLaMA-Factory's 'cutoff_len' is gpupoor's 'data.max_length'" in \
+        caught.value.message
+
+
+def test_the_migration_page_lists_every_key():
+    rows = {line.split("|")[1].strip().strip("`"): line for line in DOCS.read_text().splitlines()
+            if line.startswith("| `")}
+    missing = [key for key in PEER_KEYS if key not in rows or f"`{PEER_KEYS[key].ours}`" not in rows[key]]
+    assert not missing, missing
