@@ -42,6 +42,7 @@ def load_tokenizer(location: str, model: ModelSection, key: str = "model.name_or
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise gguf.gguf_error(location, key, "tokenizer", exc) from None
     else:
+        _require_if_hub(location, key, model.revision)
         try:
             tokenizer = AutoTokenizer.from_pretrained(location, revision=model.revision,
                                                       trust_remote_code=model.trust_remote_code)
@@ -51,6 +52,14 @@ def load_tokenizer(location: str, model: ModelSection, key: str = "model.name_or
         # Padding positions are masked out of attention and loss, so any id works; EOS is conventional.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _require_if_hub(location: str, key: str, revision: str | None) -> None:
+    """A hub id (no such local path): offline, it must be in the hub cache (gpupoor.model.hub says so at once)."""
+    if not Path(location).expanduser().exists():
+        from gpupoor.model.hub import require_hub_model
+
+        require_hub_model(location, key, revision)
 
 
 def load_config(location: str, model: ModelSection):
@@ -63,6 +72,7 @@ def load_config(location: str, model: ModelSection):
             return AutoConfig.from_pretrained(directory, gguf_file=name)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise gguf.gguf_error(location, "model.name_or_path", "config", exc) from None
+    _require_if_hub(location, "model.name_or_path", model.revision)
     try:
         return AutoConfig.from_pretrained(location, revision=model.revision,
                                           trust_remote_code=model.trust_remote_code)

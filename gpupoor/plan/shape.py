@@ -177,7 +177,9 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None,
     bundled = BUNDLED_CONFIGS / (name_or_path.replace("/", "--") + ".json")
     if bundled.is_file():
         return _read_json(bundled, key), f"gpupoor's copy of {name_or_path}'s config.json"
-    if os.environ.get("HF_HUB_OFFLINE") != "1":
+    from gpupoor.model.hub import hub_reachable
+
+    if os.environ.get("HF_HUB_OFFLINE") != "1" and hub_reachable():
         try:
             from huggingface_hub import hf_hub_download
 
