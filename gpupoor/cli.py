@@ -21,7 +21,27 @@ from gpupoor.run.startup import from_command_line, started_by_command_line
 from gpupoor.train.heap import serve_tensors_from_heap
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Fine-tune Hugging Face causal LMs on the hardware you have, from a YAML recipe.")
+
+
+def _flags_show_no_type() -> None:
+    """typer 0.2x prints each option's type in help, a flag's too (`--smoke <bool>`), as if a flag took a value:
+    a flag shows none."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "gpupoor_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.gpupoor_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
 
 SET_HELP = "Override a recipe key, e.g. --set training.max_steps=100 (value parsed as YAML). Repeatable."
 DEBUG_HELP = "Show full tracebacks."
@@ -197,7 +217,7 @@ def _file_system_error(exc: OSError) -> tuple[str, int]:
 def train(
     context: typer.Context,
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
+    set_: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Run directory (overrides output_dir)."),
     smoke: bool = typer.Option(False, "--smoke", help="Check the recipe end to end in seconds: a shrunken "
                                "random-weight model of the same architecture, the first rows, a few CPU steps."),
@@ -245,7 +265,7 @@ def train(
 def resume(
     context: typer.Context,
     run_dir: Path = typer.Argument(..., help="The run directory `gpupoor train` wrote."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP + " Changes that alter the training "
+    set_: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP + " Changes that alter the training "
                                              "trajectory are refused unless --force."),
     force: bool = typer.Option(False, "--force", help="Resume even with trajectory-changing recipe changes "
                                "or changed data."),
@@ -372,7 +392,7 @@ def merge_lora(
 @app.command()
 def export(
     source: Path = typer.Argument(..., help="A run directory, a PEFT adapter directory or a model directory."),
-    quant: list[str] = typer.Option(["q8_0"], "--quant", "-q", help="f32 | f16 | bf16 | q8_0 | q6_k | q5_k_m | "
+    quant: list[str] = typer.Option(["q8_0"], "--quant", "-q", metavar="TYPE", help="f32 | f16 | bf16 | q8_0 | q6_k | q5_k_m | "
                                     "q5_1 | q5_0 | q4_k_m | q4_1 | q4_0 | iq4_nl; repeat for one file each, from "
                                     "one merge."),
     fmt: str = typer.Option("gguf", "--format", help="gguf (llama.cpp, Ollama, LM Studio)."),
@@ -452,7 +472,7 @@ def generate(
 @app.command()
 def validate(
     recipes: list[Path] = typer.Argument(..., help="One or more recipe files."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
+    set_: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     force: bool = typer.Option(False, "--force", help="Do not fail a recipe the memory plan predicts not to fit the GPU."),
     show: int = typer.Option(0, "--show", min=0, metavar="N",
                              help="After the checks, print the first N training rows of each data source exactly as "
@@ -504,7 +524,7 @@ def validate(
 @app.command()
 def plan(
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
+    set_: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda (default: the one training would use here)."),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory to fit in, e.g. 16GiB or 24GB (default: "
                                          "the GPU's free memory, or the available RAM for the CPU)."),
@@ -542,7 +562,7 @@ def tokenize(
     recipe: Path = typer.Argument(..., help="The recipe YAML file: its data section, and its model's tokenizer."),
     output: Path = typer.Option(..., "--output", help="The directory to write (an earlier output of gpupoor "
                                 "tokenize there is replaced atomically)."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help=SET_HELP),
+    set_: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Tokenize a recipe's data once, into a directory that data.tokenized_path trains from: memory-mapped and

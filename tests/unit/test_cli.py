@@ -83,3 +83,21 @@ def test_every_shipped_recipe_passes_validate(tiny_model):
     for path in shipped_recipes():  # the real model's: tests/real/test_real_recipes.py
         result = runner.invoke(app, ["validate", str(path)])  # as shipped: the demo's model is built on first use
         assert result.exit_code == 0, result.output
+
+
+def test_every_command_has_dash_h_and_no_flag_shows_a_value_type():
+    """`-h` works like `--help`, and a flag reads as a flag (`--smoke`, not `--smoke <bool>`)."""
+    import click
+    from typer.main import get_command
+
+    commands = get_command(app).commands
+    assert {"train", "resume", "export", "merge-lora", "generate", "validate", "plan"} <= set(commands)
+    for name in [None, *commands]:
+        result = runner.invoke(app, [name, "-h"] if name else ["-h"], terminal_width=200)
+        assert result.exit_code == 0, (name, result.output)
+        assert "Usage:" in result.output
+        assert "<bool>" not in result.output, name
+        if name:
+            flags = [opt for param in commands[name].params if isinstance(param, click.Option) and param.is_flag
+                     for opt in param.opts]
+            assert all(flag in result.output for flag in flags), name
