@@ -48,7 +48,8 @@ class StepProfiler:
         schedule = torch.profiler.schedule(wait=WARMUP_STEPS, warmup=1, active=self.steps, repeat=1)
         self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=False,
                                                on_trace_ready=self._write)
-        self.profiler.__enter__()
+        with without_kineto_trace_lines():
+            self.profiler.__enter__()
         _ACTIVE = True
         return self
 
@@ -56,12 +57,14 @@ class StepProfiler:
         self.seen += 1
         if WARMUP_STEPS + 1 < self.seen <= WARMUP_STEPS + 1 + self.steps:  # the active window's steps
             self.step_seconds.append(record["step_s"])
-        self.profiler.step()
+        with without_kineto_trace_lines():  # the trace starts and stops inside step()
+            self.profiler.step()
 
     def __exit__(self, *exc) -> None:
         global _ACTIVE
         _ACTIVE = False
-        self.profiler.__exit__(*exc)
+        with without_kineto_trace_lines():
+            self.profiler.__exit__(*exc)
         if self.device == "cuda":
             torch.cuda.memory._record_memory_history(enabled=None)
         if self.main and not self.step_seconds:
@@ -88,6 +91,33 @@ class StepProfiler:
         summary = {"steps": len(self.step_seconds), "step_s": sum(self.step_seconds), "parts_s": parts}
         (self.directory / "summary.json").write_text(json.dumps(summary, indent=1))
         self.say(describe(summary, self.directory))
+
+
+@contextlib.contextmanager
+def without_kineto_trace_lines():
+    """Kineto (torch.profiler's backend) writes `USDT:... profiler_start` / `profiler_stop` to the process's stderr
+    (file descriptor 2, below Python) whenever a trace starts or stops: noise to a user. Those lines are dropped;
+    anything else written to stderr meanwhile is passed on."""
+    import os
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith("USDT:")]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def describe(summary: dict, directory: Path) -> str:
