@@ -17,6 +17,7 @@ import typer
 
 from gpupoor import __version__
 from gpupoor.errors import EXIT_BAD_INPUT, UserError
+from gpupoor.quiet import flags_show_no_type
 from gpupoor.run.startup import from_command_line, started_by_command_line
 from gpupoor.train.heap import serve_tensors_from_heap
 
@@ -25,23 +26,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Fine-tune Hugging Face causal LMs on the hardware you have, from a YAML recipe.")
 
 
-def _flags_show_no_type() -> None:
-    """typer 0.2x prints each option's type in help, a flag's too (`--smoke <bool>`), as if a flag took a value:
-    a flag shows none."""
-    from typer.core import TyperOption
-
-    shown = getattr(TyperOption, "display_type_rich", None)
-    if shown is None or getattr(shown, "gpupoor_flags", False):
-        return
-
-    def display_type_rich(self, ctx):
-        return None if self.is_flag else shown(self, ctx)
-
-    display_type_rich.gpupoor_flags = True
-    TyperOption.display_type_rich = display_type_rich
-
-
-_flags_show_no_type()
+flags_show_no_type()
 
 SET_HELP = "Override a recipe key, e.g. --set training.max_steps=100 (value parsed as YAML). Repeatable."
 DEBUG_HELP = "Show full tracebacks."

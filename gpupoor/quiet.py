@@ -1,5 +1,5 @@
 """Silence library noise that says nothing to a user of gpupoor, and import only what a recipe uses (every verb
-that loads a model calls this)."""
+that loads a model calls this); and typer's help, where a flag would read as taking a value."""
 
 from __future__ import annotations
 
@@ -69,3 +69,19 @@ def _forget_peft_bitsandbytes_check() -> None:
         cached = getattr(utils, name, None)
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
+
+
+def flags_show_no_type() -> None:
+    """typer 0.2x prints each option's type in help, a flag's too (`--smoke <bool>`), as if a flag took a value:
+    a flag shows none."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "gpupoor_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.gpupoor_flags = True
+    TyperOption.display_type_rich = display_type_rich

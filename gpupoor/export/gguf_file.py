@@ -105,8 +105,8 @@ def write_gguf(model_dir: Path, output: Path, quant: Quant, name: str) -> Writte
     extras = extra_tensors(config)
     temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     # gguf logs each special token it sets, and transformers' tokenizer warns about the pair template: not news.
-    with _removed_unless_complete(temporary, output), _quiet("gguf"), _quiet("transformers"):
-        writer = gguf.GGUFWriter(str(temporary), family.gguf_arch)
+    with _removed_unless_complete(temporary, output), _quiet("gguf"), _quiet("transformers"), \
+            contextlib.closing(gguf.GGUFWriter(str(temporary), family.gguf_arch)) as writer:
         writer.add_name(name)
         writer.add_file_type(gguf.LlamaFileType[quant.file_type])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -134,7 +134,7 @@ def write_gguf(model_dir: Path, output: Path, quant: Quant, name: str) -> Writte
                                 hint="export an earlier checkpoint (--checkpoint step-N) from before the loss diverged")
             weights = to_llama_cpp_layout(tensor.hf_name, weights, config, family)
             writer.write_tensor_data(encode(weights, tensor.qtype))
-        writer.close()
+        writer.close()  # before the fsync and rename (closing again on the way out is a no-op)
         with open(temporary, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(temporary, output)

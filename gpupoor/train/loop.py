@@ -83,6 +83,17 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux and BSD report KiB
 
 
+def _schedule_step(scheduler) -> None:
+    """The schedule follows the step count, skipped steps included. torch warns that the optimizer has not
+    stepped yet when the first step was skipped (a non-finite loss, fp16's scaler backing off): here that is the
+    design, not the ordering mistake the warning is about."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
+
+
 def evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> dict:
     """{"eval_loss": mean loss per unit (the cross-entropy per target token), "eval_accuracy": share of units
     right (targets ranked first; preference pairs with a positive reward margin), and eval_ + each metric."""
@@ -263,7 +274,7 @@ def train(model, optimizer, scheduler, accelerator, data: DataBundle, state: Tra
             skipped, diverging = _optimizer_step(optimizer, accelerator, loss, grad_norm)
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
-            scheduler.step()  # the schedule follows the step count, skipped steps included
+            _schedule_step(scheduler)
         state.step += 1
         state.tokens_seen += step_tokens
         state.target_tokens_seen += int(global_targets)

@@ -31,7 +31,8 @@ def test_shipped_files_are_what_the_generator_writes(tmp_path):
 
 
 def test_eval_rows_are_held_out_and_answers_are_iso_dates():
-    train = {json.loads(line)["messages"][0]["content"] for line in (DATA / "iso-dates-train.jsonl").open()}
+    train = {json.loads(line)["messages"][0]["content"]
+             for line in (DATA / "iso-dates-train.jsonl").read_text().splitlines()}
     rows = read_eval_rows(DATA / "iso-dates-eval.jsonl")
     assert len(rows) == 50 and not {prompt[-1]["content"] for prompt, _ in rows} & train
     assert all(len(answer) == 10 and answer[4] == answer[7] == "-" for _, answer in rows)
@@ -41,8 +42,9 @@ def test_eval_rows_are_held_out_and_answers_are_iso_dates():
 
 def test_preference_pairs_prefer_the_iso_answer_on_new_questions():
     seen = {json.loads(line)["messages"][0]["content"]
-            for name in ("iso-dates-train.jsonl", "iso-dates-eval.jsonl") for line in (DATA / name).open()}
-    pairs = [json.loads(line) for line in (DATA / "iso-dates-pairs.jsonl").open()]
+            for name in ("iso-dates-train.jsonl", "iso-dates-eval.jsonl")
+            for line in (DATA / name).read_text().splitlines()}
+    pairs = [json.loads(line) for line in (DATA / "iso-dates-pairs.jsonl").read_text().splitlines()]
     assert len(pairs) == 12 and not {pair["prompt"][0]["content"] for pair in pairs} & seen
     for pair in pairs:
         chosen, rejected = pair["chosen"][0]["content"], pair["rejected"][0]["content"]

@@ -143,7 +143,7 @@ def test_each_fused_module_hands_over_where_its_arithmetic_differs(variant):
 
 def test_gradient_checkpointing_over_fused_layers_gives_the_same_gradients():
     plain = tiny_family("llama")
-    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     plain = with_lora(plain)
     fused = copy.deepcopy(plain)
     apply_fast_paths(fused, True)

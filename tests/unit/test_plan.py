@@ -50,7 +50,7 @@ def tiny_llama_with(method="lora", layers=2, rank=8, dropout=0.0, attention="sdp
     dtype = torch.bfloat16 if autocast_bf16 else torch.float32
     model = LlamaForCausalLM._from_config(config, attn_implementation=attention, dtype=dtype)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         # transformers (here) and peft (below) each hook the embedding to make its output require grad, each
         # forgetting the other's hook: without both removed, frozen layers below keep their inputs.
         model.disable_input_require_grads()
