@@ -273,8 +273,9 @@ def resume(
         from gpupoor.commands.train import exit_code, recipe_overrides
         from gpupoor.run.orchestrate import resume_run
 
-        overrides = recipe_overrides(set_, time_limit, profile)
-        return exit_code(resume_run(run_dir, overrides, force=force, started=started, stop=stop).reason)
+        # --time-limit and --profile are this invocation's; --set changes are the run's from now on.
+        return exit_code(resume_run(run_dir, recipe_overrides(set_, None, None), force=force, started=started,
+                                    stop=stop, invocation=recipe_overrides(None, time_limit, profile)).reason)
 
     _guarded(debug, _with_stop_requests(action))
 

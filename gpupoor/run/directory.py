@@ -29,7 +29,7 @@ def open_run_dir(session: Session, *, lock: RunLock | None, started: float,
         return owned
     try:
         # Only now, with everything built and loaded, is the (possibly changed) recipe committed.
-        store_recipe(session.run_dir, session.recipe)
+        store_recipe(session.run_dir, session.recipe_to_store or session.recipe)
         step = session.state.step
         # The eval of the checkpoint's step is dropped only where the loop will run it again (an eval point, or
         # the last step, whose eval follows the loop): a crash between checkpoint and eval record loses nothing.

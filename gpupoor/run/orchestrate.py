@@ -62,10 +62,13 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, *, sm
 
 
 def resume_run(run_dir: Path, overrides: list[str], *, force: bool = False, say=print,
-               started: float | None = None, stop=None, recipe: LoadedRecipe | None = None) -> RunResult:
+               started: float | None = None, stop=None, recipe: LoadedRecipe | None = None,
+               invocation: list[str] | None = None) -> RunResult:
     """Continue a run from its newest valid checkpoint (or say it is already done). `recipe`: a recipe file to
     resume with instead of the stored one plus `overrides` (train --resume-if-present); its differences from
-    the stored recipe are judged like --set changes."""
+    the stored recipe are judged like --set changes. `invocation`: overrides for this invocation only (resume's
+    --time-limit and --profile), applied after `overrides` and not stored with the run."""
+    invocation = invocation or []
     from gpupoor.storage.rundir import require_run_dir
 
     started = time.monotonic() if started is None else started
@@ -75,12 +78,12 @@ def resume_run(run_dir: Path, overrides: list[str], *, force: bool = False, say=
     if not _first_process():  # one process (the first) holds the lock and speaks for the others
         with _stop_requests(stop) as stop:
             return _resume_locked(run_dir, overrides, force=force, say=lambda *args, **kwargs: None,
-                                  started=started, lock=None, stop=stop, replacement=recipe)
+                                  started=started, lock=None, stop=stop, replacement=recipe, invocation=invocation)
     lock = RunLock(run_dir).acquire()
     try:
         with _stop_requests(stop) as stop:
             return _resume_locked(run_dir, overrides, force=force, say=say, started=started, lock=lock, stop=stop,
-                                  replacement=recipe)
+                                  replacement=recipe, invocation=invocation)
     finally:
         lock.release()
 
@@ -91,13 +94,13 @@ def _first_process() -> bool:
 
 
 def _resume_locked(run_dir: Path, overrides: list[str], *, force: bool, say, started: float, lock, stop,
-                   replacement: LoadedRecipe | None = None) -> RunResult:
+                   replacement: LoadedRecipe | None = None, invocation: list[str] = ()) -> RunResult:
     from gpupoor.storage.checkpoint import final_problem, latest_valid, sweep_temporary
     from gpupoor.recipe.diff import diff_recipes, format_changes
 
     stored = stored_recipe(run_dir)
     # Paths given with --set resolve against the current directory and are stored absolute, like train's.
-    recipe = portable_recipe(replacement or LoadedRecipe(stored_recipe(run_dir, overrides), None))
+    recipe = portable_recipe(replacement or LoadedRecipe(stored_recipe(run_dir, [*overrides, *invocation]), None))
     trajectory, safe = diff_recipes(stored, recipe)
     if trajectory and not force:
         raise UserError("these changes alter the training trajectory, so the result would no longer be the "
@@ -128,8 +131,11 @@ def _resume_locked(run_dir: Path, overrides: list[str], *, force: bool, say, sta
                else ")"))
         return RunResult(run_dir, "already_done", checkpoint.manifest.get("loss"), checkpoint.step)
     plan = _plan_quietly(LoadedRecipe(recipe, None))
+    # --time-limit and --profile are this invocation's: the stored recipe keeps the run's own for later resumes.
+    to_store = portable_recipe(LoadedRecipe(stored_recipe(run_dir, overrides), None)) \
+        if invocation and replacement is None else None
     return _execute(recipe, run_dir, checkpoint, smoke=False, say=say, started=started, force=force, lock=lock,
-                    plan=plan, stop=stop)
+                    plan=plan, stop=stop, recipe_to_store=to_store)
 
 
 def _stopped_early(run_dir: Path, safe_changes: list) -> bool:
@@ -186,7 +192,8 @@ def _stop_requests(stop):
 
 
 def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, started: float,
-             force: bool = False, lock: RunLock | None = None, plan=None, stop=None) -> RunResult:
+             force: bool = False, lock: RunLock | None = None, plan=None, stop=None,
+             recipe_to_store: Recipe | None = None) -> RunResult:
     """Setup (build, check, restore, summary, run directory), train, then finish (or clean up after a failure)."""
     from gpupoor.run.startup import StartupClock
 
@@ -200,6 +207,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
     from gpupoor.train.state import restore_rng
 
     session = build_session(recipe, run_dir, smoke=smoke, say=say, resuming=checkpoint is not None, clock=clock)
+    session.recipe_to_store = recipe_to_store
     if not session.main:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
     if checkpoint is not None and not force:

@@ -141,6 +141,9 @@ class Session:
     state: object = None  # gpupoor.train.state.TrainState
     memory_plan: object = None
     teacher: object = None  # the frozen distillation teacher (recipe.distill)
+    # What the run directory stores as its recipe when it differs from `recipe`: a resume's --time-limit is this
+    # invocation's budget, not the run's (gpupoor.run.orchestrate.resume_run).
+    recipe_to_store: Recipe | None = None
     reference: object = None  # DPO's frozen reference copy (preference.reference: copy)
     startup: object = None  # gpupoor.run.startup.StartupClock: where the seconds before the first step went
 

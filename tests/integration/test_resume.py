@@ -322,3 +322,20 @@ def test_bad_lines_in_metrics_never_block_a_resume(straight, tmp_path, monkeypat
                                     "record (line 2: ") == 1, (kind, resumed.output)
         assert "the resume rewrites it without them" in resumed.output
         assert losses(run) == losses(reference), kind  # every step once, no good record lost
+
+
+def test_resume_time_limit_and_profile_are_for_that_invocation_only(make_recipe, tmp_path):
+    """--set changes become the run's; --time-limit and --profile budget and profile this resume only, so a later
+    resume without them does not inherit them."""
+    import yaml
+
+    from conftest import invoke
+
+    run = tmp_path / "run"
+    assert invoke("train", make_recipe(training={"max_steps": 2}), "--output-dir", run).exit_code == 0
+    result = invoke("resume", run, "--set", "training.max_steps=4", "--time-limit", "5h", "--profile", "1")
+    assert result.exit_code == 0, result.output
+    stored = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert stored["training"]["max_steps"] == 4
+    assert stored["checkpoint"].get("time_limit") is None
+    assert stored["logging"].get("profile_steps") is None
