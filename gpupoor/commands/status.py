@@ -74,16 +74,16 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
     """Progress, each checkpoint (step, loss, age, valid or why not), time limit, and how to continue; and what
     is wrong with final/ (None when it verifies, "absent" when there is none)."""
     recipe = stored_recipe(run_dir)
-    steps = {r["step"]: r for r in read_metrics(run_dir / METRICS) if "loss" in r}
+    records = read_metrics(run_dir / METRICS)
+    steps = {r["step"]: r for r in records if "loss" in r}
     last = max(steps) if steps else 0
-    manifests = [read_manifest(path) for path, _, problem in scan(run_dir / "checkpoints", check_files=False)
-                 if problem is None]
-    # An epoch-based run's step count is known once training has started: the checkpoints record it.
-    planned = recipe.training.max_steps or next((m.get("total_steps") for m in manifests if m.get("total_steps")), None)
+    running = RunLock.held(run_dir)
+    planned = _planned_steps(run_dir, recipe, records)
     total = f"/{planned}" if planned else ""
     elapsed = (steps[last].get("elapsed_s") or 0.0) if steps else 0.0
     lines = [f"run {run_dir}", f"  model {recipe.model.name_or_path}; data {recipe.data.describe()}",
-             f"  progress: step {last}{total} logged; {elapsed / 60:.1f} min of training"]
+             f"  progress: step {last}{total} logged; {elapsed / 60:.1f} min of training"
+             + (_eta(steps, last, planned) if running else "")]
     sparkline = loss_sparkline([steps[step] for step in sorted(steps)])
     if sparkline:
         lines.append(f"  {sparkline}")
@@ -100,6 +100,29 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
     elif final != "absent":
         lines.append(f"  final/ INVALID: {final}; continue with: gpupoor resume {run_dir} (writes it again from "
                      "the last checkpoint)")
-    else:
+    elif not running:  # a live run continues by itself: resuming it now would be refused (its lock is held)
         lines.append(f"  continue with: gpupoor resume {run_dir}")
     return "\n".join(lines), final
+
+
+def _planned_steps(run_dir: Path, recipe, records: list[dict]) -> int | None:
+    """The run's step count: the recipe's max_steps, else (an epoch-based run) what its latest start record or a
+    checkpoint says, known from the first step on."""
+    if recipe.training.max_steps:
+        return recipe.training.max_steps
+    started = [r["total_steps"] for r in records if r.get("event") == "start" and r.get("total_steps")]
+    if started:
+        return started[-1]
+    manifests = [read_manifest(path) for path, _, problem in scan(run_dir / "checkpoints", check_files=False)
+                 if problem is None]
+    return next((m.get("total_steps") for m in manifests if m.get("total_steps")), None)
+
+
+def _eta(steps: dict[int, dict], last: int, planned: int | None) -> str:
+    """`; ETA 12m at 1.6 s a step`: the steps left at the median pace of the last 20 logged steps."""
+    paces = sorted(steps[step]["step_s"] for step in sorted(steps)[-20:]
+                   if isinstance(steps[step].get("step_s"), (int, float)))
+    if not planned or not paces or last >= planned:
+        return ""
+    pace = paces[len(paces) // 2]
+    return f"; ETA {format_duration((planned - last) * pace, style='age')} at {pace:.3g} s a step"

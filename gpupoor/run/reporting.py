@@ -32,8 +32,10 @@ class Reporter:
 
             self.trackers = Trackers(session.run_dir, session.recipe.logging, session.recipe.model_dump(mode="json"),
                                      session.logged, lambda text: self.progress.message(text, always=True))
+        # total_steps: `gpupoor status` shows an epoch-based run's step count and ETA from its first step on.
         self.write({"step": self.first_step, "event": "start", "session": "resume" if resumed else "train",
-                    "time": round(time.time(), 3), "startup_s": session.startup.seconds()})
+                    "time": round(time.time(), 3), "total_steps": session.steps,
+                    "startup_s": session.startup.seconds()})
 
     def write(self, record: dict) -> None:
         """One record to metrics.jsonl (the record of truth) and to the trackers."""

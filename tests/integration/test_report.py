@@ -251,3 +251,31 @@ def test_status_shows_the_loss_sparkline(runs):
     line = next(line for line in out.splitlines() if line.startswith("  loss "))
     assert re.fullmatch(r"  loss [▁▂▃▄▅▆▇█]{6} \S+ -> \S+ \(steps 1-6\)", line), line
     assert out.index("progress:") < out.index("  loss ") < out.index("checkpoints:")
+
+
+def test_status_of_a_live_epoch_run_shows_its_total_and_eta_and_no_resume_advice(make_recipe, tmp_path):
+    """An epoch-based run's step count is known from its start record (before any checkpoint); while its lock is
+    held (a process trains in it), status gives the ETA and does not tell the user to resume it."""
+    import json
+
+    from conftest import invoke
+    from gpupoor.commands.status import status_report
+    from gpupoor.storage.rundir import RunLock
+
+    run = tmp_path / "run"
+    assert invoke("train", make_recipe(training={"max_steps": None, "epochs": 1}), "--output-dir", run).exit_code == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    total = next(r["total_steps"] for r in records if r.get("event") == "start")
+    shutil.rmtree(run / "final")
+    shutil.rmtree(run / "checkpoints")  # as before the first checkpoint: only metrics.jsonl knows the count
+    kept = [r for r in records if r.get("event") == "start" or r.get("step", 0) <= 2 and "loss" in r]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    lock = RunLock(run).acquire()
+    try:
+        report, _ = status_report(run)
+    finally:
+        lock.release()
+    assert f"step 2/{total} logged" in report and "ETA" in report
+    assert "continue with" not in report
+    report, _ = status_report(run)  # no process: the advice is back, the ETA is not
+    assert "continue with: gpupoor resume" in report and "ETA" not in report
