@@ -80,5 +80,7 @@ def print_summary(session: Session, *, say, checkpoint, loss_path: str) -> None:
         say(f"  resuming from {checkpoint.path.name}: step {state.step}, epoch {state.epoch}, "
             f"micro-batch {state.batch_in_epoch} of the epoch")
     say(f"  run directory {session.run_dir}")
+    if "tensorboard" in (recipe.logging.report_to or []):
+        say(f"  tensorboard: tensorboard --logdir {session.run_dir / 'tensorboard'}")
     if session.startup is not None:
         say(f"  {session.startup.line()}")

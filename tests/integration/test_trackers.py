@@ -85,6 +85,7 @@ def test_a_failing_tracker_warns_once_and_training_goes_on(make_recipe, tmp_path
     result = invoke("train", recipe, "--output-dir", tmp_path / "run", monkeypatch=monkeypatch)
     assert result.exit_code == 0, result.output
     assert result.output.count("tracker tensorboard failed") == 1 and "training goes on" in result.output
+    assert f"tensorboard: tensorboard --logdir {(tmp_path / 'run').resolve() / 'tensorboard'}" in result.output
     assert calls == [1]  # dropped after its first failure
     assert [step for step, _ in steps_and_losses(tmp_path / "run")] == [1, 2, 3, 4]
 
