@@ -37,6 +37,22 @@ class Choice:
 
 
 # ------------------------------------------------------------------------------------------------ hardware
+def choose_cpu_threads(explicit: int | None, usable: int, processes: int, busy: float | None) -> Choice:
+    """torch's threads on the CPU. A thread whose core another process runs on stalls every parallel op of the
+    step (torch's threads wait for the slowest), so a shared machine trains faster on the cores that are free:
+    this process's share of the usable cores, less the cores found busy at start (`busy`, None: unknown)."""
+    if explicit:
+        return Choice(str(explicit), "training.cpu_threads")
+    share = max(1, usable // max(1, processes))
+    if busy is None or busy < 0.5:
+        return Choice(str(share), f"{usable} cores free" + (f", {processes} processes" if processes > 1 else ""))
+    free = max(1, min(share, round(usable - busy) // max(1, processes)))
+    if free == share:
+        return Choice(str(share), f"{usable} cores, {busy:.1f} busy at start")
+    return Choice(str(free), f"{busy:.1f} of {usable} cores busy at start; training.cpu_threads sets it")
+
+
+
 def choose_device(requested: str, cuda_available: bool | None, gpu_name: str | None = None,
                   torch_build: str = "") -> Choice:
     """`cuda_available` None: not known (plan for another machine): an explicit cuda stands. `torch_build`

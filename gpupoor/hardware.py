@@ -53,5 +53,28 @@ def usable_cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def busy_cpu_cores(sample_s: float = 0.2) -> float | None:
+    """How many cores other processes keep busy right now: the machine's non-idle CPU time over `sample_s`
+    (/proc/stat), in cores. None where /proc/stat cannot be read (not Linux)."""
+    import time
+
+    def totals() -> tuple[int, int]:
+        with open("/proc/stat") as handle:
+            fields = [int(value) for value in handle.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]), idle
+
+    try:
+        total_before, idle_before = totals()
+        time.sleep(sample_s)
+        total_after, idle_after = totals()
+    except (OSError, ValueError, IndexError):
+        return None
+    elapsed = total_after - total_before
+    if elapsed <= 0:
+        return None
+    return (os.cpu_count() or 1) * (1 - (idle_after - idle_before) / elapsed)
+
+
 def dtype_of(precision: str) -> torch.dtype:
     return DTYPES[precision]

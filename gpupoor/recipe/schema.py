@@ -411,8 +411,10 @@ class TrainingSection(_Section):
     )
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="`auto`: CUDA when available, else CPU.", **RESUME_SAFE)
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads on CPU. Default: the cores this process may use, divided among the "
-        "processes a launcher started on this node.", **RESUME_SAFE
+        None, ge=1, description="torch threads on CPU. Default: the cores this process may use, less those other "
+        "processes keep busy at start (measured over 0.2 s: a thread sharing a core stalls every step), divided "
+        "among the processes a launcher started on this node. The startup summary says how many and why.",
+        **RESUME_SAFE
     )
 
 

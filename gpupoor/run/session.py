@@ -224,8 +224,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     accelerator = make_accelerator(device.value, precision.value, strategy.value)
     if not accelerator.is_main_process:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
-    if device.value == "cpu":
-        _use_cpu_cores(recipe.training.cpu_threads)
+    threads = _use_cpu_cores(recipe.training.cpu_threads) if device.value == "cpu" else None
     torch.manual_seed(recipe.seed)
 
     location = model_location(recipe.model, Path.cwd())  # a local directory (built-ins built) or a hub id
@@ -265,6 +264,8 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     clock.mark("optimizer")
     choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler,
                "strategy": strategy, "fused": fused}
+    if threads is not None:
+        choices["threads"] = threads
     return Session(recipe=recipe, run_dir=run_dir, smoke=smoke, accelerator=accelerator, choices=choices,
                    tokenizer=tokenizer, data=data, model=prepared_model,
                    unwrapped=accelerator.unwrap_model(prepared_model), raw_optimizer=raw_optimizer,
@@ -272,15 +273,20 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
                    nodes=nodes, teacher=teacher, reference=reference, startup=clock)
 
 
-def _use_cpu_cores(cpu_threads: int | None) -> None:
-    """Oversubscribed cores are far slower than idle ones: use the cores we may run on, no more, shared with the
-    other processes of this node (training.cpu_threads, when set, decides)."""
+def _use_cpu_cores(cpu_threads: int | None):
+    """Oversubscribed cores are far slower than idle ones: use the cores we may run on and that are free at start,
+    shared with the other processes of this node (training.cpu_threads, when set, decides). The Choice."""
     import torch
 
-    from gpupoor.hardware import usable_cpu_count
+    from gpupoor.decisions import choose_cpu_threads
+    from gpupoor.hardware import busy_cpu_cores, usable_cpu_count
 
-    per_process = max(1, usable_cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    torch.set_num_threads(cpu_threads or per_process)
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # Several processes of one launch start together and would count each other as busy: only one asks.
+    busy = busy_cpu_cores() if cpu_threads is None and processes == 1 else None
+    choice = choose_cpu_threads(cpu_threads, usable_cpu_count(), processes, busy)
+    torch.set_num_threads(int(choice.value))
+    return choice
 
 
 def _keep_chat_template(recipe: Recipe, tokenizer) -> None:

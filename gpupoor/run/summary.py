@@ -27,7 +27,7 @@ def print_summary(session: Session, *, say, checkpoint, loss_path: str) -> None:
     say(f"gpupoor {verb}: {recipe.model.name_or_path}" + (" (shrunken random-weight copy)" if session.smoke else "")
         + _dequantized(recipe, choices["precision"].value))
     say("  " + "; ".join(f"{name} {choices[name].value} ({choices[name].reason})"
-                         for name in ("device", "precision", "attention")))
+                         for name in ("device", "threads", "precision", "attention") if name in choices))
     strategy = choices["strategy"]
     nodes = f" on {session.nodes} nodes" if session.nodes > 1 else ""
     say(f"  processes: {processes}{nodes}" + (f" ({strategy.value.upper()}, {session.accelerator.state.backend}; "

@@ -194,3 +194,16 @@ def test_plan_takes_the_loss_path_training_takes(case, tiny_model):
     settings = resolve_settings(recipe, "cpu", shape_from_config(config, "test"))
     assert (settings.fused_loss, settings.loss_reason) == (head is not None, training_reason)
     assert settings.fused_loss == (case in ("all_linear", "trained_head"))
+
+
+def test_cpu_threads_follow_the_cores_free_at_start_unless_set():
+    from gpupoor.decisions import choose_cpu_threads
+
+    assert choose_cpu_threads(3, usable=2, processes=1, busy=1.9).value == "3"  # the user's number wins
+    assert choose_cpu_threads(None, usable=2, processes=1, busy=0.1).value == "2"
+    assert choose_cpu_threads(None, usable=2, processes=1, busy=None).value == "2"  # unknown: all of ours
+    busy = choose_cpu_threads(None, usable=2, processes=1, busy=1.0)
+    assert busy.value == "1" and "1.0 of 2 cores busy at start" in busy.reason and "cpu_threads" in busy.reason
+    assert choose_cpu_threads(None, usable=2, processes=1, busy=2.0).value == "1"  # never fewer than one
+    assert choose_cpu_threads(None, usable=16, processes=2, busy=4.0).value == "6"  # (16 - 4) / 2 processes
+    assert choose_cpu_threads(None, usable=16, processes=2, busy=None).value == "8"
