@@ -344,8 +344,9 @@ def _run_summary(run_dir: Path | None) -> tuple[dict, dict]:
 
 
 def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: str | None, kind: str = "LoRA") -> str:
-    lines = ["---", f"base_model: {base}", "library_name: transformers", f"tags: [gpupoor, {kind.lower()}, merged]",
-             "---", "", f"# {kind} fine-tune of {base}, merged", "",
+    from gpupoor.storage.model_card import card_text
+
+    lines = [f"# {kind} fine-tune of {base}, merged", "",
              f"Base model `{base}` with a {kind} adapter trained by gpupoor merged into its weights ({dtype}). "
              "Load it with `AutoModelForCausalLM.from_pretrained` of this directory; gpupoor is not needed.", ""]
     if qlora_base:
@@ -368,7 +369,7 @@ def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: s
         lines += ["## Final metrics", "", "| metric | value |", "|---|---|"]
         lines += [f"| {key} | {value:.4f} |" if isinstance(value, float) else f"| {key} | {value} |"
                   for key, value in metrics.items()] + [""]
-    return "\n".join(lines)
+    return card_text(base, "transformers", [kind.lower(), "merged"], "\n".join(lines))
 
 
 @dataclass

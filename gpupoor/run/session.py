@@ -191,6 +191,11 @@ class Session:
         else:
             self.unwrapped.save_pretrained(directory, safe_serialization=True, **extra)  # adapter config + weights
         self.tokenizer.save_pretrained(directory)
+        from gpupoor.storage.model_card import weights_card
+
+        # peft's template card names the base by its local path, which the hub refuses: ours names a hub id or none.
+        (directory / "README.md").write_text(weights_card(self.recipe.model.name_or_path, self.recipe.peft.method,
+                                                          self.full), encoding="utf-8")
 
 
 def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: bool = False,

@@ -27,6 +27,8 @@ def test_every_command_the_demo_suggests_runs_on_its_run(tmp_path, monkeypatch, 
         assert words[0] == "gpupoor"
         result = invoke(*words[1:])
         assert result.exit_code == 0, f"{command}:\n{result.output}"
+    card = (tmp_path / "runs/demo-test/final/README.md").read_text()
+    assert "library_name: peft" in card and "base_model:" not in card  # the base is a local directory
     assert (tmp_path / "runs/demo-test/report.html").is_file()
     assert (tmp_path / "merged/demo-test/config.json").is_file()
     assert (tmp_path / "runs/demo-test/gguf/demo-test-q8_0.gguf").is_file()

@@ -16,7 +16,8 @@ def test_merged_directory_is_complete_and_standard(lora_run, tmp_path):
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"} <= names
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     card = (out / "README.md").read_text()
-    assert "base_model:" in card and "rank 4" in card and "| loss |" in card
+    assert "rank 4" in card and "| loss |" in card and "library_name: transformers" in card
+    assert "base_model:" not in card  # a local base is no hub id: the hub would refuse the card
     # plain transformers in a fresh interpreter, gpupoor not imported
     code = (f"from transformers import AutoModelForCausalLM, AutoTokenizer; m = AutoModelForCausalLM.from_pretrained({str(out)!r}); "
             f"t = AutoTokenizer.from_pretrained({str(out)!r}); print(m.dtype, 'gpupoor' in __import__('sys').modules)")
