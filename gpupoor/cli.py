@@ -395,7 +395,7 @@ def export(
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Write the trained model as GGUF files (adapter merged first) and measure what each quantization costs in
-    perplexity: a table printed and written as NAME-QUANT.quality.json, with an Ollama Modelfile beside each file."""
+    perplexity: a table printed and written as NAME.quality.json, with an Ollama Modelfile beside each file."""
 
     def action() -> int:
         from gpupoor.commands.export import export as run_export
@@ -412,8 +412,10 @@ def export(
 def generate(
     source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (the instruction, user turn or text)."),
-    file: Optional[Path] = typer.Option(None, "--file", help="A JSONL file of prompts: rows in the run's format, "
-                                        "or {\"prompt\": ...}. Prints one JSON line per row."),
+    file: Optional[Path] = typer.Option(None, "--file", "--input", help="A JSONL file of prompts: rows in the run's "
+                                        "format, or {\"prompt\": ...}; - reads standard input (JSONL rows, or one "
+                                        "prompt per line). Prints one JSON line per row. Piped input with neither "
+                                        "option is read the same way."),
     checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (reproducible)."),
@@ -425,31 +427,16 @@ def generate(
     """Sample from a trained model with the prompt format its run trained on (greedy by default)."""
 
     def action() -> int:
-        import json
-
-        if (prompt is None) == (file is None):
-            raise UserError("give exactly one of --prompt TEXT or --file PROMPTS.jsonl")
         if fmt is not None and fmt not in ("text", "alpaca", "chat", "completion"):
             raise UserError(f"--format {fmt!r}: use text, alpaca, chat or completion")
-        from gpupoor.commands.generate import cap_new_tokens, complete, load_generator, prompt_row, rows_from_file
+        from gpupoor.commands.generate import answer_prompts, check_prompt_source
+
+        check_prompt_source(prompt, file)
         from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
-        generator = load_generator(source, checkpoint, base, fmt)
-        encoder = generator.encoder
-        rows = [(prompt_row(prompt, encoder), "--prompt")] if prompt is not None else rows_from_file(file, encoder)
-        prompts = [encoder.encode_prompt(row, where) for row, where in rows]
-        if not prompts:
-            raise UserError(f"--file {file}: no prompts in it")
-        new_tokens, note = cap_new_tokens(generator.model, prompts, max_new_tokens)
-        if note:
-            typer.echo(f"note: {note}", err=True)
-        answers = complete(generator.model, generator.tokenizer, prompts, new_tokens, temperature)
-        if prompt is not None:
-            typer.echo(answers[0])
-        else:
-            for (row, _), answer in zip(rows, answers):
-                typer.echo(json.dumps({**row, "completion": answer}))
+        answer_prompts(source, checkpoint, base, fmt, prompt, file, max_new_tokens, temperature,
+                       out=typer.echo, note=lambda text: typer.echo(f"note: {text}", err=True))
         return 0
 
     _guarded(debug, action)

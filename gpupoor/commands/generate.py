@@ -153,10 +153,84 @@ def rows_from_file(path: Path, encoder) -> list[tuple[dict, str]]:
     return rows
 
 
+def check_prompt_source(prompt: str | None, file: Path | None) -> None:
+    """At most one of --prompt and --file; neither reads standard input, which must then be piped."""
+    import sys
+
+    if prompt is not None and file is not None:
+        raise UserError("give one of --prompt TEXT or --file PROMPTS.jsonl, not both")
+    if prompt is None and file is None and sys.stdin.isatty():
+        raise UserError("no prompt: give --prompt TEXT, --file PROMPTS.jsonl, or pipe prompts in (one per line, or "
+                        "JSONL rows)")
+
+
+def rows_from_stdin(encoder) -> list[tuple[dict, str]]:
+    """Standard input as JSONL rows (as --file reads them) when every line is a JSON object, else one prompt per
+    non-empty line."""
+    import sys
+    import tempfile
+
+    text = sys.stdin.read()
+    lines = [line for line in text.splitlines() if line.strip()]
+
+    def is_row(line: str) -> bool:
+        try:
+            return isinstance(json.loads(line), dict)
+        except ValueError:
+            return False
+
+    if lines and all(is_row(line) for line in lines):
+        with tempfile.TemporaryDirectory() as folder:
+            rows_file = Path(folder) / "stdin.jsonl"
+            rows_file.write_text(text, encoding="utf-8")
+            return [(row, where.replace(str(rows_file), "<stdin>")) for row, where in rows_from_file(rows_file, encoder)]
+    return [(prompt_row(line, encoder), f"<stdin>:{number}") for number, line in enumerate(text.splitlines(), 1)
+            if line.strip()]
+
+
+def answer_prompts(source: Path, checkpoint: str, base: str | None, fmt: str | None, prompt: str | None,
+                   file: Path | None, max_new_tokens: int, temperature: float, out, note) -> None:
+    """`gpupoor generate`: the answer to --prompt, or one JSON line per row of --file (or standard input); an
+    empty answer gets a note saying why."""
+    generator = load_generator(source, checkpoint, base, fmt)
+    encoder = generator.encoder
+    if prompt is not None:
+        rows = [(prompt_row(prompt, encoder), "--prompt")]
+    elif file is None or str(file) == "-":
+        rows = rows_from_stdin(encoder)
+    else:
+        rows = rows_from_file(file, encoder)
+    prompts = [encoder.encode_prompt(row, where) for row, where in rows]
+    if not prompts and file is None:
+        raise UserError("no prompt: standard input was empty",
+                        hint="give --prompt TEXT, --file PROMPTS.jsonl, or pipe prompts in (one per line, or JSONL rows)")
+    if not prompts:
+        raise UserError(f"--file {file}: no prompts in it")
+    new_tokens, capped = cap_new_tokens(generator.model, prompts, max_new_tokens)
+    if capped:
+        note(capped)
+    reasons: list[str | None] = []
+    answers = complete(generator.model, generator.tokenizer, prompts, new_tokens, temperature, reasons=reasons)
+    for (row, where), answer, reason in zip(rows, answers, reasons):
+        if reason:
+            note(f"{where}: empty answer: {reason}")
+        out(answer if prompt is not None else json.dumps({**row, "completion": answer}))
+
+
+def _why_empty(new_ids: list[int], eos: int | None, pad: int | None, max_new_tokens: int) -> str:
+    """Why a completion decodes to nothing: the model ended at once, or every token it wrote is special or blank."""
+    if new_ids and new_ids[0] == eos:
+        return "the model's first token was end-of-sequence (it ended its answer at once)"
+    written = [token for token in new_ids if token not in (eos, pad)]
+    limit = f"; it stopped at --max-new-tokens {max_new_tokens}" if len(written) >= max_new_tokens else ""
+    return f"the {len(written)} tokens it wrote are special or blank tokens{limit}"
+
+
 @torch.no_grad()
 def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-             batch_size: int = 16, seed: int = 0) -> list[str]:
-    """Completions of tokenized prompts: greedy (deterministic) unless temperature > 0."""
+             batch_size: int = 16, seed: int = 0, reasons: list | None = None) -> list[str]:
+    """Completions of tokenized prompts: greedy (deterministic) unless temperature > 0. `reasons`, when given, gets
+    one entry per prompt: None, or why the answer is empty."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(seed)
@@ -170,5 +244,9 @@ def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 6
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                    pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **sampling)
-        outputs += tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
+        decoded = tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
+        outputs += decoded
+        if reasons is not None:
+            reasons += [None if text.strip() else _why_empty(row.tolist(), tokenizer.eos_token_id, pad, max_new_tokens)
+                        for row, text in zip(generated[:, width:], decoded)]
     return [text.strip() for text in outputs]

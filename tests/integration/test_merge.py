@@ -230,6 +230,48 @@ def test_generate_from_a_prompt_file(lora_run, tmp_path):
     assert [line["instruction"] for line in lines] == ["sort", "reverse"] and all("completion" in l for l in lines)
 
 
-def test_generate_needs_exactly_one_prompt_source(lora_run):
-    result = runner.invoke(app, ["generate", str(lora_run)])
+def test_generate_needs_exactly_one_prompt_source(lora_run, tmp_path):
+    result = runner.invoke(app, ["generate", str(lora_run)])  # nothing piped in either
     assert result.exit_code == 2 and "--prompt" in result.output
+    both = runner.invoke(app, ["generate", str(lora_run), "--prompt", "x", "--file", str(tmp_path / "p.jsonl")])
+    assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_generate_reads_piped_prompts_one_per_line_or_as_rows(lora_run):
+    plain = runner.invoke(app, ["generate", str(lora_run), "--max-new-tokens", "4"], input="first prompt\n\nsecond\n")
+    assert plain.exit_code == 0, plain.output
+    answers = [json.loads(line) for line in plain.stdout.splitlines() if line.startswith("{")]
+    assert [a["instruction"] for a in answers] == ["first prompt", "second"]
+    rows = '{"instruction": "Reverse the letters.", "input": "a b c"}\n'
+    piped = runner.invoke(app, ["generate", str(lora_run), "--input", "-", "--max-new-tokens", "4"], input=rows)
+    assert piped.exit_code == 0, piped.output
+    assert json.loads(piped.stdout.splitlines()[-1])["input"] == "a b c"
+
+
+def test_an_empty_answer_says_why():
+    from gpupoor.commands.generate import complete
+
+    class EndsAtOnce(torch.nn.Module):
+        def __init__(self, tokens: list[int]):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.tokens = tokens
+
+        def generate(self, input_ids, **kwargs):
+            return torch.cat([input_ids, torch.tensor([self.tokens] * len(input_ids))], dim=1)
+
+    class Tokenizer:
+        pad_token_id, eos_token_id = 0, 2
+
+        def batch_decode(self, rows, skip_special_tokens):
+            return ["" if all(t in (0, 2) for t in row.tolist()) else "text" for row in rows]
+
+    reasons: list = []
+    assert complete(EndsAtOnce([2, 0, 0]), Tokenizer(), [[5, 6]], 3, reasons=reasons) == [""]
+    assert "first token was end-of-sequence" in reasons[0]
+    reasons = []
+    complete(EndsAtOnce([0, 0, 0]), Tokenizer(), [[5, 6]], 3, reasons=reasons)
+    assert "special or blank" in reasons[0]
+    reasons = []
+    assert complete(EndsAtOnce([7, 2, 0]), Tokenizer(), [[5, 6]], 3, reasons=reasons) == ["text"]
+    assert reasons == [None]
