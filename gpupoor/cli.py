@@ -1,6 +1,7 @@
 """The `gpupoor` command: typer's declarations, the options parsed and checked, error messages and exit codes.
 What a verb does lives in gpupoor/commands/ (train and resume call the orchestrator from here). Heavy imports
-(torch, transformers) happen inside commands so --help is instant."""
+(torch, transformers) happen inside commands so --help is instant. It is longer than 600 lines because every
+verb's options are declared here, each command a short function that hands its work to gpupoor/commands/."""
 
 from __future__ import annotations
 
@@ -437,6 +438,29 @@ def generate(
         quiet_libraries()
         answer_prompts(source, checkpoint, base, fmt, prompt, file, max_new_tokens, temperature,
                        out=typer.echo, note=lambda text: typer.echo(f"note: {text}", err=True))
+        return 0
+
+    _guarded(debug, action)
+
+
+@app.command()
+def chat(
+    source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
+    checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (reproducible)."),
+    base: Optional[str] = typer.Option(None, "--base", help="Base model for an adapter (default: the one it names)."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Talk to the tuned model in its run's format, answers streamed; /system TEXT, /reset, /exit."""
+
+    def action() -> int:
+        from gpupoor.commands.chat import chat as chat_loop
+        from gpupoor.quiet import quiet_libraries
+
+        quiet_libraries()
+        chat_loop(source, checkpoint, base, max_new_tokens, temperature, read=input,
+                  write=lambda text: typer.echo(text, nl=False))
         return 0
 
     _guarded(debug, action)

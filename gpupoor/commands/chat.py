@@ -1,0 +1,69 @@
+"""`gpupoor chat`: talk to a tuned model in the terminal, in the format its run trained on. A chat-format run keeps
+the conversation (rendered with its chat template each turn, the answer streamed as it is generated); a run of
+another format (alpaca, text, completion) answers each message on its own. `/system TEXT` sets a system prompt
+and starts over, `/reset` starts over, `/exit` (or end of input) leaves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+HELP = "/system TEXT: set the system prompt (and start over)   /reset: start over   /exit: leave"
+
+
+def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, temperature: float,
+         read: Callable[[str], str], write: Callable[[str], None]) -> None:
+    """The loop: `read(prompt)` returns a line (EOFError ends), `write` prints without a newline of its own."""
+    import torch
+    from transformers import TextStreamer
+
+    from gpupoor.commands.generate import cap_new_tokens, load_generator
+
+    generator = load_generator(source, checkpoint, base, None)
+    model, tokenizer, encoder = generator.model, generator.tokenizer, generator.encoder
+    keeps_history = encoder.format.name == "chat"
+    how = "chat template" if keeps_history else f"{encoder.format.name} format: each message is answered on its own"
+    write(f"chatting with {source} ({how}); {HELP}\n")
+    system, history = None, []
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    while True:
+        try:
+            line = read("you> ").strip()
+        except EOFError:
+            write("\n")
+            return
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset" or line.startswith("/system"):
+            if line.startswith("/system"):
+                system = line.removeprefix("/system").strip() or None
+            history = []
+            write("(started over" + (f"; system prompt: {system}" if system else "") + ")\n")
+            continue
+        if line.startswith("/"):
+            write(f"unknown command {line.split()[0]}; {HELP}\n")
+            continue
+        if keeps_history:
+            history.append({"role": "user", "content": line})
+            messages = ([{"role": "system", "content": system}] if system else []) + history
+            row = {encoder.format.names.messages: messages}
+        else:
+            row = encoder.format.prompt_row(line)
+        ids = encoder.encode_prompt(row, "chat")
+        new_tokens, capped = cap_new_tokens(model, [ids], max_new_tokens)
+        write("model> ")
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        with torch.no_grad():
+            output = model.generate(input_ids=torch.tensor([ids], device=next(model.parameters()).device),
+                                    max_new_tokens=new_tokens, streamer=streamer,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                    **sampling)
+        answer = tokenizer.decode(output[0, len(ids):], skip_special_tokens=True).strip()
+        if not answer:
+            write("(empty answer: the model ended its turn at once)\n")
+        if capped:
+            write(f"(note: {capped})\n")
+        if keeps_history:
+            history.append({"role": "assistant", "content": answer})
