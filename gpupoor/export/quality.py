@@ -56,7 +56,11 @@ def file_eval_text(path: Path, tokenizer, max_tokens: int, window: int = 512) ->
     """Plain text (.txt) or JSONL rows with a "text" field, tokenized and cut into windows of `window` tokens."""
     if not path.is_file():
         raise UserError(f"--eval {path}: no such file", hint="give a .txt file or a .jsonl file with a \"text\" field")
-    raw = path.read_text(encoding="utf-8")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--eval {path}: not UTF-8 text (byte {exc.start}: {exc.reason})",
+                        hint="save the file as UTF-8") from None
     if path.suffix == ".jsonl":
         texts = []
         for number, line in enumerate(raw.splitlines(), 1):

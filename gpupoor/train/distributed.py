@@ -13,6 +13,7 @@ Everything here that takes a model is collective under FSDP: every process must 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -170,7 +171,9 @@ def load_optimizer(model, optimizer, checkpoint: Path) -> None:
             return
         state = get_optimizer_state_dict(model, optimizer)  # the layout (and this process's shards) to fill
         try:
-            dcp.load({"state": state["state"]}, storage_reader=_SafeReader(checkpoint / DCP_OPTIMIZER))
+            with warnings.catch_warnings():  # one process reading a sharded save is the intent (resume --force)
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+                dcp.load({"state": state["state"]}, storage_reader=_SafeReader(checkpoint / DCP_OPTIMIZER))
         except dcp.CheckpointException as exc:
             raise dcp_error(exc) from None
         state["param_groups"] = [{**group, **({"betas": tuple(group["betas"])} if "betas" in group else {})}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import invoke
+from gpupoor.errors import UserError
 
 gguf = pytest.importorskip("gguf")
 
@@ -347,3 +348,18 @@ def test_a_rope_scaling_llama_cpp_does_not_run_is_refused(tokenizer, tmp_path):
     result = export(model_dir, "--output", tmp_path / "x.gguf", "--no-quality")
     assert result.exit_code == 2 and "rope scaling 'dynamic'" in result.output
     assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"text": "fine"}\nnot json\n', "eval.jsonl:2: not JSON"),
+    (b'{"text": "fine"}\n{"body": "x"}\n', 'eval.jsonl:2: a row needs a "text" string'),
+    (b'{"text": "caf\xe9"}\n', "not UTF-8 text (byte 13"),
+])
+def test_bad_eval_text_is_named_with_its_line(content, message, tokenizer, tmp_path):
+    from gpupoor.export.quality import file_eval_text
+
+    path = tmp_path / "eval.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(UserError) as caught:
+        file_eval_text(path, tokenizer, 1000)
+    assert message in str(caught.value)
