@@ -228,7 +228,8 @@ def train(
     _launch_if_asked(context, debug)
 
     def action(stop) -> int:
-        from gpupoor.commands.train import check_before_training, existing_run, exit_code, recipe_overrides
+        from gpupoor.commands.train import (check_before_training, existing_run, exit_code, recipe_overrides,
+                                            report_finished)
         from gpupoor.recipe.loading import load_recipe
 
         loaded = load_recipe(recipe, recipe_overrides(set_, time_limit, profile))
@@ -236,13 +237,13 @@ def train(
         if existing is not None:
             from gpupoor.run.orchestrate import resume_run
 
-            return exit_code(resume_run(existing, [], started=started, stop=stop, recipe=loaded).reason)
+            return exit_code(report_finished(resume_run(existing, [], started=started, stop=stop, recipe=loaded)))
         plan = check_before_training(loaded, smoke, force, _warn)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.run.orchestrate import train_from_recipe
 
         result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started, plan=plan, stop=stop)
-        return exit_code(result.reason)
+        return exit_code(report_finished(result))
 
     _guarded(debug, _with_stop_requests(action))
 
@@ -271,12 +272,13 @@ def resume(
 
     def action(stop) -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from gpupoor.commands.train import exit_code, recipe_overrides
+        from gpupoor.commands.train import exit_code, recipe_overrides, report_finished
         from gpupoor.run.orchestrate import resume_run
 
         # --time-limit and --profile are this invocation's; --set changes are the run's from now on.
-        return exit_code(resume_run(run_dir, recipe_overrides(set_, None, None), force=force, started=started,
-                                    stop=stop, invocation=recipe_overrides(None, time_limit, profile)).reason)
+        return exit_code(report_finished(resume_run(run_dir, recipe_overrides(set_, None, None), force=force,
+                                                    started=started, stop=stop,
+                                                    invocation=recipe_overrides(None, time_limit, profile))))
 
     _guarded(debug, _with_stop_requests(action))
 

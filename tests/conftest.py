@@ -112,6 +112,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _no_report_at_the_end(request, monkeypatch):
+    """A finished run draws report.html (~2 s of matplotlib): in-process runs of the tests skip it, except where a
+    test asks for it (`@pytest.mark.report_at_the_end`)."""
+    if request.node.get_closest_marker("report_at_the_end") is None:
+        monkeypatch.setattr("gpupoor.commands.train.report_finished", lambda result, say=print: result.reason)
+
+
+@pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUPOOR_CACHE", str(tmp_path / "cache"))
 
@@ -211,7 +219,7 @@ def write_recipe(path: Path, model_dir: Path, data_file: Path, **sections) -> Pa
         "peft": {"rank": 4},
         "training": {"micro_batch_size": 4, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
                      "warmup_steps": 0},
-        "logging": {"progress": "none"},
+        "logging": {"progress": "none", "report": False},  # report.html costs ~2 s of matplotlib a run
         "seed": 0,
     }
     for key, value in sections.items():

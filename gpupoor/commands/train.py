@@ -96,3 +96,27 @@ def leave_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def report_finished(result, say=print) -> str:
+    """A run that finished writes RUN_DIR/report.html by itself (`gpupoor report`'s page), unless logging.report
+    is off or matplotlib (the `report` extra) is missing; a failure to draw is a warning, never the run's. One
+    process of a launch draws. Returns the result's reason, for exit_code."""
+    import importlib.util
+    import os
+
+    from gpupoor.storage.rundir import is_run_dir, stored_recipe
+
+    if result.reason not in ("done", "early_stop") or os.environ.get("RANK", "0") != "0" \
+            or not is_run_dir(result.run_dir) or importlib.util.find_spec("matplotlib") is None:
+        return result.reason  # (a smoke test's temporary run directory is gone by now)
+    if not stored_recipe(result.run_dir).logging.report:
+        return result.reason
+    try:
+        from gpupoor.commands.report import write_report
+
+        say(f"report: {write_report([result.run_dir], result.run_dir / 'report.html', False)}")
+    except Exception as exc:  # drawing must never fail a finished run
+        say(f"warning: the report was not written ({type(exc).__name__}: {exc}); gpupoor report {result.run_dir} "
+            "tries again")
+    return result.reason

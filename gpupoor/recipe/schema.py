@@ -545,6 +545,11 @@ class LoggingSection(_Section):
         "RUN_DIR/tensorboard; MLflow uses MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns; W&B follows "
         "its own login and WANDB_MODE. A tracker that fails warns once; training goes on."
     )
+    report: bool = Field(
+        True, description="A finished run writes RUN_DIR/report.html (loss, eval loss, learning rate, tokens/s and "
+        "memory over the steps, as `gpupoor report` draws them) by itself. Needs matplotlib (the `report` extra); "
+        "without it, or with `false`, nothing is drawn.", **RESUME_SAFE
+    )
     project: str = Field("gpupoor", description="The W&B project / MLflow experiment the run is logged under.")
     run_name: str | None = Field(None, description="The tracker run's name. Default: the run directory's name.")
     offline: bool = Field(

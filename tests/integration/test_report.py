@@ -279,3 +279,18 @@ def test_status_of_a_live_epoch_run_shows_its_total_and_eta_and_no_resume_advice
     assert "continue with" not in report
     report, _ = status_report(run)  # no process: the advice is back, the ETA is not
     assert "continue with: gpupoor resume" in report and "ETA" not in report
+
+
+@pytest.mark.report_at_the_end
+def test_a_finished_run_draws_its_report_by_itself_unless_told_not_to(make_recipe, tmp_path):
+    from conftest import invoke
+
+    run = tmp_path / "run"
+    result = invoke("train", make_recipe(logging={"report": True}), "--output-dir", run)
+    assert result.exit_code == 0, result.output
+    assert f"report: {run.resolve() / 'report.html'}" in result.output or f"report: {run / 'report.html'}" in \
+        result.output
+    assert (run / "report.html").stat().st_size > 10_000
+    quiet = tmp_path / "quiet"
+    assert invoke("train", make_recipe(logging={"report": False}), "--output-dir", quiet).exit_code == 0
+    assert not (quiet / "report.html").exists()
