@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 from gpupoor.errors import UserError
 
 PROBE_SECONDS = 3.0
+_went_offline = False  # gpupoor set HF_HUB_OFFLINE itself, because the hub could not be reached
 
 
 def _offline_already() -> bool:
@@ -61,8 +62,10 @@ def require_hub_model(name: str, key: str, revision: str | None = None) -> None:
 
     if hub_reachable():
         return
+    global _went_offline
     constants.HF_HUB_OFFLINE = True  # read by huggingface_hub at each request: cached files, no retries
     os.environ["HF_HUB_OFFLINE"] = "1"  # for processes this one starts, and code that reads the variable
+    _went_offline = True
     try:
         cached = try_to_load_from_cache(name, "config.json", revision=revision)
     except Exception:  # a malformed id: not cached either
@@ -73,3 +76,10 @@ def require_hub_model(name: str, key: str, revision: str | None = None) -> None:
                         "reached from here (no network)",
                         hint=f"download it where there is a network (hf download {name}) and copy the cache "
                         f"({Path(constants.HF_HUB_CACHE)}), or set {key} to a local model directory or .gguf file")
+
+
+def offline_cause() -> str:
+    """Why a file not in the hub cache cannot be fetched: the user's HF_HUB_OFFLINE, or no network."""
+    if not _went_offline and os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return "HF_HUB_OFFLINE=1"
+    return f"{hub_host()[0]} cannot be reached from here (no network)"

@@ -179,7 +179,7 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None,
         return _read_json(bundled, key), f"gpupoor's copy of {name_or_path}'s config.json"
     from gpupoor.model.hub import hub_reachable
 
-    if os.environ.get("HF_HUB_OFFLINE") != "1" and hub_reachable():
+    if os.environ.get("HF_HUB_OFFLINE") != "1" and hub_reachable():  # (asked once per process)
         try:
             from huggingface_hub import hf_hub_download
 
@@ -188,8 +188,13 @@ def find_config(name_or_path: str, base_dir: Path, revision: str | None = None,
         except Exception as exc:
             raise UserError(f"{key}: cannot read {name_or_path}'s config.json ({type(exc).__name__}: "
                             f"{exc})", hint="check the name, or log in for a gated model (hf auth login)") from None
-    raise UserError(f"{key}: {name_or_path}'s config.json is not in the local hub cache and "
-                    "HF_HUB_OFFLINE=1", hint="unset HF_HUB_OFFLINE (plan downloads config.json only)")
+    from gpupoor.model.hub import offline_cause
+
+    cause = offline_cause()
+    raise UserError(f"{key}: {name_or_path}'s config.json is not in the local hub cache and {cause}",
+                    hint="unset HF_HUB_OFFLINE (plan downloads config.json only)" if cause.startswith("HF_HUB")
+                    else f"download it where there is a network (hf download {name_or_path}), or set {key} to a "
+                    "local model directory")
 
 
 def load_teacher_shape(loaded: LoadedRecipe) -> tuple[Shape | None, str | None]:

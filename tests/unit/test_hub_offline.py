@@ -23,6 +23,7 @@ def no_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # recorded, so the variable the code sets is undone after
     monkeypatch.delenv("HF_HUB_OFFLINE")
     hub.hub_reachable.cache_clear()
+    monkeypatch.setattr(hub, "_went_offline", False)
     yield tmp_path / "hub"
     hub.hub_reachable.cache_clear()
 
@@ -52,3 +53,12 @@ def test_a_cached_hub_id_is_read_from_the_cache_offline(no_hub):
     (no_hub / "models--someone--cached" / "refs" / "main").write_text("abc123")
     require_hub_model("someone/cached", "model.name_or_path")  # no error
     assert constants.HF_HUB_OFFLINE is True  # the rest of the process reads the cache, with no retries
+
+
+def test_the_memory_plan_says_the_hub_cannot_be_reached_not_that_the_user_went_offline(no_hub, tmp_path):
+    from gpupoor.plan.shape import find_config
+
+    with pytest.raises(UserError) as caught:
+        find_config("someone/not-bundled", tmp_path)
+    assert "gpupoor-test-hub.invalid cannot be reached from here (no network)" in str(caught.value)
+    assert "unset HF_HUB_OFFLINE" not in str(caught.value)
