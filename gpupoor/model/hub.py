@@ -60,20 +60,19 @@ def require_hub_model(name: str, key: str, revision: str | None = None) -> None:
     import huggingface_hub.constants as constants
     from huggingface_hub import try_to_load_from_cache
 
+    global _went_offline
     if hub_reachable():
         return
-    global _went_offline
-    constants.HF_HUB_OFFLINE = True  # read by huggingface_hub at each request: cached files, no retries
-    os.environ["HF_HUB_OFFLINE"] = "1"  # for processes this one starts, and code that reads the variable
-    _went_offline = True
+    if not _offline_already():  # gpupoor goes offline itself: the hub cannot be reached
+        constants.HF_HUB_OFFLINE = True  # read by huggingface_hub at each request: cached files, no retries
+        os.environ["HF_HUB_OFFLINE"] = "1"  # for processes this one starts, and code that reads the variable
+        _went_offline = True
     try:
         cached = try_to_load_from_cache(name, "config.json", revision=revision)
     except Exception:  # a malformed id: not cached either
         cached = None
     if not isinstance(cached, str):
-        host, _ = hub_host()
-        raise UserError(f"{key}: {name!r} is a hub id, it is not in this machine's hub cache, and {host} cannot be "
-                        "reached from here (no network)",
+        raise UserError(f"{key}: {name!r} is a hub id, it is not in this machine's hub cache, and {offline_cause()}",
                         hint=f"download it where there is a network (hf download {name}) and copy the cache "
                         f"({Path(constants.HF_HUB_CACHE)}), or set {key} to a local model directory or .gguf file")
 
@@ -81,5 +80,5 @@ def require_hub_model(name: str, key: str, revision: str | None = None) -> None:
 def offline_cause() -> str:
     """Why a file not in the hub cache cannot be fetched: the user's HF_HUB_OFFLINE, or no network."""
     if not _went_offline and os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        return "HF_HUB_OFFLINE=1"
+        return "HF_HUB_OFFLINE=1 is set"
     return f"{hub_host()[0]} cannot be reached from here (no network)"

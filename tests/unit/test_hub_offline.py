@@ -62,3 +62,12 @@ def test_the_memory_plan_says_the_hub_cannot_be_reached_not_that_the_user_went_o
         find_config("someone/not-bundled", tmp_path)
     assert "gpupoor-test-hub.invalid cannot be reached from here (no network)" in str(caught.value)
     assert "unset HF_HUB_OFFLINE" not in str(caught.value)
+
+
+def test_a_users_own_offline_setting_is_named_as_the_cause(no_hub, monkeypatch):
+    from gpupoor.model.hub import require_hub_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError) as caught:
+        require_hub_model("someone/some-model", "model.name_or_path")
+    assert "and HF_HUB_OFFLINE=1 is set" in str(caught.value)
