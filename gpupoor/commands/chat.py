@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from gpupoor.errors import UserError
+
 HELP = "/system TEXT: set the system prompt (and start over)   /reset: start over   /exit: leave"
 
 
@@ -52,7 +54,12 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
         else:
             row = encoder.format.prompt_row(line)
         ids = encoder.encode_prompt(row, "chat")
-        new_tokens, capped = cap_new_tokens(model, [ids], max_new_tokens)
+        try:
+            new_tokens, capped = cap_new_tokens(model, [ids], max_new_tokens)
+        except UserError as exc:  # the conversation outgrew the context: the session goes on
+            write(f"({exc.message}; /reset starts over)\n")
+            history = history[:-1]
+            continue
         write("model> ")
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with torch.no_grad():

@@ -13,13 +13,15 @@ def test_chat_answers_each_message_and_obeys_its_commands(tmp_path, tiny_model):
     run = tmp_path / "run"
     assert invoke("train", write_recipe(tmp_path / "r.yaml", tiny_model, data, training={"max_steps": 2}),
                   "--output-dir", run).exit_code == 0
-    session = "Reverse the letters.\n/system Be brief.\n/bogus\n/reset\nagain\n/exit\nnever read\n"
+    too_long = " ".join(["letters"] * 3000)  # past the tiny model's 1024-token context
+    session = f"Reverse the letters.\n/system Be brief.\n/bogus\n{too_long}\n/reset\nagain\n/exit\nnever read\n"
     result = CliRunner().invoke(app, ["chat", str(run), "--max-new-tokens", "3"], input=session)
     assert result.exit_code == 0, result.output
     assert "alpaca format: each message is answered on its own" in result.output
     assert result.output.count("model> ") == 2  # two messages answered; the commands are not sent to the model
     assert "(started over; system prompt: Be brief.)" in result.output
     assert "unknown command /bogus" in result.output
+    assert "but the model's context is 1024" in result.output and "/reset starts over)" in result.output
 
 
 def test_chat_keeps_the_conversation_of_a_chat_run(tmp_path, tiny_model, monkeypatch):
