@@ -137,35 +137,31 @@ def write_hyperparameters(writer, config: dict, family: Family) -> None:
         writer.add_sliding_window(int(config.get("sliding_window") or 0))
 
 
-def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
-    rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+def _rotary_pairs(weight: np.ndarray, heads: int, interleave: bool) -> np.ndarray:
     """llama.cpp's convert script's reordering of each head's rows of q_proj/k_proj (the rotary halves
-    interleaved); transformers' GGUF loader undoes it."""
+    interleaved; transformers' GGUF loader undoes it), or with `interleave` False its inverse."""
     rows = weight.shape[0]
-    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    split = (heads, 2, rows // heads // 2) if interleave else (heads, rows // heads // 2, 2)
+    return weight.reshape(*split, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _layout(name: str, tensor: np.ndarray, config: dict, family: Family, to_gguf: bool) -> np.ndarray:
+    heads = config["num_attention_heads"]
+    if family.permute_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return _rotary_pairs(tensor, heads, to_gguf)
+    if family.permute_qk and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        return _rotary_pairs(tensor, config.get("num_key_value_heads") or heads, to_gguf)
+    if family.norm_offset and name.endswith("norm.weight"):
+        offset = np.float32(family.norm_offset)
+        return tensor + offset if to_gguf else tensor - offset
+    return tensor
 
 
 def to_llama_cpp_layout(name: str, tensor: np.ndarray, config: dict, family: Family) -> np.ndarray:
     """One transformers tensor (float32) as llama.cpp stores it."""
-    if family.permute_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-        return _permute(tensor, config["num_attention_heads"])
-    if family.permute_qk and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-        return _permute(tensor, config.get("num_key_value_heads") or config["num_attention_heads"])
-    if family.norm_offset and name.endswith("norm.weight"):
-        return tensor + np.float32(family.norm_offset)
-    return tensor
+    return _layout(name, tensor, config, family, to_gguf=True)
 
 
 def from_llama_cpp_layout(name: str, tensor: np.ndarray, config: dict, family: Family) -> np.ndarray:
     """The inverse of `to_llama_cpp_layout`: a tensor read from a GGUF file as transformers holds it."""
-    if family.permute_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-        return _unpermute(tensor, config["num_attention_heads"])
-    if family.permute_qk and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-        return _unpermute(tensor, config.get("num_key_value_heads") or config["num_attention_heads"])
-    if family.norm_offset and name.endswith("norm.weight"):
-        return tensor - np.float32(family.norm_offset)
-    return tensor
+    return _layout(name, tensor, config, family, to_gguf=False)

@@ -32,6 +32,7 @@ class Planned:
     gguf_name: str
     shape: tuple[int, ...]
     qtype: object  # gguf.GGMLQuantizationType
+    shard: Path | None = None  # the safetensors file holding it (None: computed, not read: rope_freqs)
 
 
 @dataclass
@@ -74,7 +75,8 @@ def plan_tensors(model_dir: Path, config: dict, family: Family, quant: Quant) ->
                                     "with llama.cpp's convert_hf_to_gguf.py")
                 shape = tuple(handle.get_slice(name).get_shape())
                 is_head = gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight")
-                planned.append(Planned(name, gguf_name, shape, tensor_type(quant, gguf_name, shape, layers, is_head)))
+                planned.append(Planned(name, gguf_name, shape, tensor_type(quant, gguf_name, shape, layers, is_head),
+                                       shard))
     for name, values in extra_tensors(config).items():  # 1-D: F32 whatever the quant
         planned.append(Planned(name, name, values.shape, tensor_type(quant, name, values.shape, layers, False)))
     return planned
@@ -118,15 +120,11 @@ def write_gguf(model_dir: Path, output: Path, quant: Quant, name: str) -> Writte
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        by_shard: dict[str, Path] = {}
-        for shard in weight_files(model_dir):
-            with safe_open(shard, framework="pt") as handle:
-                by_shard.update({key: shard for key in handle.keys()})
         for tensor in planned:  # the order the header declared them in
-            if tensor.hf_name in extras:
+            if tensor.shard is None:
                 writer.write_tensor_data(encode(extras[tensor.hf_name], tensor.qtype))
                 continue
-            with safe_open(by_shard[tensor.hf_name], framework="pt") as handle:
+            with safe_open(tensor.shard, framework="pt") as handle:
                 weights = handle.get_tensor(tensor.hf_name).float().numpy()
             if not np.isfinite(weights).all():
                 raise UserError(f"{model_dir}: tensor {tensor.hf_name} holds NaN or infinite values: the model "
