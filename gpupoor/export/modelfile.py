@@ -9,7 +9,9 @@ from pathlib import Path
 
 # A default system prompt written into a ChatML template as a literal (SmolLM2's, Qwen2.5's): the model was tuned
 # with it whenever a conversation had no system turn, so Ollama should send it too.
-DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system\\?n?\n?([^<'\"{}]+?)<\|im_end\|>")
+# gpupoor's own templates (vicuna, alpaca-chat) name theirs: {%- set default_system = "..." -%}.
+DEFAULT_SYSTEM = (re.compile(r"<\|im_start\|>system\\?n?\n?([^<'\"{}]+?)<\|im_end\|>"),
+                  re.compile(r"set default_system = \"([^\"]+)\""))
 
 # (marker in the Jinja chat template, Ollama TEMPLATE, stop token), first match wins.
 CHAT_FORMATS = (
@@ -26,8 +28,19 @@ CHAT_FORMATS = (
     ("<|assistant|>", "phi 3",
      '{{ if .System }}<|system|>\n{{ .System }}<|end|>\n{{ end }}{{ if .Prompt }}<|user|>\n{{ .Prompt }}<|end|>\n'
      '{{ end }}<|assistant|>\n{{ .Response }}<|end|>\n', "<|end|>"),
-    ("[INST]", "mistral / llama 2",
-     '[INST] {{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }} [/INST] {{ .Response }}', "[/INST]"),
+    ("<｜Assistant｜>", "deepseek",
+     '{{ if .System }}{{ .System }}{{ end }}<｜User｜>{{ .Prompt }}<｜Assistant｜>{{ .Response }}<｜end▁of▁sentence｜>',
+     "<｜end▁of▁sentence｜>"),
+    ("<<SYS>>", "llama 2",
+     '[INST] {{ if .System }}<<SYS>>\n{{ .System }}\n<</SYS>>\n\n{{ end }}{{ .Prompt }} [/INST] {{ .Response }} ',
+     "[INST]"),
+    ("[INST]", "mistral",
+     '[INST] {{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}[/INST] {{ .Response }}', "[INST]"),
+    ("ASSISTANT:", "vicuna",
+     '{{ if .System }}{{ .System }} {{ end }}USER: {{ .Prompt }} ASSISTANT: {{ .Response }}', "USER:"),
+    ("### Response:", "alpaca",
+     '{{ if .System }}{{ .System }}\n\n{{ end }}### Instruction:\n{{ .Prompt }}\n\n### Response:\n{{ .Response }}',
+     "### Instruction:"),
 )
 
 
@@ -67,7 +80,9 @@ def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str, trained_format: s
         name, template, stop = found
         lines += [f"# The {name} chat format the model was tuned with ({gguf_arch}).", f'TEMPLATE """{template}"""',
                   f'PARAMETER stop "{stop}"']
-        system = DEFAULT_SYSTEM.search(chat_template_of(model_dir) or "")
-        if system:
-            lines.append(f'SYSTEM """{system.group(1).strip()}"""')
+        for pattern in DEFAULT_SYSTEM:
+            system = pattern.search(chat_template_of(model_dir) or "")
+            if system:
+                lines.append(f'SYSTEM """{system.group(1).strip()}"""')
+                break
     return "\n".join(lines) + "\n"

@@ -162,7 +162,8 @@ class DataSection(_Section):
     )
     chat_template: str | None = Field(
         None, description="For `chat` and `sharegpt`: a template name (`llama3`, `chatml`, `gemma`, `mistral`, "
-        "`phi3`) or a Jinja template. Default: the tokenizer's own; a tokenizer without one needs this set."
+        "`phi3`, `qwen2.5`, `smollm2`, `deepseek`, `llama2`, `vicuna`, `alpaca-chat`) or a Jinja template. Default: "
+        "the tokenizer's own; a tokenizer without one needs this set."
     )
     max_length: int = Field(
         2048, ge=8, description="Tokens per example (a preference pair: per sequence, the prompt with one answer); "

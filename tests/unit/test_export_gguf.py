@@ -206,6 +206,41 @@ def test_the_modelfile_maps_a_chatml_template(tiny_models, tmp_path):
     assert 'TEMPLATE """{{ .Prompt }}"""' in plain and "stop" not in plain
 
 
+def render_ollama(template: str, system: str | None, prompt: str, response: str) -> str:
+    """Ollama's Go template, for the constructs gpupoor's TEMPLATEs use: {{ if .X }}...{{ end }} and {{ .X }}."""
+    import re
+
+    values = {"System": system or "", "Prompt": prompt, "Response": response}
+    text = re.sub(r"\{\{ if \.(\w+) \}\}(.*?)\{\{ end \}\}",
+                  lambda m: m.group(2) if values[m.group(1)] else "", template, flags=re.S)
+    return re.sub(r"\{\{ \.(\w+) \}\}", lambda m: values[m.group(1)], text)
+
+
+@pytest.mark.parametrize("name", ["llama3", "chatml", "gemma", "mistral", "phi3", "qwen2.5", "smollm2", "deepseek",
+                                  "llama2", "vicuna", "alpaca-chat"])
+@pytest.mark.parametrize("system", ["be brief", None])
+def test_the_modelfile_writes_each_named_template_as_the_template_does(tokenizer, tmp_path, name, system):
+    """Ollama, given the Modelfile's TEMPLATE and SYSTEM, sends the model what the chat template it was tuned with
+    renders for one exchange (less BOS, which Ollama adds, and the EOS that ends the reply, which the model writes)."""
+    import re
+
+    from gpupoor.data.templates import resolve_chat_template
+    from gpupoor.export.modelfile import modelfile
+
+    (tmp_path / "chat_template.jinja").write_text(resolve_chat_template(name), encoding="utf-8")
+    text = modelfile("m.gguf", tmp_path, "llama")
+    template = re.search(r'TEMPLATE """(.*?)"""', text, re.S).group(1)
+    default = re.search(r'SYSTEM """(.*?)"""', text, re.S)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": "sort lists"}, {"role": "assistant", "content": "done quickly"}]
+    jinja = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=resolve_chat_template(name))
+    jinja = jinja.removeprefix("<s>").removesuffix("</s>")
+    sent = render_ollama(template, system or (default.group(1) if default else None), "sort lists", "done quickly")
+    assert sent == jinja
+    stop = re.search(r'PARAMETER stop "(.*?)"', text).group(1)
+    assert stop in resolve_chat_template(name)  # one of the format's own markers (the reply's end, or the next turn's)
+
+
 # -- bad input: exit 2, what and what to do, nothing written --------------------------------------------------------
 
 def export(*args):

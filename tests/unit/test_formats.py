@@ -55,6 +55,56 @@ FAMILY_FORMATS = {
               ("done quickly<|end|>\n", True),
               ("<|user|>\nreverse<|end|>\n<|assistant|>\n", False),
               ("the answer<|end|>\n</s>", True)], "<|end|>\\n", False),
+    # Qwen2.5 and SmolLM2: ChatML; a conversation with a system turn renders as plain ChatML (their default system
+    # prompts are tested below).
+    "qwen2.5": ([("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsort lists<|im_end|>\n"
+                  "<|im_start|>assistant\n", False),
+                 ("done quickly<|im_end|>\n", True),
+                 ("<|im_start|>user\nreverse<|im_end|>\n<|im_start|>assistant\n", False),
+                 ("the answer<|im_end|>\n", True)], "<|im_end|>\\n", True),
+    "smollm2": ([("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsort lists<|im_end|>\n"
+                  "<|im_start|>assistant\n", False),
+                 ("done quickly<|im_end|>\n", True),
+                 ("<|im_start|>user\nreverse<|im_end|>\n<|im_start|>assistant\n", False),
+                 ("the answer<|im_end|>\n", True)], "<|im_end|>\\n", True),
+    # DeepSeek V3: BOS, the system prompt bare, <｜User｜>...<｜Assistant｜>reply<｜end▁of▁sentence｜> (a token of
+    # DeepSeek's own vocabulary, not this tokenizer's EOS: EOS is appended).
+    "deepseek": ([("<s>be brief<｜User｜>sort lists<｜Assistant｜>", False),
+                  ("done quickly<｜end▁of▁sentence｜>", True),
+                  ("<｜User｜>reverse<｜Assistant｜>", False),
+                  ("the answer<｜end▁of▁sentence｜>", True)], "<｜end▁of▁sentence｜>", True),
+    # Llama 2 Chat: BOS before every [INST]; the system prompt in <<SYS>> inside the first; " reply </s>".
+    "llama2": ([("<s>[INST] <<SYS>>\nbe brief\n<</SYS>>\n\nsort lists [/INST]", False),
+                (" done quickly </s>", True),
+                ("<s>[INST] reverse [/INST]", False),
+                (" the answer </s>", True)], " </s>", False),
+    # Vicuna v1.1 (FastChat ADD_COLON_TWO): "SYSTEM USER: u ASSISTANT: a</s>USER: ...", no BOS of its own.
+    "vicuna": ([("be brief USER: sort lists ASSISTANT:", False),
+                (" done quickly</s>", True),
+                ("USER: reverse ASSISTANT:", False),
+                (" the answer</s>", True)], "</s>", False),
+    # Alpaca as a chat: the system message in place of the preamble, turns separated by a blank line.
+    "alpaca-chat": ([("be brief\n\n### Instruction:\nsort lists\n\n### Response:\n", False),
+                     ("done quickly</s>", True),
+                     ("\n\n### Instruction:\nreverse\n\n### Response:\n", False),
+                     ("the answer</s>", True)], "EOS", False),
+}
+
+# What each template writes for a conversation of one user message and no system turn, ready for the reply:
+# the default system prompts the families were tuned with (Qwen2.5's, SmolLM2's, FastChat's for Vicuna, Alpaca's
+# preamble), and none where the family has none.
+WITHOUT_SYSTEM = {
+    "qwen2.5": "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+               "<|im_start|>user\nsort lists<|im_end|>\n<|im_start|>assistant\n",
+    "smollm2": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+               "<|im_start|>user\nsort lists<|im_end|>\n<|im_start|>assistant\n",
+    "chatml": "<|im_start|>user\nsort lists<|im_end|>\n<|im_start|>assistant\n",
+    "vicuna": "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+              "detailed, and polite answers to the user's questions. USER: sort lists ASSISTANT:",
+    "alpaca-chat": "Below is an instruction that describes a task. Write a response that appropriately completes the "
+                   "request.\n\n### Instruction:\nsort lists\n\n### Response:\n",
+    "deepseek": "<s><｜User｜>sort lists<｜Assistant｜>",
+    "llama2": "<s>[INST] sort lists [/INST]",
 }
 
 
@@ -63,7 +113,8 @@ def trained_ids(encoded) -> list[int]:
 
 
 def test_every_named_template_is_tested_and_documented():
-    assert set(FAMILY_FORMATS) == set(NAMES) == {"llama3", "chatml", "gemma", "mistral", "phi3"}
+    assert set(FAMILY_FORMATS) == set(NAMES) == {"llama3", "chatml", "gemma", "mistral", "phi3", "qwen2.5",
+                                                 "smollm2", "deepseek", "llama2", "vicuna", "alpaca-chat"}
     for name, template in TEMPLATES.items():
         assert template.source and template.family
         assert FAMILY_FORMATS[name][1] in template.turn_end
@@ -90,11 +141,43 @@ def test_named_template_trains_exactly_the_replies(tokenizer, name):
     whole = "".join(text for text, _ in pieces)
     bos = "" if whole.startswith("<s>") else "<s>"  # the template writes BOS, or the tokenizer's is kept
     assert tokenizer.decode(encoded.input_ids) == bos + whole + ("</s>" if eos_appended else "")
-    assert encoded.input_ids.count(tokenizer.bos_token_id) == 1
+    assert encoded.input_ids.count(tokenizer.bos_token_id) == max(1, whole.count("<s>"))  # Llama 2: one a turn
     # One trained run per reply (the appended EOS joins the last): nothing between replies leaks in.
     runs = sum(1 for i, label in enumerate(encoded.labels)
                if label != IGNORE_INDEX and (i == 0 or encoded.labels[i - 1] == IGNORE_INDEX))
     assert runs == len(replies)
+
+
+@pytest.mark.parametrize("name", sorted(WITHOUT_SYSTEM))
+def test_named_template_without_a_system_turn(tokenizer, name):
+    encoder = Encoder(tokenizer, "chat", 1024, chat_template=name)
+    assert encoder.render([{"role": "user", "content": USER_1}], True, "x:1") == WITHOUT_SYSTEM[name]
+    # The default system prompt is prompt, never trained; the reply is, token for token.
+    encoded = encoder.encode({"messages": CONVERSATION[1:3]}, "x:1")
+    reply = FAMILY_FORMATS[name][0][1][0]
+    assert tokenizer.decode(trained_ids(encoded)).startswith(reply)
+
+
+def test_alpaca_chat_is_the_alpaca_format_turn_by_turn(tokenizer):
+    """One turn of alpaca-chat is token for token (labels too) what the `alpaca` format makes of the same row, so a
+    run trained on Alpaca rows can be chatted with, and Alpaca and chat rows can share a run."""
+    alpaca = Encoder(tokenizer, "alpaca", 1024).encode({"instruction": USER_1, "output": REPLY_1}, "x:1")
+    chat = Encoder(tokenizer, "chat", 1024, chat_template="alpaca-chat").encode(
+        {"messages": [{"role": "user", "content": USER_1}, {"role": "assistant", "content": REPLY_1}]}, "x:1")
+    assert chat.input_ids == alpaca.input_ids and chat.labels == alpaca.labels
+
+
+def test_qwen_template_is_the_published_one_with_tools(tokenizer):
+    """The shipped qwen2.5 file is Qwen's whole template, tool calls included (what its tokenizer writes for a
+    function-calling conversation), not a ChatML look-alike."""
+    tools = [{"type": "function", "function": {"name": "sort", "description": "sort a list",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": USER_1}], tools=tools, tokenize=False,
+                                         chat_template=resolve_chat_template("qwen2.5"), add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+                           "assistant.\n\n# Tools\n\nYou may call one or more functions")
+    assert '<tools>\n{"type": "function", "function": {"name": "sort"' in text
+    assert text.endswith("</tool_call><|im_end|>\n<|im_start|>user\nsort lists<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_template_name_jinja_and_typo():
@@ -106,7 +189,9 @@ def test_template_name_jinja_and_typo():
         resolve_chat_template("llama-3")
     message = str(info.value)
     assert "data.chat_template: 'llama-3' is not a template name" in message
-    assert "did you mean 'llama3'" in message and "chatml, gemma, mistral, phi3" in message
+    assert "did you mean 'llama3'" in message and "chatml, gemma, mistral, phi3, qwen2.5" in message
+    with pytest.raises(UserError, match="did you mean 'smollm2'"):
+        resolve_chat_template("smollm")
 
 
 # No silent ChatML ---------------------------------------------------------------------------------------------
