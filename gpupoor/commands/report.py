@@ -143,17 +143,43 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [r["step"] for r in records], [r[key] if _finite(r.get(key)) else math.nan for r in records]
 
 
-def new_figure(height_ratios: list[float], height: float):
+# Every figure has the same width and the same left and right margins (legends go in the right one), and every
+# panel the same step range: in the HTML page the loss figure and the figure below it are separate images, and a
+# step must fall at the same pixel column in both. A "constrained" layout would size each figure's margins to its
+# own legend and labels, so the step axes would not line up.
+FIGURE_WIDTH_IN, PLOT_LEFT, PLOT_RIGHT = 10.0, 0.08, 0.76
+
+
+def step_range(runs: list[RunMetrics]) -> tuple[float, float]:
+    """The steps every panel shows: all that any run logged (steps, evals, checkpoints, session events), with a
+    margin so the first and last points are not on the frame."""
+    steps = [r["step"] for run in runs for records in (run.steps, run.evals, run.checkpoints, run.events)
+             for r in records if isinstance(r.get("step"), (int, float))]
+    low, high = (min(steps), max(steps)) if steps else (0, 1)
+    margin = max(0.5, 0.02 * (high - low))
+    return low - margin, high + margin
+
+
+def new_figure(height_ratios: list[float], height: float, runs: list[RunMetrics]):
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, height), dpi=100, layout="constrained")
-    axes = figure.subplots(len(height_ratios), 1, sharex=True, squeeze=False,
-                           gridspec_kw={"height_ratios": height_ratios})[:, 0]
+    figure = Figure(figsize=(FIGURE_WIDTH_IN, height), dpi=100)
+    axes = figure.subplots(len(height_ratios), 1, sharex=True, squeeze=False, gridspec_kw={
+        "height_ratios": height_ratios, "left": PLOT_LEFT, "right": PLOT_RIGHT, "top": 1 - 0.4 / height,
+        "bottom": 0.6 / height, "hspace": 0.28})[:, 0]
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0].set_xlim(*step_range(runs))  # shared by the figure's panels
     axes[-1].set_xlabel("optimizer step")
     return figure, list(axes)
+
+
+def legend_outside(ax) -> None:
+    """On the right, outside the plot (inside, it would cover the lines' last steps), in the margin every figure
+    keeps for it."""
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
 class _Legend:
@@ -183,8 +209,7 @@ def draw_loss(ax, runs: list[RunMetrics], log_scale: bool) -> None:
     ax.set_yscale("log" if log_scale else "linear")
     ax.set_ylabel("loss" + (" (log scale)" if log_scale else ""))
     ax.set_title("loss per step (line), eval loss (circles)", loc="left", fontsize=10)
-    # Outside, on the right: inside it would cover the labels of the lines at the last steps.
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    legend_outside(ax)
 
 
 def _draw_markers(ax, run: RunMetrics, color: str, legend: _Legend, prefix: str) -> None:
@@ -211,39 +236,59 @@ def _draw_markers(ax, run: RunMetrics, color: str, legend: _Legend, prefix: str)
     _draw_event_lines(ax, run, color, prefix)
 
 
-def _draw_event_lines(ax, run: RunMetrics, color: str, prefix: str) -> None:
-    """A vertical line per session start (dotted), stop with a checkpoint (dashed) and early stop (dash-dot);
-    events of one step share one label (a stop and the resume from its checkpoint fall on the same step)."""
-    notes: dict[int, list[str]] = {}
-
-    def mark(step: int, style: str, text: str) -> None:
-        ax.axvline(step, color=color, linestyle=style, linewidth=1, alpha=0.8)
-        notes.setdefault(step, []).append(text)
-
+def session_events(run: RunMetrics) -> list[tuple[int, str, str]]:
+    """(step, line style, label) per session start (dotted), stop with a checkpoint (dashed) and early stop
+    (dash-dot). A session that starts at step 0 is the run's own start: the left edge says that."""
+    marks = []
     for event in run.events:
         kind, step = event.get("event"), event.get("step")
         if not isinstance(step, int):
             continue
-        if kind == "start" and step > 0:  # a session that starts at step 0 is the run's own start: the left edge
-            mark(step, ":", f"{event.get('session', 'session')} starts")
+        if kind == "start" and step > 0:
+            marks.append((step, ":", f"{event.get('session', 'session')} starts"))
         elif kind == "stop":
             reason = str(event.get("reason", "?"))
-            mark(step, "--", f"stopped: {STOP_REASONS.get(reason, reason)}")
+            marks.append((step, "--", f"stopped: {STOP_REASONS.get(reason, reason)}"))
         elif kind == "early_stop":
-            mark(step, "-.", f"early stop (best step {event.get('best_step', '?')})")
-    for step, texts in notes.items():
-        ax.text(step, 0.97, f" {prefix}{'; '.join(texts)}", transform=ax.get_xaxis_transform(), rotation=90,
-                va="top", ha="right", fontsize=7, color=color)
+            marks.append((step, "-.", f"early stop (best step {event.get('best_step', '?')})"))
+    return marks
+
+
+def draw_session_lines(ax, run: RunMetrics, color: str) -> None:
+    """The sessions' lines alone, for the panels under the loss: a resume explains a dip in tokens/s or a step
+    in memory there."""
+    for step, style, _ in session_events(run):
+        ax.axvline(step, color=color, linestyle=style, linewidth=1, alpha=0.6)
+
+
+def _draw_event_lines(ax, run: RunMetrics, color: str, prefix: str) -> None:
+    """The sessions' lines with their labels. Events of one step share one label (a stop and the resume from its
+    checkpoint fall on the same step); each label sits on a white box beside its line, not across it, and a label
+    too close to the one before it drops lower so that the two do not overlap."""
+    notes: dict[int, list[str]] = {}
+    for step, style, text in session_events(run):
+        ax.axvline(step, color=color, linestyle=style, linewidth=1, alpha=0.8)
+        notes.setdefault(step, []).append(text)
+    low, high = ax.get_xlim()
+    close = 0.04 * (high - low)  # a rotated 8-point label is about this wide on the 10-inch figure
+    previous, height = None, 0.97
+    for step in sorted(notes):
+        height = 0.97 if previous is None or step - previous > close or height < 0.5 else height - 0.45
+        ax.text(step, height, f"{prefix}{'; '.join(notes[step])}", transform=ax.get_xaxis_transform(),
+                rotation=90, va="top", ha="right", fontsize=8, color=color,
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
+        previous = step
 
 
 def _draw_series(ax, runs: list[RunMetrics], key: str, title: str, ylabel: str) -> None:
     for index, run in enumerate(runs):
         steps, values = _series(run.steps, key)
         ax.plot(steps, values, color=f"C{index % 10}", linewidth=1.2, label=run.label)
+        draw_session_lines(ax, run, f"C{index % 10}")
     ax.set_title(title, loc="left", fontsize=10)
     ax.set_ylabel(ylabel)
     if len(runs) > 1:
-        ax.legend(fontsize=8)
+        legend_outside(ax)
 
 
 def draw_memory(ax, runs: list[RunMetrics]) -> None:
@@ -254,9 +299,10 @@ def draw_memory(ax, runs: list[RunMetrics]) -> None:
         steps, predicted = _series(run.steps, "predicted_peak_mb")
         if any(not math.isnan(v) for v in predicted):
             ax.plot(steps, predicted, "--", color=color, linewidth=1.2, label=f"{run.label} predicted (plan)")
+        draw_session_lines(ax, run, color)
     ax.set_title("peak memory: measured (solid), the memory plan's prediction (dashed)", loc="left", fontsize=10)
     ax.set_ylabel("MiB")
-    ax.legend(fontsize=8)
+    legend_outside(ax)
 
 
 def draw_others(axes: list, runs: list[RunMetrics]) -> None:
@@ -268,20 +314,20 @@ def draw_others(axes: list, runs: list[RunMetrics]) -> None:
 
 def all_panels(runs: list[RunMetrics], log_scale: bool):
     """The four panels in one figure (the PNG): loss taller than the others, one shared step axis."""
-    figure, axes = new_figure([2.2, 1, 1, 1], height=13)
+    figure, axes = new_figure([2.2, 1, 1, 1], height=13, runs=runs)
     draw_loss(axes[0], runs, log_scale)
     draw_others(axes[1:], runs)
     return figure
 
 
 def loss_panel(runs: list[RunMetrics], log_scale: bool):
-    figure, axes = new_figure([1], height=5)
+    figure, axes = new_figure([1], height=5, runs=runs)
     draw_loss(axes[0], runs, log_scale)
     return figure
 
 
 def other_panels(runs: list[RunMetrics]):
-    figure, axes = new_figure([1, 1, 1], height=8)
+    figure, axes = new_figure([1, 1, 1], height=8, runs=runs)
     draw_others(axes, runs)
     return figure
 

@@ -164,6 +164,38 @@ def test_loss_panel_marks_checkpoints_sessions_skips_and_the_best(marked):
     assert "best checkpoint kept: step-000004 (5.9000)" in page and "2 skipped" in page
 
 
+def test_the_html_figures_share_one_step_axis_and_show_the_sessions_on_every_panel(runs):
+    """The loss figure and the figure under it are separate images: a step sits at the same pixel column in both
+    (same width, same plot margins, same step range), and each panel draws the resume's line."""
+    from gpupoor.commands.report import all_panels, load_runs, loss_panel, other_panels
+
+    loaded = load_runs([runs / "resumed", runs / "faster"])
+    axes = loss_panel(loaded, log_scale=False).axes + other_panels(loaded).axes + all_panels(loaded, False).axes
+    for ax in axes:
+        assert ax.figure.get_size_inches()[0] == 10
+        pixels = ax.transData.transform([(1, 0), (6, 0)])[:, 0]  # where steps 1 and 6 are drawn
+        assert pixels == pytest.approx(axes[0].transData.transform([(1, 0), (6, 0)])[:, 0], abs=0.01)
+        assert ax.get_xlim() == axes[0].get_xlim()
+        assert ax.get_xlim()[0] < 1 and ax.get_xlim()[1] > 6  # every logged step inside the frame
+        resume = [line for line in ax.lines if line.get_linestyle() == ":" and list(line.get_xdata()) == [3, 3]]
+        assert resume, [line.get_xdata() for line in ax.lines]
+    label = next(text for text in axes[0].texts if "resume starts" in text.get_text())
+    assert label.get_fontsize() >= 8 and label.get_bbox_patch().get_facecolor()[:3] == (1.0, 1.0, 1.0)
+
+
+def test_session_labels_close_together_do_not_overlap(runs, tmp_path):
+    from gpupoor.commands.report import load_runs, loss_panel
+
+    run = tmp_path / "crowded"
+    shutil.copytree(runs / "resumed", run)
+    _append(run, {"step": 4, "event": "stop", "reason": "time_limit"}, {"step": 4, "event": "start",
+                                                                          "session": "resume", "time": 0})
+    figure = loss_panel(load_runs([run]), log_scale=False)
+    figure.canvas.draw()
+    boxes = [text.get_window_extent() for text in figure.axes[0].texts if "starts" in text.get_text()]
+    assert len(boxes) == 2 and not boxes[0].overlaps(boxes[1])
+
+
 def test_two_runs_are_overlaid_and_both_named(runs, tmp_path):
     from gpupoor.commands.report import load_runs, loss_panel, other_panels
 
