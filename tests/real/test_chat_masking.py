@@ -94,3 +94,17 @@ def test_validate_show_marks_the_replies(real_tokenizer, real_gguf, tmp_path):
             marked += full[cursor:start] + "«" + full[start:end] + "»"
             cursor = end
         assert marked + full[cursor:] in result.output, result.output
+
+
+@pytest.mark.parametrize("case", sorted(CONVERSATIONS))
+def test_the_named_smollm2_template_is_the_models_own(real_tokenizer, case):
+    """data.chat_template: smollm2 is SmolLM2-Instruct's template byte for byte (as its GGUF carries it), so
+    naming it trains exactly what the model's own tokenizer would: the same ids, the same labels."""
+    from gpupoor.data.templates import resolve_chat_template
+
+    assert resolve_chat_template("smollm2") == real_tokenizer.chat_template
+    row = {"messages": CONVERSATIONS[case]}
+    own = Encoder(real_tokenizer, "chat", 1024).encode(row, "x:1")
+    named = Encoder(real_tokenizer, "chat", 1024, chat_template="smollm2").encode(row, "x:1")
+    assert named.input_ids == own.input_ids and named.labels == own.labels
+    assert any(label != IGNORE_INDEX for label in named.labels)
