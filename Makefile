@@ -13,11 +13,13 @@ STAMP := $(VENV)/.gpupoor-installed
 
 install: $(STAMP)
 
+# PYTHONWARNINGS=ignore on the project's install: setuptools' build backend prints a boxed notice about editable
+# installs every time; pip's errors are not warnings and still show.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 demo: install

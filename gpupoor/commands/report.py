@@ -2,7 +2,7 @@
 memory), written as one PNG or as one self-contained HTML page that adds each run's summary.
 
 Reads only what a run directory holds (metrics.jsonl, recipe.yaml, manifests) and imports no torch. matplotlib is
-an optional extra (`gpupoor[report]`), imported inside the drawing functions so that `gpupoor --help` and every
+an optional extra (`report`), imported inside the drawing functions so that `gpupoor --help` and every
 other verb never pay for it. Figures are `matplotlib.figure.Figure` objects rendered by the Agg canvas, never
 pyplot: no GUI backend is chosen, no window opens, and no global figure state is left behind.
 """
@@ -26,7 +26,7 @@ from gpupoor.storage.rundir import LIBRARIES, METRICS, RECIPE, require_run_dir, 
 from gpupoor.train.metrics import read_metrics
 from gpupoor.units import format_duration
 
-INSTALL_HINT = "pip install 'gpupoor[report]'"
+INSTALL_HINT = "pip install matplotlib (from gpupoor's clone: pip install -e '.[report]')"
 SUFFIXES = {".png": "png", ".html": "html", ".htm": "html"}
 STOP_REASONS = {"time_limit": "time limit"}  # signals read as they are: SIGTERM, SIGUSR1, ...
 
@@ -112,7 +112,7 @@ def require_matplotlib() -> None:
         import matplotlib.figure  # noqa: F401
     except ImportError:
         raise UserError("gpupoor report draws with matplotlib, which is not installed",
-                        hint=f"{INSTALL_HINT} (or pip install matplotlib)") from None
+                        hint=INSTALL_HINT) from None
 
 
 def write_report(paths: list[Path], output: Path | None = None, log_scale: bool = False) -> Path:

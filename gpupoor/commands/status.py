@@ -17,7 +17,7 @@ SPARK_MARKS = "▁▂▃▄▅▆▇█"
 
 
 def loss_sparkline(records: list[dict], width: int = 40) -> str | None:
-    """`loss █▆▅▄▃▂▁ 6.002 -> 5.898 (steps 1-1200, 30 per mark)`: the step records' losses averaged into at
+    """`loss █▆▅▄▃▂▁ mean 6.002 -> 5.898 (steps 1-1200, 30 per mark)`: the step records' losses averaged into at
     most `width` marks, lowest ▁ to highest █; non-finite losses left out. None when there is no loss to show."""
     points = [(r["step"], r["loss"]) for r in records
               if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
@@ -35,8 +35,9 @@ def loss_sparkline(records: list[dict], width: int = 40) -> str | None:
     first, last = points[0][0], points[-1][0]
     span = f"step {first}" if first == last else f"steps {first}-{last}"
     per = len(points) / count
-    if per > 1:
+    if per > 1:  # the ends are the first and last marks' means, and say so: no logged step has those losses
         span += f", {per:.0f} per mark" if per == int(per) else f", ~{per:.1f} per mark"
+        return f"loss {marks} mean {means[0]:.4g} -> {means[-1]:.4g} ({span})"
     return f"loss {marks} {means[0]:.4g} -> {means[-1]:.4g} ({span})"
 
 

@@ -391,13 +391,16 @@ def check_last_layers(loaded: LoadedRecipe) -> list[str]:
 
 
 def check_trackers(report_to: list[str]) -> None:
-    from gpupoor.train.trackers import missing_trackers
+    from gpupoor.train.trackers import TRACKERS, missing_trackers
 
     missing = missing_trackers(report_to)
     if missing:
+        # The extras are gpupoor's own, installed from its clone: `pip install 'gpupoor[wandb]'` would fetch an
+        # unrelated project of that name from PyPI.
         raise UserError(f"logging.report_to names {', '.join(missing)} but its package is not installed here",
-                        hint="pip install " + " ".join(f"'{extra}'" for extra in missing) + ", or remove it from "
-                        "logging.report_to (metrics.jsonl always has every record)")
+                        hint="pip install " + " ".join(TRACKERS[name][1] for name in missing) + " (from gpupoor's "
+                        "clone: pip install -e '.[" + ",".join(missing) + "]'), or remove it from logging.report_to "
+                        "(metrics.jsonl always has every record)")
 
 
 def preflight(loaded: LoadedRecipe) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from gpupoor.errors import UserError
 
 SUFFIX = ".gguf"
-INSTALL = "pip install gguf (or pip install 'gpupoor[gguf]')"
+INSTALL = "pip install gguf (from gpupoor's clone: pip install -e '.[gguf]')"
 # llama.cpp's names for some architectures, as transformers' loader renames them before looking them up.
 _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 

@@ -542,7 +542,7 @@ class LoggingSection(_Section):
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list, description="Trackers that get every metrics record (loss, lr, grad norm, tokens/s, "
         "memory, eval loss and accuracy, checkpoint times, skipped steps) and the recipe as the run's config. Each "
-        "is an extra: `pip install 'gpupoor[tensorboard]'` (or `[wandb]`, `[mlflow]`). TensorBoard writes into "
+        "is an extra: `pip install -e '.[tensorboard]'` from gpupoor's clone (or `[wandb]`, `[mlflow]`). TensorBoard writes into "
         "RUN_DIR/tensorboard; MLflow uses MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns; W&B follows "
         "its own login and WANDB_MODE. A tracker that fails warns once; training goes on."
     )

@@ -36,10 +36,13 @@ def weights_card(base: str | None, method: str, full: bool) -> str:
     if full:
         load = 'model = AutoModelForCausalLM.from_pretrained("PATH/TO/THIS/DIR")'
         imports = "from transformers import AutoModelForCausalLM"
-    else:
-        load = (f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{named or "BASE"}"), '
-                '"PATH/TO/THIS/DIR")')
+    elif named:
+        load = f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{named}"), "PATH/TO/THIS/DIR")'
         imports = "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM"
+    else:  # no hub id to name: peft loads the base from the path adapter_config.json records
+        load = ('# the base: base_model_name_or_path in adapter_config.json (a local path; edit it if the base moved)\n'
+                'model = AutoPeftModelForCausalLM.from_pretrained("PATH/TO/THIS/DIR")')
+        imports = "from peft import AutoPeftModelForCausalLM"
     body = (f"# {'Full' if full else method.upper()} fine-tune of {named or 'a local model'}\n\n"
             f"Trained by gpupoor on {where}. It loads without gpupoor:\n\n"
             f"```python\n{imports}\n\n{load}\n```\n")

@@ -70,8 +70,13 @@ def check_run_dir(run_dir: Path) -> None:
         raise UserError(f"run directory {run_dir} is {kind}",
                         hint="pass --output-dir NEW_DIR (or set output_dir) naming a new or empty directory")
     if run_dir.exists() and holds_something(run_dir):
-        hint = (f"to continue it: gpupoor resume {run_dir}" if is_run_dir(run_dir)
-                else "pass --output-dir NEW_DIR (or set output_dir), or delete the old run")
+        new = "pass --output-dir NEW_DIR (or set output_dir) for a new run"
+        if not is_run_dir(run_dir):
+            hint = f"{new}, or delete the old files"
+        elif (run_dir / "final").is_dir():  # finished: resuming it has nothing left to do
+            hint = f"it is a finished run (final/ is there): {new}, or delete it to train there again"
+        else:
+            hint = f"to continue it: gpupoor resume {run_dir}; or {new}"
         raise UserError(f"run directory {run_dir} is not empty; gpupoor never trains over an earlier run",
                         hint=hint)
     if run_dir.is_dir() and RunLock.held(run_dir):  # a start that is still loading its model there

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from gpupoor.storage.files import write_text_atomic
 
-# name -> (module that must import, the pip extra that installs it)
-TRACKERS = {"tensorboard": ("tensorboard", "gpupoor[tensorboard]"), "wandb": ("wandb", "gpupoor[wandb]"),
-            "mlflow": ("mlflow", "gpupoor[mlflow]")}
+# name -> (module that must import, the package that installs it: also gpupoor's extra of the tracker's name)
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+            "mlflow": ("mlflow", "mlflow-skinny")}
 STATE_FILE = "trackers.json"
 # An MLflow server that does not answer would hold training for MLflow's ~4 minutes of retries per request (7,
 # backing off up to 120 s, 120 s timeout each): give up within ~20 s instead, then warn once and drop the tracker.
@@ -50,8 +50,8 @@ KEYS.update({f"eval_{name}": f"eval/{name}" for name in PREFERENCE_METRICS})
 
 
 def missing_trackers(report_to: list[str]) -> list[str]:
-    """The pip extras of the trackers named that do not import here."""
-    return [TRACKERS[name][1] for name in report_to if importlib.util.find_spec(TRACKERS[name][0]) is None]
+    """The trackers named whose package does not import here."""
+    return [name for name in report_to if importlib.util.find_spec(TRACKERS[name][0]) is None]
 
 
 def tracker_values(record: dict) -> dict[str, float]:

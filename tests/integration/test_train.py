@@ -166,6 +166,25 @@ def test_refuses_a_non_empty_run_dir(make_recipe, tmp_path):
     assert (run / "notes.txt").read_text() == "precious"
 
 
+@pytest.mark.parametrize("holds, advice", [
+    ({"recipe.yaml": "x"}, "to continue it: gpupoor resume {run}; or pass --output-dir NEW_DIR"),
+    ({"recipe.yaml": "x", "final/adapter_config.json": "{}"}, "it is a finished run (final/ is there): pass "
+                                                                "--output-dir NEW_DIR"),
+    ({"notes.txt": "x"}, "pass --output-dir NEW_DIR (or set output_dir) for a new run, or delete the old files")])
+def test_a_taken_run_dir_says_what_to_do_with_it(tmp_path, holds, advice):
+    """An unfinished run is to be resumed; a finished one has nothing to resume: a new directory is the way."""
+    from gpupoor.errors import UserError
+    from gpupoor.storage.rundir import check_run_dir
+
+    run = tmp_path / "run"
+    for name, text in holds.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    with pytest.raises(UserError) as info:
+        check_run_dir(run)
+    assert advice.format(run=run) in info.value.hint
+
+
 def test_smoke_runs_the_recipe_on_a_shrunken_model_and_leaves_nothing(make_recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = train(make_recipe(training={"max_steps": 500, "micro_batch_size": 8}), "--smoke")

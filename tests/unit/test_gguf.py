@@ -120,7 +120,7 @@ def test_gguf_package_missing(tiny_gguf, alpaca_file, tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_gguf)
     copy = tmp_path / "copy.gguf"
     shutil.copy(tiny_gguf, copy)
-    _bad(tmp_path, alpaca_file, copy, "needs the gguf package", "pip install gguf", "gpupoor[gguf]")
+    _bad(tmp_path, alpaca_file, copy, "needs the gguf package", "pip install gguf", "pip install -e '.[gguf]'")
 
 
 def test_model_identity_is_the_gguf_file(tiny_gguf, tmp_path):

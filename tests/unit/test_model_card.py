@@ -30,3 +30,24 @@ def test_the_cards_metadata_reads_back_through_huggingface_hub():
     local = ModelCard(card_text("/data/models/mine", "transformers", ["merged"], "# body"))
     assert local.data.base_model is None and "/data/models" not in local.content.split("---")[1]
     assert local.data.library_name == "transformers" and "# body" in local.text
+
+
+def test_an_adapter_on_a_local_base_loads_as_its_card_says(tiny_model, tmp_path):
+    """The card's snippet, run as written (PATH/TO/THIS/DIR replaced): peft finds the local base through
+    adapter_config.json, so the card needs no base it cannot name."""
+    import re
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = tmp_path / "final"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=2, target_modules=["q_proj"])
+                   ).save_pretrained(adapter)
+    card = weights_card(str(tiny_model), "lora", full=False)
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1).replace("PATH/TO/THIS/DIR", str(adapter))
+    assert "BASE" not in snippet and str(tiny_model) not in card.split("---")[1]
+    scope: dict = {}
+    exec(snippet, scope)  # noqa: S102 (the card's own code, on files this test wrote)
+    assert scope["model"].peft_config["default"].r == 2
+    assert torch.is_tensor(next(scope["model"].parameters()))

@@ -24,7 +24,9 @@ def test_sparkline_averages_into_at_most_40_marks_and_skips_non_finite():
     line = loss_sparkline([{"step": s, "loss": 10.0 / s} for s in range(1, 1201)])
     marks = line.split()[1]
     assert len(marks) == 40 and marks[0] == "█" and marks[-1] == "▁" and set(marks) <= set("▁▂▃▄▅▆▇█")
-    assert line.endswith("(steps 1-1200, 30 per mark)") and " -> " in line
+    assert line.endswith("(steps 1-1200, 30 per mark)") and " mean " in line and " -> " in line
+    first_mark = sum(10.0 / s for s in range(1, 31)) / 30  # the ends are the marks' means, not a step's loss
+    assert f" mean {first_mark:.4g} -> " in line
     records = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": None}, {"step": 3, "loss": float("nan")},
                {"step": 4, "loss": 1.0}]
     assert loss_sparkline(records) == "loss █▁ 3 -> 1 (steps 1-4)"

@@ -14,7 +14,7 @@ def test_a_tracker_that_is_not_installed_is_exit_2_at_validate_with_the_pip_comm
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     result = invoke("validate", make_recipe(logging={"report_to": ["wandb"]}))
     assert result.exit_code == 2
-    assert "logging.report_to" in result.output and "pip install 'gpupoor[wandb]'" in result.output
+    assert "logging.report_to" in result.output and "pip install wandb (from gpupoor's clone: pip install -e '.[wandb]')" in result.output
 
 
 def test_unknown_tracker_names_are_schema_errors(make_recipe):
