@@ -32,3 +32,41 @@ def test_every_command_the_demo_suggests_runs_on_its_run(tmp_path, monkeypatch, 
     assert (tmp_path / "runs/demo-test/report.html").is_file()
     assert (tmp_path / "merged/demo-test/config.json").is_file()
     assert (tmp_path / "runs/demo-test/gguf/demo-test-q8_0.gguf").is_file()
+
+
+def test_the_readmes_train_merge_try_block_runs_as_written(tmp_path, monkeypatch):
+    """README "Train, merge, try", command by command, from a copy of the clone's recipes/: the one change is a
+    shorter training (--set training.max_steps=6, not the demo's 225 steps). `chat runs/demo-real` needs `make
+    demo-real` first (the README says so; tests/real covers that run)."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from gpupoor.cli import app
+
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"## Train, merge, try\n\n```\n(.*?)```", readme, re.S).group(1)
+    commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.startswith("gpupoor ")]
+    assert [shlex.split(c)[1] for c in commands] == ["train", "merge-lora", "generate", "generate", "chat", "chat"]
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
+    for command in commands:
+        words = shlex.split(command)[1:]
+        if words == ["chat", "runs/demo-real"]:
+            continue
+        if words[0] == "train":
+            words += ["--set", "training.max_steps=6"]
+        result = CliRunner().invoke(app, words, input="Reverse the letters.\n/exit\n")
+        assert result.exit_code == 0, f"{command}:\n{result.output}"
+        if words[0] == "generate":
+            prompts = (REPO / "recipes/data/prompts.jsonl").read_text().splitlines()
+            assert result.output.count('"completion"') == len(prompts)
+        if words[0] == "chat":
+            assert "model>" in result.output
+    assert (tmp_path / "runs/demo/final/adapter_config.json").is_file()
+    assert (tmp_path / "merged/demo/config.json").is_file()
+    # What the README says next: the adapter loads with peft alone, its base found through adapter_config.json.
+    from peft import AutoPeftModelForCausalLM
+
+    model = AutoPeftModelForCausalLM.from_pretrained("runs/demo/final")
+    assert model.peft_config["default"].r == 32

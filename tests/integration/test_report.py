@@ -270,7 +270,8 @@ def test_without_matplotlib_says_what_to_install(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` raise ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     result = invoke("report", runs / "resumed", "--output", tmp_path / "r.png")
-    assert result.exit_code == 2 and "pip install matplotlib (from gpupoor's clone: pip install -e '.[report]')" in result.output, result.output
+    hint = "pip install matplotlib (from gpupoor's clone: pip install -e '.[report]')"
+    assert result.exit_code == 2 and hint in result.output, result.output
     assert not (tmp_path / "r.png").exists()
 
 
