@@ -179,7 +179,7 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[str, 
             allowed = _allowed_keys(loc)
             guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             msg = f"{where}: unknown key '{dotted}'"
-            peer = peer_hint(str(loc[-1]), loc[:-1])
+            peer = peer_hint(str(loc[-1]), loc[:-1], err.get("input"))
             if peer:  # a key from another tool's recipes: say where gpupoor has it, not a spelling guess
                 msg += f"; {peer}"
             elif guess:

@@ -88,11 +88,27 @@ PEER_KEYS: dict[str, PeerKey] = {
 }
 
 
-def peer_hint(key: str, where: tuple[str, ...]) -> str | None:
-    """`; in gpupoor it is 'training.epochs' (LLaMA-Factory's num_train_epochs)` for a key another tool uses,
-    unless it is already where gpupoor has it (then it is not unknown)."""
+# Their chat template names for a family gpupoor ships a template of (gpupoor.data.templates): LLaMA-Factory's
+# `template:` values (its template.py) and axolotl's `chat_template:` values (its ChatTemplate enum). The same
+# family's turns; each tool's text may differ in details (a default system prompt, whitespace).
+PEER_TEMPLATE_NAMES: dict[str, dict[str, str]] = {
+    "template": {"qwen": "qwen2.5", "llama3": "llama3", "llama2": "llama2", "mistral": "mistral", "gemma": "gemma",
+                 "gemma3": "gemma", "phi": "phi3", "vicuna": "vicuna", "alpaca": "alpaca-chat",
+                 "deepseek3": "deepseek", "chatml": "chatml"},
+    "chat_template": {"qwen_25": "qwen2.5", "llama3": "llama3", "mistral_v2v3": "mistral", "gemma": "gemma",
+                      "gemma3": "gemma", "phi_3": "phi3", "phi_35": "phi3", "deepseek_v3": "deepseek",
+                      "alpaca": "alpaca-chat", "chatml": "chatml"},
+}
+
+
+def peer_hint(key: str, where: tuple[str, ...], value: object = None) -> str | None:
+    """`LLaMA-Factory's 'num_train_epochs' is gpupoor's 'training.epochs'` for a key another tool uses, unless it
+    is already where gpupoor has it (then it is not unknown); for their template names, gpupoor's name too."""
     found = PEER_KEYS.get(key)
     if found is None or ".".join((*where, key)) == found.ours:
         return None
+    named = PEER_TEMPLATE_NAMES.get(key, {}).get(value) if isinstance(value, str) else None
+    if named:
+        return f"{found.tools}'s '{key}' is gpupoor's '{found.ours}', and its '{value}' is gpupoor's '{named}'"
     note = f": {found.note}" if found.note else ""
     return f"{found.tools}'s '{key}' is gpupoor's '{found.ours}'{note}"

@@ -68,3 +68,23 @@ def test_the_migration_page_lists_every_key():
             if line.startswith("| `")}
     missing = [key for key in PEER_KEYS if key not in rows or f"`{PEER_KEYS[key].ours}`" not in rows[key]]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("key, theirs, ours", [("template", "qwen", "qwen2.5"), ("template", "deepseek3", "deepseek"),
+                                               ("chat_template", "qwen_25", "qwen2.5"),
+                                               ("chat_template", "phi_35", "phi3")])
+def test_their_template_name_is_told_as_ours(make_recipe, key, theirs, ours):
+    path = make_recipe()
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), key: theirs}, sort_keys=False))
+    with pytest.raises(UserError) as caught:
+        load_recipe(path)
+    assert f"'{key}' is gpupoor's 'data.chat_template', and its '{theirs}' is gpupoor's '{ours}'" in \
+        caught.value.message
+
+
+def test_every_template_name_we_map_to_is_shipped():
+    from gpupoor.data.templates import NAMES
+    from gpupoor.recipe.peer_keys import PEER_TEMPLATE_NAMES
+
+    assert {ours for names in PEER_TEMPLATE_NAMES.values() for ours in names.values()} <= set(NAMES)
+    assert set(PEER_TEMPLATE_NAMES) <= set(PEER_KEYS)
