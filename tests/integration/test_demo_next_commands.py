@@ -37,7 +37,7 @@ def test_every_command_the_demo_suggests_runs_on_its_run(tmp_path, monkeypatch, 
 def test_the_readmes_train_merge_try_block_runs_as_written(tmp_path, monkeypatch):
     """README "Train, merge, try", command by command, from a copy of the clone's recipes/: the one change is a
     shorter training (--set training.max_steps=6, not the demo's 225 steps). `chat runs/demo-real` needs `make
-    demo-real` first (the README says so; tests/real covers that run)."""
+    demo-real` first, as the README says (chat on a chat-format run: tests/integration/test_chat.py)."""
     import re
 
     from typer.testing import CliRunner
