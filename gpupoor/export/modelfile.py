@@ -13,7 +13,11 @@ from pathlib import Path
 DEFAULT_SYSTEM = (re.compile(r"<\|im_start\|>system\\?n?\n?([^<'\"{}]+?)<\|im_end\|>"),
                   re.compile(r"set default_system = \"([^\"]+)\""))
 
-# (marker in the Jinja chat template, Ollama TEMPLATE, stop token), first match wins.
+# (marker in the Jinja chat template, Ollama TEMPLATE, stop token), first match wins. Ollama renders a TEMPLATE
+# without .Messages once per earlier exchange, whole (System only in the first), then once for the last, cut after
+# {{ .Response }}: what closes a reply goes after {{ .Response }}. Where a reply starts with a space (" answer"),
+# that space sits in {{ if .Response }} so the prompt ends where the Jinja template's generation prompt ends.
+# {EOS} is the model's end-of-sequence token, which these formats write after a reply.
 CHAT_FORMATS = (
     ("<|im_start|>", "chatml",
      '{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}{{ if .Prompt }}<|im_start|>user\n'
@@ -31,17 +35,32 @@ CHAT_FORMATS = (
     ("<｜Assistant｜>", "deepseek",
      '{{ if .System }}{{ .System }}{{ end }}<｜User｜>{{ .Prompt }}<｜Assistant｜>{{ .Response }}<｜end▁of▁sentence｜>',
      "<｜end▁of▁sentence｜>"),
+    # Llama 2 writes BOS before every [INST]: Ollama adds the first, the reply's closing adds the others.
     ("<<SYS>>", "llama 2",
-     '[INST] {{ if .System }}<<SYS>>\n{{ .System }}\n<</SYS>>\n\n{{ end }}{{ .Prompt }} [/INST] {{ .Response }} ',
-     "[INST]"),
+     '[INST] {{ if .System }}<<SYS>>\n{{ .System }}\n<</SYS>>\n\n{{ end }}{{ .Prompt }} [/INST]'
+     '{{ if .Response }} {{ .Response }} {EOS}{BOS}{{ end }}', "[INST]"),
+    # Mistral's template puts the system prompt in the last user turn; Ollama's per-exchange rendering can only put
+    # it in the first, so a conversation of several turns with a system prompt differs there.
     ("[INST]", "mistral",
-     '[INST] {{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}[/INST] {{ .Response }}', "[INST]"),
+     '[INST] {{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}[/INST]{{ if .Response }} {{ .Response }}{EOS}{{ end }}',
+     "[INST]"),
     ("ASSISTANT:", "vicuna",
-     '{{ if .System }}{{ .System }} {{ end }}USER: {{ .Prompt }} ASSISTANT: {{ .Response }}', "USER:"),
+     '{{ if .System }}{{ .System }} {{ end }}USER: {{ .Prompt }} ASSISTANT:{{ if .Response }} {{ .Response }}{EOS}{{ end }}',
+     "USER:"),
     ("### Response:", "alpaca",
-     '{{ if .System }}{{ .System }}\n\n{{ end }}### Instruction:\n{{ .Prompt }}\n\n### Response:\n{{ .Response }}',
-     "### Instruction:"),
+     '{{ if .System }}{{ .System }}\n\n{{ end }}### Instruction:\n{{ .Prompt }}\n\n### Response:\n{{ .Response }}'
+     '{{ if .Response }}{EOS}\n\n{{ end }}', "### Instruction:"),
 )
+
+
+def special_token(model_dir: Path, name: str) -> str:
+    """The text of the tokenizer's `name` ("eos_token", "bos_token"), from tokenizer_config.json; "" without one."""
+    import json
+
+    config = model_dir / "tokenizer_config.json"
+    token = json.loads(config.read_text(encoding="utf-8")).get(name) if config.is_file() else None
+    token = token.get("content") if isinstance(token, dict) else token
+    return token if isinstance(token, str) else ""
 
 
 def chat_template_of(model_dir: Path) -> str | None:
@@ -78,6 +97,8 @@ def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str, trained_format: s
                   'TEMPLATE """{{ .Prompt }}"""']
     else:
         name, template, stop = found
+        template = template.replace("{EOS}", special_token(model_dir, "eos_token")).replace(
+            "{BOS}", special_token(model_dir, "bos_token"))
         lines += [f"# The {name} chat format the model was tuned with ({gguf_arch}).", f'TEMPLATE """{template}"""',
                   f'PARAMETER stop "{stop}"']
         for pattern in DEFAULT_SYSTEM:

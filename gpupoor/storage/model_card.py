@@ -28,14 +28,21 @@ def card_text(base: str | None, library: str, tags: list[str], body: str) -> str
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.strip()}\n"))
 
 
-def weights_card(base: str | None, method: str, full: bool) -> str:
+def weights_card(base: str | None, method: str, full: bool, location: str | None = None) -> str:
     """The card of a run's final/ or checkpoint: an adapter (in place of peft's template, which names a local
-    base as base_model) or, for peft.method full, a whole model."""
+    base as base_model) or, for peft.method full, a whole model. `location`: where the adapter's base is, as its
+    adapter_config.json records it (an absolute path for a local base)."""
     named = hub_id(base)
+    gguf = (location or base or "").lower().endswith(".gguf")
     where = f"`{named}`" if named else f"a local model (`{Path(base).name if base else 'unknown'}`, not on the hub)"
     if full:
         load = 'model = AutoModelForCausalLM.from_pretrained("PATH/TO/THIS/DIR")'
         imports = "from transformers import AutoModelForCausalLM"
+    elif gguf:  # peft cannot load a GGUF base by its path (transformers needs gguf_file=): load it, then the adapter
+        where_file = Path(location or base)
+        load = (f'base = AutoModelForCausalLM.from_pretrained("{where_file.parent}", gguf_file="{where_file.name}")'
+                '  # needs gguf\nmodel = PeftModel.from_pretrained(base, "PATH/TO/THIS/DIR")')
+        imports = "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM"
     elif named:
         load = f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{named}"), "PATH/TO/THIS/DIR")'
         imports = "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM"

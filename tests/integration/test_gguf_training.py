@@ -33,10 +33,12 @@ def gguf_run(tmp_path_factory, tiny_gguf):
     return recipe, root / "run", result.output
 
 
-def test_trains_like_its_directory_and_says_what_it_was_dequantized_from(gguf_run, tiny_model, tmp_path,
+def test_trains_like_its_directory_and_says_what_it_was_dequantized_from(gguf_run, tiny_model, tiny_gguf, tmp_path,
                                                                           monkeypatch):
     recipe, run, output = gguf_run
     assert "(GGUF, dequantized from F32 to fp32)" in output, output
+    card = (run / "final" / "README.md").read_text()  # loads the base as transformers can: by gguf_file=
+    assert f'from_pretrained("{tiny_gguf.parent}", gguf_file="{tiny_gguf.name}")' in card
     # The same model and tokenizer as the directory it was written from: the same losses.
     from conftest import alpaca_rows, write_jsonl
 

@@ -216,29 +216,61 @@ def render_ollama(template: str, system: str | None, prompt: str, response: str)
     return re.sub(r"\{\{ \.(\w+) \}\}", lambda m: values[m.group(1)], text)
 
 
+def ollama_prompt(template: str, default_system: str | None, messages: list[dict]) -> str:
+    """What Ollama sends for a conversation with a TEMPLATE that has no .Messages (its template.go, legacy path):
+    SYSTEM when the conversation has no system turn; one whole rendering per earlier exchange (System only in the
+    first); then the last exchange rendered with the template cut after its {{ .Response }} action (the actions and
+    text after it dropped, the enclosing {{ if }} kept)."""
+    if default_system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": default_system}, *messages]
+    sent, values = "", {"System": "", "Prompt": "", "Response": ""}
+    for message in messages:
+        role = {"system": "System", "user": "Prompt", "assistant": "Response"}[message["role"]]
+        if (role == "System" and (values["Prompt"] or values["Response"])) or (role == "Prompt" and values["Response"]):
+            sent += render_ollama(template, values["System"], values["Prompt"], values["Response"])
+            values = {"System": "", "Prompt": "", "Response": ""}
+        values[role] = message["content"]
+    cut = template[:template.index("{{ .Response }}") + len("{{ .Response }}")]
+    cut += "{{ end }}" * (cut.count("{{ if ") - cut.count("{{ end }}"))
+    return sent + render_ollama(cut, values["System"], values["Prompt"], values["Response"])
+
+
 @pytest.mark.parametrize("name", ["llama3", "chatml", "gemma", "mistral", "phi3", "qwen2.5", "smollm2", "deepseek",
                                   "llama2", "vicuna", "alpaca-chat"])
 @pytest.mark.parametrize("system", ["be brief", None])
-def test_the_modelfile_writes_each_named_template_as_the_template_does(tokenizer, tmp_path, name, system):
+def test_the_modelfile_sends_what_each_named_template_renders(tokenizer, tmp_path, name, system):
     """Ollama, given the Modelfile's TEMPLATE and SYSTEM, sends the model what the chat template it was tuned with
-    renders for one exchange (less BOS, which Ollama adds, and the EOS that ends the reply, which the model writes)."""
+    renders for a conversation of two questions and the answer between them, ready for the second answer (less
+    the BOS Ollama adds itself). Mistral puts a system prompt in the last user turn, where Ollama's per-exchange
+    rendering cannot: with one, only a single question is compared."""
     import re
 
     from gpupoor.data.templates import resolve_chat_template
     from gpupoor.export.modelfile import modelfile
 
+    tokenizer.save_pretrained(tmp_path)  # the model's special tokens: {EOS} and {BOS} in the TEMPLATE
     (tmp_path / "chat_template.jinja").write_text(resolve_chat_template(name), encoding="utf-8")
     text = modelfile("m.gguf", tmp_path, "llama")
     template = re.search(r'TEMPLATE """(.*?)"""', text, re.S).group(1)
     default = re.search(r'SYSTEM """(.*?)"""', text, re.S)
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": "sort lists"}, {"role": "assistant", "content": "done quickly"}]
-    jinja = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=resolve_chat_template(name))
-    jinja = jinja.removeprefix("<s>").removesuffix("</s>")
-    sent = render_ollama(template, system or (default.group(1) if default else None), "sort lists", "done quickly")
-    assert sent == jinja
+    turns = [{"role": "user", "content": "sort lists"}, {"role": "assistant", "content": "done quickly"},
+             {"role": "user", "content": "reverse"}]
+    if name == "mistral" and system:
+        turns = turns[-1:]
+    messages = ([{"role": "system", "content": system}] if system else []) + turns
+    jinja = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                          chat_template=resolve_chat_template(name)).removeprefix("<s>")
+    assert ollama_prompt(template, default.group(1) if default else None, messages) == jinja
     stop = re.search(r'PARAMETER stop "(.*?)"', text).group(1)
     assert stop in resolve_chat_template(name)  # one of the format's own markers (the reply's end, or the next turn's)
+
+
+def test_the_ollama_simulation_cuts_the_last_exchange_as_ollama_does():
+    """The simulator above, on a template whose reply is closed outside and inside an {{ if }}."""
+    template = "Q: {{ .Prompt }} A:{{ if .Response }} {{ .Response }}</s>{{ end }}|"
+    messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "3"}]
+    assert ollama_prompt(template, None, messages) == "Q: 1 A: 2</s>|Q: 3 A:"
 
 
 # -- bad input: exit 2, what and what to do, nothing written --------------------------------------------------------

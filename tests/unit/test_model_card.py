@@ -51,3 +51,21 @@ def test_an_adapter_on_a_local_base_loads_as_its_card_says(tiny_model, tmp_path)
     exec(snippet, scope)  # noqa: S102 (the card's own code, on files this test wrote)
     assert scope["model"].peft_config["default"].r == 2
     assert torch.is_tensor(next(scope["model"].parameters()))
+
+
+def test_an_adapter_on_a_gguf_base_loads_as_its_card_says(tiny_model, tiny_gguf, tmp_path):
+    """peft cannot open a GGUF file by its path: the card loads the base with gguf_file=, then the adapter."""
+    import re
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = tmp_path / "final"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=2, target_modules=["q_proj"])
+                   ).save_pretrained(adapter)
+    card = weights_card("models/tiny.gguf", "lora", full=False, location=str(tiny_gguf))
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1).replace("PATH/TO/THIS/DIR", str(adapter))
+    assert f'gguf_file="{tiny_gguf.name}"' in snippet and "base_model" not in card.split("---")[1]
+    scope: dict = {}
+    exec(snippet, scope)  # noqa: S102 (the card's own code, on files this test wrote)
+    assert scope["model"].peft_config["default"].r == 2
