@@ -161,9 +161,11 @@ def step_range(runs: list[RunMetrics]) -> tuple[float, float]:
 
 
 def new_figure(height_ratios: list[float], height: float, runs: list[RunMetrics]):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(FIGURE_WIDTH_IN, height), dpi=100)
+    FigureCanvasAgg(figure)  # a renderer to measure the session labels with, before the figure is saved
     axes = figure.subplots(len(height_ratios), 1, sharex=True, squeeze=False, gridspec_kw={
         "height_ratios": height_ratios, "left": PLOT_LEFT, "right": PLOT_RIGHT, "top": 1 - 0.4 / height,
         "bottom": 0.6 / height, "hspace": 0.28})[:, 0]
@@ -177,9 +179,14 @@ def new_figure(height_ratios: list[float], height: float, runs: list[RunMetrics]
 
 def legend_outside(ax) -> None:
     """On the right, outside the plot (inside, it would cover the lines' last steps), in the margin every figure
-    keeps for it."""
-    if ax.get_legend_handles_labels()[1]:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    keeps for it: labels wrapped to its width, and smaller when there are many (a dozen runs overlaid)."""
+    import textwrap
+
+    handles, labels = ax.get_legend_handles_labels()
+    if labels:
+        size = 8 if len(labels) <= 10 else 7 if len(labels) <= 16 else 6
+        ax.legend(handles, [textwrap.fill(label, 30 if size == 8 else 34) for label in labels], fontsize=size,
+                  loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
 class _Legend:
@@ -205,14 +212,14 @@ def draw_loss(ax, runs: list[RunMetrics], log_scale: bool) -> None:
             eval_steps, eval_losses = _series(run.evals, "eval_loss")
             ax.plot(eval_steps, eval_losses, "o--", color=color, markersize=4, linewidth=1,
                     label=f"{run.label} eval loss")
-        _draw_markers(ax, run, color, legend, prefix=f"{run.label}: " if len(runs) > 1 else "")
+        _draw_markers(ax, run, color, legend)
     ax.set_yscale("log" if log_scale else "linear")
     ax.set_ylabel("loss" + (" (log scale)" if log_scale else ""))
     ax.set_title("loss per step (line), eval loss (circles)", loc="left", fontsize=10)
     legend_outside(ax)
 
 
-def _draw_markers(ax, run: RunMetrics, color: str, legend: _Legend, prefix: str) -> None:
+def _draw_markers(ax, run: RunMetrics, color: str, legend: _Legend) -> None:
     """Checkpoints (ticks on the bottom edge), skipped steps (x), the best checkpoint (a star on its eval loss),
     and the sessions' starts and stops (annotated vertical lines)."""
     bottom = ax.get_xaxis_transform()  # x in steps, y in axes fractions: the bottom edge whatever the scale
@@ -233,7 +240,7 @@ def _draw_markers(ax, run: RunMetrics, color: str, legend: _Legend, prefix: str)
     if best is not None:
         ax.plot([best["step"]], [_best_loss(best)], "*", color=color, markersize=15, markeredgecolor="black",
                 label=legend("best checkpoint"))
-    _draw_event_lines(ax, run, color, prefix)
+    _draw_event_lines(ax, run, color)
 
 
 def session_events(run: RunMetrics) -> list[tuple[int, str, str]]:
@@ -254,6 +261,17 @@ def session_events(run: RunMetrics) -> list[tuple[int, str, str]]:
     return marks
 
 
+def session_label(texts: list[str]) -> str:
+    """One step's events as one short label: a stop and the session resumed from its checkpoint read
+    "time limit → resume" (a label is a column of text beside its line: short ones stack when sessions are close)."""
+    stops = [text.removeprefix("stopped: ") for text in texts if text.startswith("stopped: ")]
+    starts = [text.removesuffix(" starts") for text in texts if text.endswith(" starts")]
+    others = [text for text in texts if not text.startswith("stopped: ") and not text.endswith(" starts")]
+    if stops and starts:
+        return ", ".join([f"{', '.join(stops)} → {', '.join(starts)}", *others])
+    return ", ".join(texts)
+
+
 def draw_session_lines(ax, run: RunMetrics, color: str) -> None:
     """The sessions' lines alone, for the panels under the loss: a resume explains a dip in tokens/s or a step
     in memory there."""
@@ -261,23 +279,40 @@ def draw_session_lines(ax, run: RunMetrics, color: str) -> None:
         ax.axvline(step, color=color, linestyle=style, linewidth=1, alpha=0.6)
 
 
-def _draw_event_lines(ax, run: RunMetrics, color: str, prefix: str) -> None:
-    """The sessions' lines with their labels. Events of one step share one label (a stop and the resume from its
-    checkpoint fall on the same step); each label sits on a white box beside its line, not across it, and a label
-    too close to the one before it drops lower so that the two do not overlap."""
+def _draw_event_lines(ax, run: RunMetrics, color: str) -> None:
+    """The sessions' lines with their labels (the run's colour says whose). Events of one step share one label (a
+    stop and the resume from its checkpoint fall on the same step: "time limit → resume"); each label sits on a
+    white box beside its line, not across it. A label that would overlap one already drawn (sessions a few steps
+    apart) goes below it, measured; with no room left below, back at the top."""
     notes: dict[int, list[str]] = {}
     for step, style, text in session_events(run):
         ax.axvline(step, color=color, linestyle=style, linewidth=1, alpha=0.8)
         notes.setdefault(step, []).append(text)
-    low, high = ax.get_xlim()
-    close = 0.04 * (high - low)  # a rotated 8-point label is about this wide on the 10-inch figure
-    previous, height = None, 0.97
+    from matplotlib.transforms import Bbox
+
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    placed: list = []  # the boxes drawn so far, in display coordinates
+
+    def extent(label) -> Bbox:  # the text and its white box (0.2 em of padding, ~2.2 px), and 1 px to spare
+        x0, y0, x1, y1 = label.get_window_extent(renderer).extents
+        return Bbox.from_extents(x0 - 3.5, y0 - 3.5, x1 + 3.5, y1 + 3.5)
+
     for step in sorted(notes):
-        height = 0.97 if previous is None or step - previous > close or height < 0.5 else height - 0.45
-        ax.text(step, height, f"{prefix}{'; '.join(notes[step])}", transform=ax.get_xaxis_transform(),
-                rotation=90, va="top", ha="right", fontsize=8, color=color,
-                bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
-        previous = step
+        label = ax.text(step, 0.98, session_label(notes[step]), transform=ax.get_xaxis_transform(),
+                        rotation=90, va="top", ha="right", fontsize=8, color=color,
+                        bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
+        for _ in range(len(placed)):
+            box = extent(label)
+            blocking = [other for other in placed if other.overlaps(box)]
+            if not blocking:
+                break
+            top = min(other.y0 for other in blocking) - 1  # under the lowest box in the way
+            if top - box.height < frame.y0:
+                label.set_y(0.98)  # no room below: the top, over the others (many sessions within a few steps)
+                break
+            label.set_y((top - 3.5 - frame.y0) / frame.height)  # the text's top, inside its box
+        placed.append(extent(label))
 
 
 def _draw_series(ax, runs: list[RunMetrics], key: str, title: str, ylabel: str) -> None:
@@ -292,14 +327,23 @@ def _draw_series(ax, runs: list[RunMetrics], key: str, title: str, ylabel: str) 
 
 
 def draw_memory(ax, runs: list[RunMetrics]) -> None:
+    """Measured (solid) and planned (dashed) peaks. With several runs the legend names each run's colour once and
+    the dashed style once, not two entries a run."""
+    from matplotlib.lines import Line2D
+
+    planned = False
     for index, run in enumerate(runs):
         color = f"C{index % 10}"
         steps, peaks = _series(run.steps, "peak_mem_mb")
-        ax.plot(steps, peaks, color=color, linewidth=1.2, label=f"{run.label} measured")
+        ax.plot(steps, peaks, color=color, linewidth=1.2, label=run.label if len(runs) > 1 else "measured")
         steps, predicted = _series(run.steps, "predicted_peak_mb")
         if any(not math.isnan(v) for v in predicted):
-            ax.plot(steps, predicted, "--", color=color, linewidth=1.2, label=f"{run.label} predicted (plan)")
+            ax.plot(steps, predicted, "--", color=color, linewidth=1.2)
+            planned = True
         draw_session_lines(ax, run, color)
+    if planned:
+        ax.add_line(Line2D([], [], color="black" if len(runs) > 1 else "C0", linestyle="--", linewidth=1.2,
+                           label="predicted (plan)"))
     ax.set_title("peak memory: measured (solid), the memory plan's prediction (dashed)", loc="left", fontsize=10)
     ax.set_ylabel("MiB")
     legend_outside(ax)

@@ -150,7 +150,7 @@ def test_loss_panel_marks_checkpoints_sessions_skips_and_the_best(marked):
     ax = loss_panel(load_runs([marked]), log_scale=True).axes[0]
     assert ax.get_yscale() == "log"
     texts = [text.get_text() for text in ax.texts]
-    assert any("stopped: SIGTERM" in t and "resume starts" in t for t in texts), texts  # one label per step
+    assert "SIGTERM → resume" in texts, texts  # a stop and the resume from its checkpoint: one label
     assert any("early stop (best step 4)" in t for t in texts), texts
     labels = ax.get_legend_handles_labels()[1]
     for label in ("marked loss", "marked eval loss", "checkpoint", "skipped step", "best checkpoint"):
@@ -179,21 +179,46 @@ def test_the_html_figures_share_one_step_axis_and_show_the_sessions_on_every_pan
         assert ax.get_xlim()[0] < 1 and ax.get_xlim()[1] > 6  # every logged step inside the frame
         resume = [line for line in ax.lines if line.get_linestyle() == ":" and list(line.get_xdata()) == [3, 3]]
         assert resume, [line.get_xdata() for line in ax.lines]
-    label = next(text for text in axes[0].texts if "resume starts" in text.get_text())
+    label = next(text for text in axes[0].texts if "→ resume" in text.get_text())
     assert label.get_fontsize() >= 8 and label.get_bbox_patch().get_facecolor()[:3] == (1.0, 1.0, 1.0)
 
 
-def test_session_labels_close_together_do_not_overlap(runs, tmp_path):
+def test_session_labels_close_together_do_not_overlap_and_stay_in_the_panel(runs, tmp_path):
+    """A 200-step run resumed at steps 100, 103, 106 and 109 (a flaky machine): four labels a few pixels apart."""
     from gpupoor.commands.report import load_runs, loss_panel
 
     run = tmp_path / "crowded"
     shutil.copytree(runs / "resumed", run)
-    _append(run, {"step": 4, "event": "stop", "reason": "time_limit"}, {"step": 4, "event": "start",
-                                                                          "session": "resume", "time": 0})
+    _append(run, *({"step": step, "loss": 1.0 + 1 / step, "lr": 1e-3} for step in range(7, 201)))
+    for step in (100, 103, 106, 109):
+        _append(run, {"step": step, "event": "stop", "reason": "time_limit"},
+                {"step": step, "event": "start", "session": "resume", "time": 0})
     figure = loss_panel(load_runs([run]), log_scale=False)
     figure.canvas.draw()
-    boxes = [text.get_window_extent() for text in figure.axes[0].texts if "starts" in text.get_text()]
-    assert len(boxes) == 2 and not boxes[0].overlaps(boxes[1])
+    ax = figure.axes[0]
+    frame = ax.get_window_extent()
+    boxes = [text.get_bbox_patch().get_window_extent() for text in ax.texts if "time limit → resume" in text.get_text()]
+    assert len(boxes) == 4
+    assert not [(a, b) for a in range(4) for b in range(a + 1, 4) if boxes[a].overlaps(boxes[b])]
+    assert all(frame.y0 - 1 <= box.y0 and box.y1 <= frame.y1 + 1 for box in boxes)
+
+
+def test_legends_fit_in_the_figure_with_long_names_and_many_runs(runs, tmp_path):
+    from gpupoor.commands.report import load_runs, loss_panel, other_panels
+
+    copies = []
+    for index in range(12):  # the demo's default run names, a dozen of them overlaid
+        copies.append(tmp_path / f"demo-20261126-1644{index:02d}")
+        shutil.copytree(runs / "resumed", copies[-1])
+    for paths in (copies[:2], copies):
+        loaded = load_runs(paths)
+        for figure in (loss_panel(loaded, log_scale=False), other_panels(loaded)):
+            figure.canvas.draw()
+            width, height = figure.bbox.width, figure.bbox.height
+            for ax in figure.axes:
+                if ax.get_legend() is not None:
+                    box = ax.get_legend().get_window_extent()
+                    assert box.x1 <= width and box.y0 >= 0, (len(paths), box, width)
 
 
 def test_two_runs_are_overlaid_and_both_named(runs, tmp_path):
