@@ -94,10 +94,10 @@ PEER_KEYS: dict[str, PeerKey] = {
 PEER_TEMPLATE_NAMES: dict[str, dict[str, str]] = {
     "template": {"qwen": "qwen2.5", "llama3": "llama3", "llama2": "llama2", "mistral": "mistral", "gemma": "gemma",
                  "gemma3": "gemma", "phi": "phi3", "vicuna": "vicuna", "alpaca": "alpaca-chat",
-                 "deepseek3": "deepseek", "chatml": "chatml"},
+                 "deepseek3": "deepseek", "deepseekr1": "deepseek", "smollm2": "smollm2", "chatml": "chatml"},
     "chat_template": {"qwen_25": "qwen2.5", "llama3": "llama3", "mistral_v2v3": "mistral", "gemma": "gemma",
-                      "gemma3": "gemma", "phi_3": "phi3", "phi_35": "phi3", "deepseek_v3": "deepseek",
-                      "alpaca": "alpaca-chat", "chatml": "chatml"},
+                      "gemma3": "gemma", "phi_3": "phi3", "phi_35": "phi3", "deepseek_v2": "deepseek",
+                      "deepseek_v3": "deepseek", "alpaca": "alpaca-chat", "chatml": "chatml"},
 }
 
 

@@ -73,8 +73,9 @@ def check_run_dir(run_dir: Path) -> None:
         new = "pass --output-dir NEW_DIR (or set output_dir) for a new run"
         if not is_run_dir(run_dir):
             hint = f"{new}, or delete the old files"
-        elif (run_dir / "final").is_dir():  # finished: resuming it has nothing left to do
-            hint = f"it is a finished run (final/ is there): {new}, or delete it to train there again"
+        elif (run_dir / "final").is_dir():  # finished: a plain resume has nothing left to do
+            hint = (f"it is a finished run (final/ is there): {new}; to train it further: gpupoor resume {run_dir} "
+                    "--set training.max_steps=N")
         else:
             hint = f"to continue it: gpupoor resume {run_dir}; or {new}"
         raise UserError(f"run directory {run_dir} is not empty; gpupoor never trains over an earlier run",

@@ -169,7 +169,8 @@ def test_refuses_a_non_empty_run_dir(make_recipe, tmp_path):
 @pytest.mark.parametrize("holds, advice", [
     ({"recipe.yaml": "x"}, "to continue it: gpupoor resume {run}; or pass --output-dir NEW_DIR"),
     ({"recipe.yaml": "x", "final/adapter_config.json": "{}"}, "it is a finished run (final/ is there): pass "
-                                                                "--output-dir NEW_DIR"),
+     "--output-dir NEW_DIR (or set output_dir) for a new run; to train it further: gpupoor resume {run} --set "
+     "training.max_steps=N"),
     ({"notes.txt": "x"}, "pass --output-dir NEW_DIR (or set output_dir) for a new run, or delete the old files")])
 def test_a_taken_run_dir_says_what_to_do_with_it(tmp_path, holds, advice):
     """An unfinished run is to be resumed; a finished one has nothing to resume: a new directory is the way."""
