@@ -43,12 +43,16 @@ class Encoder:
         if tokenizer.eos_token_id is None and self.format.from_text:
             raise UserError("the tokenizer has no EOS token; gpupoor appends EOS so the model learns to stop")
         self.eos = tokenizer.eos_token_id
+        self.whole_text = prefixes_every_input(tokenizer)
 
     def cache_settings(self) -> dict:
         """Every setting that changes what encode() returns for a row (for a tokenization cache key)."""
         return {"format": self.format.name, "max_length": self.max_length, "train_on_prompt": self.train_on_prompt,
                 **self.format.cache_fields(),
-                "template": self.chat_template if self.format.may_use_chat_template else None}
+                "template": self.chat_template if self.format.may_use_chat_template else None,
+                # Only where it changes the ids (a space-prefixing tokenizer): other tokenizers' caches and the
+                # data identity their checkpoints recorded stay as they were.
+                "segments": "whole text, split at offsets" if self.whole_text else None}
 
     def encode(self, row: dict, where: str) -> Encoded:
         return self.format.encode(row, where, self)
@@ -71,7 +75,22 @@ class Encoder:
         return assemble(self, segments, self.segment_ids(segments))
 
     def segment_ids(self, segments: list[Segment]) -> list[list[int]]:
-        return [self.tokenizer(text, add_special_tokens=False).input_ids for text, _ in segments]
+        return self.segments_ids([segments])[0]
+
+    def segments_ids(self, examples: list[list[Segment]]) -> list[list[list[int]]]:
+        """Each example's segments' token ids, in one tokenizer call. Segments are tokenized on their own, so labels
+        fall on token boundaries; but a tokenizer that puts ▁ before every input (Llama 2's, Mistral's, Phi-3's
+        SentencePiece layout) would start each segment after the first with a ▁ the whole text does not have
+        ("\n" + "answer" as "▁answer"). For those the example is tokenized whole and its tokens split where their
+        first character falls: the ids are the whole text's, a token across a boundary counts as the earlier."""
+        if not self.whole_text:
+            texts = [text for segments in examples for text, _ in segments]
+            tokenized = iter(self.tokenizer(texts, add_special_tokens=False).input_ids if texts else [])
+            return [[next(tokenized) for _ in segments] for segments in examples]
+        joined = ["".join(text for text, _ in segments) for segments in examples]
+        encoded = self.tokenizer(joined, add_special_tokens=False, return_offsets_mapping=True)
+        return [split_at_offsets(ids, offsets, [len(text) for text, _ in segments])
+                for ids, offsets, segments in zip(encoded.input_ids, encoded["offset_mapping"], examples)]
 
     def render(self, messages: list[dict], generation_prompt: bool, where: str) -> str:
         try:
@@ -149,3 +168,28 @@ class Encoder:
                          "conversation grows, so assistant turns cannot be located",
                          hint="set data.chat_template to a template whose output only grows, or "
                          "data.train_on_prompt: true")
+
+
+def prefixes_every_input(tokenizer) -> bool:
+    """Does the tokenizer put a ▁ (a space) before the text it is given, as SentencePiece's add_dummy_prefix does?
+    Only a fast tokenizer can say where its tokens come from (offsets); a slow one is tokenized segment by segment."""
+    if not getattr(tokenizer, "is_fast", False):
+        return False
+    ids = tokenizer("x", add_special_tokens=False).input_ids
+    return bool(ids) and str(tokenizer.convert_ids_to_tokens(ids[0])).startswith("▁")
+
+
+def split_at_offsets(ids: list[int], offsets: list[tuple[int, int]], lengths: list[int]) -> list[list[int]]:
+    """The tokens of a text made of segments of `lengths` characters, each given to the segment its first
+    character is in."""
+    ends, total = [], 0
+    for length in lengths:
+        total += length
+        ends.append(total)
+    pieces: list[list[int]] = [[] for _ in lengths]
+    segment = 0
+    for token, (start, _) in zip(ids, offsets):
+        while segment < len(ends) - 1 and start >= ends[segment]:
+            segment += 1
+        pieces[segment].append(token)
+    return pieces

@@ -152,9 +152,7 @@ def encode_rows(rows: list[Row], encoder: Encoder) -> list[Encoded]:
     if not encoder.format.batched or not rows:
         return [encoder.encode(row.fields, row.where) for row in rows]
     segments = [encoder.segments(row.fields, row.where) for row in rows]
-    texts = [text for pieces in segments for text, _ in pieces]
-    tokenized = iter(encoder.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-    encoded = [assemble(encoder, pieces, [next(tokenized) for _ in pieces]) for pieces in segments]
+    encoded = [assemble(encoder, pieces, ids) for pieces, ids in zip(segments, encoder.segments_ids(segments))]
     # Should a format encode otherwise than its segments assembled yet be marked batched, or a tokenizer's batched
     # call differ from its single calls: a chunk whose first row differs from Encoder.encode is encoded row by row
     # (slower, never wrong).

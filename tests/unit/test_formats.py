@@ -501,3 +501,61 @@ def test_mixture_amounts_beyond_a_hundred_passes_are_refused(make_recipe, tmp_pa
     with pytest.raises(UserError, match=r"data.datasets\[1\].rows: 4,801 examples per epoch is more than 100 "
                                         r"passes over the source's 48 examples"):
         build_data(recipe.data, tokenizer, micro_batch_size=4, seed=0, base_dir=tmp_path)
+
+
+# Space-prefixing SentencePiece tokenizers --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizers():
+    """space_prefix -> a tokenizer laid out as Llama 2's (a ▁ before every input) or Gemma's (none)."""
+    import random
+
+    from conftest import _sentence
+    from gpupoor.model.tiny import train_sentencepiece_style_tokenizer
+
+    rng = random.Random(2)  # sentences only: merges across a reply's boundary ("[/INST]▁done") are learnt from
+    texts = [_sentence(rng, 2, 12) for _ in range(300)]  # the conversations themselves, not from prose
+    return {prefix: train_sentencepiece_style_tokenizer(texts, vocab_size=420, space_prefix=prefix)
+            for prefix in (True, False)}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_FORMATS))
+def test_a_space_prefixing_tokenizer_gets_the_whole_conversations_ids(sentencepiece_tokenizers, name):
+    """Tokenized segment by segment, a Llama 2-style tokenizer would start every reply with a ▁ the conversation
+    does not have ("\\n" + "done" as "▁done"). The ids are the whole rendered text's, and the trained ones are the
+    replies'."""
+    tokenizer = sentencepiece_tokenizers[True]
+    encoder = Encoder(tokenizer, "chat", 1024, chat_template=name)
+    assert encoder.whole_text and encoder.cache_settings()["segments"]
+    encoded = encoder.encode({"messages": CONVERSATION}, "x:1")
+    whole = "".join(text for text, _ in encoder.segments({"messages": CONVERSATION}, "x:1"))
+    expected = ([] if whole.startswith("<s>") else [tokenizer.bos_token_id]) + \
+        tokenizer(whole, add_special_tokens=False).input_ids
+    assert encoded.input_ids[:len(expected)] == expected and len(encoded.input_ids) - len(expected) <= 1  # + EOS
+    trained = tokenizer.decode(trained_ids(encoded))
+    assert REPLY_1.split()[-1] in trained and REPLY_2.split()[-1] in trained
+    assert USER_1.split()[-1] not in trained and "reverse" not in trained and SYSTEM.split()[-1] not in trained
+    # Segment by segment, the ids would differ (each segment after the first starting with its own ▁).
+    segments = encoder.segments({"messages": CONVERSATION}, "x:1")
+    separately = [token for text, _ in segments for token in tokenizer(text, add_special_tokens=False).input_ids]
+    assert separately != tokenizer(whole, add_special_tokens=False).input_ids
+
+
+def test_a_tokenizer_without_a_space_prefix_keeps_segment_by_segment_ids(sentencepiece_tokenizers, tokenizer):
+    """Byte-level BPE (and Gemma's SentencePiece layout): tokenized per segment as before, and the cache key and the
+    data identity checkpoints record do not change."""
+    for unprefixed in (sentencepiece_tokenizers[False], tokenizer):
+        encoder = Encoder(unprefixed, "chat", 1024, chat_template="chatml")
+        assert not encoder.whole_text and encoder.cache_settings()["segments"] is None
+        segments = encoder.segments({"messages": CONVERSATION}, "x:1")
+        assert encoder.segment_ids(segments) == [unprefixed(text, add_special_tokens=False).input_ids
+                                                 for text, _ in segments]
+
+
+def test_split_at_offsets_gives_each_token_to_the_segment_of_its_first_character():
+    from gpupoor.data.encoder import split_at_offsets
+
+    # "ab|c d|" : tokens "ab", "c", " d" (starts in segment 2), "" and an empty third segment.
+    assert split_at_offsets([1, 2, 3], [(0, 2), (2, 3), (3, 5)], [2, 3, 0]) == [[1], [2, 3], []]
+    assert split_at_offsets([1, 2], [(0, 3), (3, 4)], [2, 2]) == [[1], [2]]  # "abc" straddles: the earlier's
