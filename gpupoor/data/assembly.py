@@ -1,6 +1,7 @@
 """How a row's segments become input_ids and labels: the one token assembly that training, `gpupoor tokenize` and
-`generate` share. A format renders a row as segments of text, each trained or not; each segment is tokenized on
-its own (so the boundary between prompt and completion is exact in token space) and joined here: BOS where the
+`generate` share. A format renders a row as segments of text, each trained or not; the Encoder tokenizes them (each
+on its own, so the boundary between prompt and completion is exact in token space, or split from the whole text
+for a tokenizer that prefixes every input) and they are joined here: BOS where the
 tokenizer adds one, prompt tokens labelled IGNORE_INDEX, EOS once at the end, then truncation to max_length.
 
 `encoder` below is a gpupoor.data.encoder.Encoder (its tokenizer, bos, eos, train_on_prompt and max_length).

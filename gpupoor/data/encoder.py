@@ -2,7 +2,9 @@
 `gpupoor tokenize`, `validate --show` and `generate` share.
 
 The format (gpupoor.data.formats) reads the row as segments of text; the Encoder renders conversations with the
-chat template, tokenizes each segment on its own and hands the ids to gpupoor.data.assembly, which joins them.
+chat template, tokenizes the segments (each on its own, or the whole text split at the segments' offsets for a
+tokenizer that prefixes every input: Encoder.segments_ids) and hands the ids to gpupoor.data.assembly, which joins
+them.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Encoder:
         return join_segments(self, segments, self.segment_ids(segments))[0]
 
     def encode_segments(self, segments: list[Segment]) -> Encoded:
-        """A training example of these segments (assembly.assemble, one tokenizer call per segment)."""
+        """A training example of these segments (assembly.assemble of Encoder.segment_ids)."""
         return assemble(self, segments, self.segment_ids(segments))
 
     def segment_ids(self, segments: list[Segment]) -> list[list[int]]:
@@ -81,8 +83,9 @@ class Encoder:
         """Each example's segments' token ids, in one tokenizer call. Segments are tokenized on their own, so labels
         fall on token boundaries; but a tokenizer that puts ▁ before every input (Llama 2's, Mistral's, Phi-3's
         SentencePiece layout) would start each segment after the first with a ▁ the whole text does not have
-        ("\n" + "answer" as "▁answer"). For those the example is tokenized whole and its tokens split where their
-        first character falls: the ids are the whole text's, a token across a boundary counts as the earlier."""
+        ("\n" + "answer" as "▁answer"). For those the example is tokenized whole and each token goes to the segment
+        of its last character: the ids are the whole text's, and a token across a boundary counts as the later
+        segment's (a prompt ending in a space, "A: " + "sort", trains "▁sort", not nothing)."""
         if not self.whole_text:
             texts = [text for segments in examples for text, _ in segments]
             tokenized = iter(self.tokenizer(texts, add_special_tokens=False).input_ids if texts else [])
@@ -171,25 +174,43 @@ class Encoder:
 
 
 def prefixes_every_input(tokenizer) -> bool:
-    """Does the tokenizer put a ▁ (a space) before the text it is given, as SentencePiece's add_dummy_prefix does?
-    Only a fast tokenizer can say where its tokens come from (offsets); a slow one is tokenized segment by segment."""
-    if not getattr(tokenizer, "is_fast", False):
+    """Does the tokenizer put a space before the text it is given (SentencePiece's add_dummy_prefix, as tokenizer.json
+    writes it: a Prepend("▁") normalizer or a Metaspace pre-tokenizer that prepends; or byte-level BPE with
+    add_prefix_space)? Only a fast tokenizer can say where its tokens come from (offsets): a slow one is tokenized
+    segment by segment whatever it does (docs/data.md)."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
         return False
-    ids = tokenizer("x", add_special_tokens=False).input_ids
-    return bool(ids) and str(tokenizer.convert_ids_to_tokens(ids[0])).startswith("▁")
+
+    def parts(node) -> list[dict]:  # a normalizer or pre-tokenizer, and the members of a Sequence
+        if not isinstance(node, dict):
+            return []
+        return [node, *(part for key in ("normalizers", "pretokenizers") for child in node.get(key) or []
+                        for part in parts(child))]
+
+    spec = json.loads(backend.to_str())
+    return any(part.get("type") == "Prepend" for part in parts(spec.get("normalizer"))) or any(
+        (part.get("type") == "Metaspace" and (part.get("prepend_scheme", "always") != "never"
+                                              if "prepend_scheme" in part else part.get("add_prefix_space", True)))
+        or (part.get("type") == "ByteLevel" and part.get("add_prefix_space", False))
+        for part in parts(spec.get("pre_tokenizer")))
 
 
 def split_at_offsets(ids: list[int], offsets: list[tuple[int, int]], lengths: list[int]) -> list[list[int]]:
-    """The tokens of a text made of segments of `lengths` characters, each given to the segment its first
-    character is in."""
+    """The tokens of a text made of segments of `lengths` characters, each given to the segment its last character
+    is in: "▁sort" of "A: " + "sort" is the completion's; a special token that swallows the whitespace before it
+    (lstrip) is the segment it opens."""
     ends, total = [], 0
     for length in lengths:
         total += length
         ends.append(total)
     pieces: list[list[int]] = [[] for _ in lengths]
     segment = 0
-    for token, (start, _) in zip(ids, offsets):
-        while segment < len(ends) - 1 and start >= ends[segment]:
+    for token, (start, end) in zip(ids, offsets):
+        last = max(start, end - 1)  # a token of no characters (none with add_special_tokens=False): where it is
+        while segment < len(ends) - 1 and last >= ends[segment]:
             segment += 1
         pieces[segment].append(token)
     return pieces

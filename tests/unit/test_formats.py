@@ -553,9 +553,26 @@ def test_a_tokenizer_without_a_space_prefix_keeps_segment_by_segment_ids(sentenc
                                                  for text, _ in segments]
 
 
-def test_split_at_offsets_gives_each_token_to_the_segment_of_its_first_character():
+def test_split_at_offsets_gives_each_token_to_the_segment_of_its_last_character():
     from gpupoor.data.encoder import split_at_offsets
 
-    # "ab|c d|" : tokens "ab", "c", " d" (starts in segment 2), "" and an empty third segment.
+    # "ab|c d|" : tokens "ab", "c", " d", and an empty third segment.
     assert split_at_offsets([1, 2, 3], [(0, 2), (2, 3), (3, 5)], [2, 3, 0]) == [[1], [2, 3], []]
-    assert split_at_offsets([1, 2], [(0, 3), (3, 4)], [2, 2]) == [[1], [2]]  # "abc" straddles: the earlier's
+    assert split_at_offsets([1, 2], [(0, 3), (3, 4)], [2, 2]) == [[], [1, 2]]  # "abc" straddles: the later's
+
+
+def test_a_prompt_ending_in_a_space_keeps_the_replys_first_word_trained(sentencepiece_tokenizers):
+    """"A: " + "sort": the whole text's "▁sort" starts at the prompt's space but is the completion's word."""
+    tokenizer = sentencepiece_tokenizers[True]
+    for fmt, row in (("completion", {"prompt": "Q: reverse\nA: ", "completion": "sort lists"}),
+                     ("alpaca", {"instruction": "reverse ", "output": "sort lists"})):
+        encoded = Encoder(tokenizer, fmt, 256).encode(row, "x:1")
+        trained = tokenizer.decode(trained_ids(encoded)).strip()
+        assert trained.startswith("sort lists"), (fmt, trained)
+
+
+def test_the_probe_reads_how_the_tokenizer_prefixes(sentencepiece_tokenizers, tokenizer):
+    from gpupoor.data.encoder import prefixes_every_input
+
+    assert prefixes_every_input(sentencepiece_tokenizers[True])
+    assert not prefixes_every_input(sentencepiece_tokenizers[False]) and not prefixes_every_input(tokenizer)
