@@ -199,6 +199,20 @@ def tiny_tied_model(tmp_path_factory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sentencepiece_style_tokenizers():
+    """space_prefix -> a SentencePiece-style tokenizer (Llama 2's layout with, Gemma's without, a leading ▁)."""
+    import random
+
+    from gpupoor.data.formats import alpaca_prompt
+    from gpupoor.model.tiny import train_sentencepiece_style_tokenizer
+
+    rng = random.Random(1)
+    texts = [alpaca_prompt(_sentence(rng, 2, 9), _sentence(rng, 0, 5)) + _sentence(rng, 1, 9) for _ in range(300)]
+    return {prefix: train_sentencepiece_style_tokenizer(texts, vocab_size=500, space_prefix=prefix)
+            for prefix in (True, False)}
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory, tiny_model) -> Path:
     """The tiny Llama written as one GGUF file (F32 tensors, its tokenizer and a chat template in the metadata)."""
     from gpupoor.model.tiny import write_tiny_gguf

@@ -243,39 +243,40 @@ def _draw_markers(ax, run: RunMetrics, color: str, legend: _Legend) -> None:
     _draw_event_lines(ax, run, color)
 
 
-def session_events(run: RunMetrics) -> list[tuple[int, str, str]]:
-    """(step, line style, label) per session start (dotted), stop with a checkpoint (dashed) and early stop
-    (dash-dot). A session that starts at step 0 is the run's own start: the left edge says that."""
+def session_events(run: RunMetrics) -> list[tuple[int, str, str, str]]:
+    """(step, line style, kind, what) per session start (dotted; what: the session's name), stop with a
+    checkpoint (dashed; the reason) and early stop (dash-dot). A session that starts at step 0 is the run's own
+    start: the left edge says that."""
     marks = []
     for event in run.events:
         kind, step = event.get("event"), event.get("step")
         if not isinstance(step, int):
             continue
         if kind == "start" and step > 0:
-            marks.append((step, ":", f"{event.get('session', 'session')} starts"))
+            marks.append((step, ":", "start", str(event.get("session", "session"))))
         elif kind == "stop":
             reason = str(event.get("reason", "?"))
-            marks.append((step, "--", f"stopped: {STOP_REASONS.get(reason, reason)}"))
+            marks.append((step, "--", "stop", STOP_REASONS.get(reason, reason)))
         elif kind == "early_stop":
-            marks.append((step, "-.", f"early stop (best step {event.get('best_step', '?')})"))
+            marks.append((step, "-.", "early_stop", f"early stop (best step {event.get('best_step', '?')})"))
     return marks
 
 
-def session_label(texts: list[str]) -> str:
-    """One step's events as one short label: a stop and the session resumed from its checkpoint read
+def session_label(events: list[tuple[str, str]]) -> str:
+    """One step's (kind, what) events as one short label: a stop and the session resumed from its checkpoint read
     "time limit → resume" (a label is a column of text beside its line: short ones stack when sessions are close)."""
-    stops = [text.removeprefix("stopped: ") for text in texts if text.startswith("stopped: ")]
-    starts = [text.removesuffix(" starts") for text in texts if text.endswith(" starts")]
-    others = [text for text in texts if not text.startswith("stopped: ") and not text.endswith(" starts")]
+    stops = [what for kind, what in events if kind == "stop"]
+    starts = [what for kind, what in events if kind == "start"]
+    others = [what for kind, what in events if kind not in ("stop", "start")]
     if stops and starts:
         return ", ".join([f"{', '.join(stops)} → {', '.join(starts)}", *others])
-    return ", ".join(texts)
+    return ", ".join([*(f"stopped: {what}" for what in stops), *(f"{what} starts" for what in starts), *others])
 
 
 def draw_session_lines(ax, run: RunMetrics, color: str) -> None:
     """The sessions' lines alone, for the panels under the loss: a resume explains a dip in tokens/s or a step
     in memory there."""
-    for step, style, _ in session_events(run):
+    for step, style, _, _ in session_events(run):
         ax.axvline(step, color=color, linestyle=style, linewidth=1, alpha=0.6)
 
 
@@ -284,10 +285,10 @@ def _draw_event_lines(ax, run: RunMetrics, color: str) -> None:
     stop and the resume from its checkpoint fall on the same step: "time limit → resume"); each label sits on a
     white box beside its line, not across it. A label that would overlap one already drawn (sessions a few steps
     apart) goes below it, measured; with no room left below, back at the top."""
-    notes: dict[int, list[str]] = {}
-    for step, style, text in session_events(run):
+    notes: dict[int, list[tuple[str, str]]] = {}
+    for step, style, kind, what in session_events(run):
         ax.axvline(step, color=color, linestyle=style, linewidth=1, alpha=0.8)
-        notes.setdefault(step, []).append(text)
+        notes.setdefault(step, []).append((kind, what))
     from matplotlib.transforms import Bbox
 
     renderer = ax.figure.canvas.get_renderer()

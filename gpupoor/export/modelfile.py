@@ -84,7 +84,8 @@ def chat_format(template: str | None) -> tuple[str, str, str] | None:
 
 def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str, trained_format: str | None = None) -> str:
     """`trained_format`: the run's data format; an alpaca run answers Alpaca's prompt, not a chat template."""
-    found = chat_format(chat_template_of(model_dir))
+    chat_template = chat_template_of(model_dir) or ""
+    found = chat_format(chat_template)
     lines = [f"# Ollama: ollama create NAME -f {gguf_name.removesuffix('.gguf')}.Modelfile, then ollama run NAME",
              f"FROM ./{gguf_name}"]
     if trained_format == "alpaca":
@@ -102,7 +103,7 @@ def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str, trained_format: s
         lines += [f"# The {name} chat format the model was tuned with ({gguf_arch}).", f'TEMPLATE """{template}"""',
                   f'PARAMETER stop "{stop}"']
         for pattern in DEFAULT_SYSTEM:
-            system = pattern.search(chat_template_of(model_dir) or "")
+            system = pattern.search(chat_template)
             if system:
                 lines.append(f'SYSTEM """{system.group(1).strip()}"""')
                 break

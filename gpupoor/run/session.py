@@ -8,7 +8,6 @@ strategy is chosen in make_accelerator (its rules in decisions.py); a data sourc
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -195,9 +194,8 @@ class Session:
         from gpupoor.storage.model_card import weights_card
 
         # peft's template card names the base by its local path, which the hub refuses: ours names a hub id or none.
-        adapter_config = directory / "adapter_config.json"
-        location = (json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-                    if adapter_config.is_file() else None)
+        config = getattr(self.unwrapped, "peft_config", {}).get("default")  # the base as the adapter records it
+        location = getattr(config, "base_model_name_or_path", None)
         (directory / "README.md").write_text(weights_card(self.recipe.model.name_or_path, self.recipe.peft.method,
                                                           self.full, location), encoding="utf-8")
 

@@ -84,21 +84,6 @@ def test_an_f32_file_reads_back_as_the_same_model_and_tokenizer(model_type, tiny
         assert read.decode(read(SAMPLE).input_ids, skip_special_tokens=True) == SAMPLE
 
 
-@pytest.fixture(scope="module")
-def sentencepiece_style_tokenizers():
-    """space_prefix -> a SentencePiece-style tokenizer (Llama 2's layout with, Gemma's without, a leading ▁)."""
-    import random
-
-    from conftest import _sentence
-    from gpupoor.data.formats import alpaca_prompt
-    from gpupoor.model.tiny import train_sentencepiece_style_tokenizer
-
-    rng = random.Random(1)
-    texts = [alpaca_prompt(_sentence(rng, 2, 9), _sentence(rng, 0, 5)) + _sentence(rng, 1, 9) for _ in range(300)]
-    return {prefix: train_sentencepiece_style_tokenizer(texts, vocab_size=500, space_prefix=prefix)
-            for prefix in (True, False)}
-
-
 @pytest.mark.parametrize("model_type,space_prefix", [("llama", True), ("mistral", True), ("gemma2", False),
                                                      ("gemma3_text", False), ("phi3", True)])
 def test_a_sentencepiece_style_tokenizer_is_written_with_scores_and_reads_back(model_type, space_prefix,

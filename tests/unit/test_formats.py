@@ -21,6 +21,13 @@ CONVERSATION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content
                 {"role": "assistant", "content": REPLY_1}, {"role": "user", "content": USER_2},
                 {"role": "assistant", "content": REPLY_2}]
 
+# ChatML: <|im_start|>ROLE\n ... <|im_end|>\n per turn, no BOS in the template (the tokenizer's own is kept).
+CHATML = [("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsort lists<|im_end|>\n<|im_start|>assistant\n",
+           False),
+          ("done quickly<|im_end|>\n", True),
+          ("<|im_start|>user\nreverse<|im_end|>\n<|im_start|>assistant\n", False),
+          ("the answer<|im_end|>\n", True)]
+
 # Each family's format written out by hand from its documentation (the test tokenizer's BOS is <s>, its EOS </s>),
 # as (text, trained) pieces; then what ends an assistant turn and whether gpupoor appends EOS (it does unless
 # the last trained piece already holds the tokenizer's EOS).
@@ -33,12 +40,7 @@ FAMILY_FORMATS = {
                 ("<|start_header_id|>user<|end_header_id|>\n\nreverse<|eot_id|>"
                  "<|start_header_id|>assistant<|end_header_id|>\n\n", False),
                 ("the answer<|eot_id|>", True)], "<|eot_id|>", True),
-    # ChatML: <|im_start|>ROLE\n ... <|im_end|>\n per turn, no BOS in the template (the tokenizer's own is kept).
-    "chatml": ([("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsort lists<|im_end|>\n"
-                 "<|im_start|>assistant\n", False),
-                ("done quickly<|im_end|>\n", True),
-                ("<|im_start|>user\nreverse<|im_end|>\n<|im_start|>assistant\n", False),
-                ("the answer<|im_end|>\n", True)], "<|im_end|>\\n", True),
+    "chatml": (CHATML, "<|im_end|>\\n", True),
     # Gemma: <start_of_turn>user|model ... <end_of_turn>\n; no system role: the system prompt opens the first user
     # turn, followed by a blank line; BOS first.
     "gemma": ([("<s><start_of_turn>user\nbe brief\n\nsort lists<end_of_turn>\n<start_of_turn>model\n", False),
@@ -57,16 +59,8 @@ FAMILY_FORMATS = {
               ("the answer<|end|>\n</s>", True)], "<|end|>\\n", False),
     # Qwen2.5 and SmolLM2: ChatML; a conversation with a system turn renders as plain ChatML (their default system
     # prompts are tested below).
-    "qwen2.5": ([("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsort lists<|im_end|>\n"
-                  "<|im_start|>assistant\n", False),
-                 ("done quickly<|im_end|>\n", True),
-                 ("<|im_start|>user\nreverse<|im_end|>\n<|im_start|>assistant\n", False),
-                 ("the answer<|im_end|>\n", True)], "<|im_end|>\\n", True),
-    "smollm2": ([("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsort lists<|im_end|>\n"
-                  "<|im_start|>assistant\n", False),
-                 ("done quickly<|im_end|>\n", True),
-                 ("<|im_start|>user\nreverse<|im_end|>\n<|im_start|>assistant\n", False),
-                 ("the answer<|im_end|>\n", True)], "<|im_end|>\\n", True),
+    "qwen2.5": (CHATML, "<|im_end|>\\n", True),
+    "smollm2": (CHATML, "<|im_end|>\\n", True),
     # DeepSeek V3: BOS, the system prompt bare, <｜User｜>...<｜Assistant｜>reply<｜end▁of▁sentence｜> (a token of
     # DeepSeek's own vocabulary, not this tokenizer's EOS: EOS is appended).
     "deepseek": ([("<s>be brief<｜User｜>sort lists<｜Assistant｜>", False),
@@ -506,26 +500,12 @@ def test_mixture_amounts_beyond_a_hundred_passes_are_refused(make_recipe, tmp_pa
 # Space-prefixing SentencePiece tokenizers --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sentencepiece_tokenizers():
-    """space_prefix -> a tokenizer laid out as Llama 2's (a ▁ before every input) or Gemma's (none)."""
-    import random
-
-    from conftest import _sentence
-    from gpupoor.model.tiny import train_sentencepiece_style_tokenizer
-
-    rng = random.Random(2)  # sentences only: merges across a reply's boundary ("[/INST]▁done") are learnt from
-    texts = [_sentence(rng, 2, 12) for _ in range(300)]  # the conversations themselves, not from prose
-    return {prefix: train_sentencepiece_style_tokenizer(texts, vocab_size=420, space_prefix=prefix)
-            for prefix in (True, False)}
-
-
 @pytest.mark.parametrize("name", sorted(FAMILY_FORMATS))
-def test_a_space_prefixing_tokenizer_gets_the_whole_conversations_ids(sentencepiece_tokenizers, name):
+def test_a_space_prefixing_tokenizer_gets_the_whole_conversations_ids(sentencepiece_style_tokenizers, name):
     """Tokenized segment by segment, a Llama 2-style tokenizer would start every reply with a ▁ the conversation
     does not have ("\\n" + "done" as "▁done"). The ids are the whole rendered text's, and the trained ones are the
     replies'."""
-    tokenizer = sentencepiece_tokenizers[True]
+    tokenizer = sentencepiece_style_tokenizers[True]
     encoder = Encoder(tokenizer, "chat", 1024, chat_template=name)
     assert encoder.whole_text and encoder.cache_settings()["segments"]
     encoded = encoder.encode({"messages": CONVERSATION}, "x:1")
@@ -542,10 +522,10 @@ def test_a_space_prefixing_tokenizer_gets_the_whole_conversations_ids(sentencepi
     assert separately != tokenizer(whole, add_special_tokens=False).input_ids
 
 
-def test_a_tokenizer_without_a_space_prefix_keeps_segment_by_segment_ids(sentencepiece_tokenizers, tokenizer):
+def test_a_tokenizer_without_a_space_prefix_keeps_segment_by_segment_ids(sentencepiece_style_tokenizers, tokenizer):
     """Byte-level BPE (and Gemma's SentencePiece layout): tokenized per segment as before, and the cache key and the
     data identity checkpoints record do not change."""
-    for unprefixed in (sentencepiece_tokenizers[False], tokenizer):
+    for unprefixed in (sentencepiece_style_tokenizers[False], tokenizer):
         encoder = Encoder(unprefixed, "chat", 1024, chat_template="chatml")
         assert not encoder.whole_text and encoder.cache_settings()["segments"] is None
         segments = encoder.segments({"messages": CONVERSATION}, "x:1")
@@ -561,9 +541,9 @@ def test_split_at_offsets_gives_each_token_to_the_segment_of_its_last_character(
     assert split_at_offsets([1, 2], [(0, 3), (3, 4)], [2, 2]) == [[], [1, 2]]  # "abc" straddles: the later's
 
 
-def test_a_prompt_ending_in_a_space_keeps_the_replys_first_word_trained(sentencepiece_tokenizers):
+def test_a_prompt_ending_in_a_space_keeps_the_replys_first_word_trained(sentencepiece_style_tokenizers):
     """"A: " + "sort": the whole text's "▁sort" starts at the prompt's space but is the completion's word."""
-    tokenizer = sentencepiece_tokenizers[True]
+    tokenizer = sentencepiece_style_tokenizers[True]
     for fmt, row in (("completion", {"prompt": "Q: reverse\nA: ", "completion": "sort lists"}),
                      ("alpaca", {"instruction": "reverse ", "output": "sort lists"})):
         encoded = Encoder(tokenizer, fmt, 256).encode(row, "x:1")
@@ -571,8 +551,8 @@ def test_a_prompt_ending_in_a_space_keeps_the_replys_first_word_trained(sentence
         assert trained.startswith("sort lists"), (fmt, trained)
 
 
-def test_the_probe_reads_how_the_tokenizer_prefixes(sentencepiece_tokenizers, tokenizer):
+def test_the_probe_reads_how_the_tokenizer_prefixes(sentencepiece_style_tokenizers, tokenizer):
     from gpupoor.data.encoder import prefixes_every_input
 
-    assert prefixes_every_input(sentencepiece_tokenizers[True])
-    assert not prefixes_every_input(sentencepiece_tokenizers[False]) and not prefixes_every_input(tokenizer)
+    assert prefixes_every_input(sentencepiece_style_tokenizers[True])
+    assert not prefixes_every_input(sentencepiece_style_tokenizers[False]) and not prefixes_every_input(tokenizer)
