@@ -14,14 +14,15 @@ HELP = "/system TEXT: set the system prompt (and start over)   /reset: start ove
 
 
 def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, temperature: float,
-         read: Callable[[str], str], write: Callable[[str], None]) -> None:
+         read: Callable[[str], str], write: Callable[[str], None], force: bool = False,
+         warn: Callable[[str], None] = print) -> None:
     """The loop: `read(prompt)` returns a line (EOFError ends), `write` prints without a newline of its own."""
     import torch
     from transformers import TextStreamer
 
     from gpupoor.commands.generate import cap_new_tokens, load_generator
 
-    generator = load_generator(source, checkpoint, base, None)
+    generator = load_generator(source, checkpoint, base, None, force=force, warn=warn)
     model, tokenizer, encoder = generator.model, generator.tokenizer, generator.encoder
     keeps_history = encoder.format.name == "chat"
     how = "chat template" if keeps_history else f"{encoder.format.name} format: each message is answered on its own"

@@ -28,7 +28,7 @@ from gpupoor.decisions import evaluates_in_train_mode
 from gpupoor.errors import UserError
 from gpupoor.hardware import DTYPES
 from gpupoor.model.gguf import is_gguf
-from gpupoor.model.identity import config_facts
+from gpupoor.model.identity import check_base_unchanged, config_facts
 from gpupoor.storage.checkpoint import read_manifest
 from gpupoor.storage.files import atomic_dir
 from gpupoor.storage.run_weights import RunWeights
@@ -390,9 +390,11 @@ class MergePlan:
 
 
 def merge_lora(source: RunWeights, output: Path, dtype: str = "auto", base: str | None = None,
-               max_shard_bytes: int = 2 * 10**9, qlora_base: str = "dequantized", say=print) -> Path:
+               max_shard_bytes: int = 2 * 10**9, qlora_base: str = "dequantized", say=print, force: bool = False,
+               check_base: bool = True) -> Path:
     """Merge a LoRA, DoRA or IA3 adapter into its base (a model directory, a hub id or a GGUF file): a new
-    standard model directory at `output`."""
+    standard model directory at `output`. The base is first checked to be the one the run trained on (its
+    manifest's record; `force` goes on with a warning; `check_base` off: the caller checked it)."""
     from gpupoor.storage.rundir import check_writable
 
     output = output.expanduser().resolve()
@@ -403,6 +405,8 @@ def merge_lora(source: RunWeights, output: Path, dtype: str = "auto", base: str 
     base_name = base or adapter.config.get("base_model_name_or_path")
     if not base_name:
         raise UserError("the adapter does not name its base model", hint="pass --base MODEL")
+    if check_base:
+        check_base_unchanged(source.path, base, force, lambda text: say(f"warning: {text}"), "the merged model")
     # The hub revision the run trained on (recorded in the adapter config), unless another base was given.
     with _base_directory(base_name, None if base else adapter.config.get("revision"), source, output) as base_dir:
         _merge_from(base_dir, base_name, adapter, source, output, dtype, max_shard_bytes, qlora_base, say)

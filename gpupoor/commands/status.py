@@ -93,6 +93,7 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
         lines.append(f"  warning: {nonfinite} of {len(steps)} logged steps were skipped for a non-finite loss or "
                      f"gradient norm (no update): lower training.learning_rate (now {recipe.training.learning_rate:g})")
     lines += _checkpoint_lines(run_dir)
+    lines += _model_change_lines(run_dir)
     lines.append(_session_line(run_dir, recipe.checkpoint.time_limit))
     final = final_problem(run_dir)
     if final is None:
@@ -104,6 +105,26 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
     elif not running:  # a live run continues by itself: resuming it now would be refused (its lock is held)
         lines.append(f"  continue with: gpupoor resume {run_dir}")
     return "\n".join(lines), final
+
+
+MODEL_ROLES = {"model.name_or_path": "the base model", "distill.teacher": "the distillation teacher"}
+
+
+def _model_change_lines(run_dir: Path) -> list[str]:
+    """A warning for each model the run trained with (as its newest valid manifest records them) whose files
+    changed at the same path since: resume, merge-lora, export, generate and chat would refuse them."""
+    from gpupoor.model.identity import current_identity, identity_change
+
+    newest = [run_dir / "final"] if (run_dir / "final").is_dir() else []
+    newest += [path for path, _, problem in scan(run_dir / "checkpoints", check_files=False) if problem is None]
+    recorded = read_manifest(newest[0]).get("models") if newest else None
+    lines = []
+    for key, record in (recorded or {}).items():
+        change = identity_change(record, current_identity(record)) if isinstance(record, dict) else None
+        if change is not None:
+            lines.append(f"  warning: {MODEL_ROLES.get(key, key)} changed since the run trained on it ({change}): "
+                         "resume, merge-lora, export, generate and chat refuse it unless --force")
+    return lines
 
 
 def _planned_steps(run_dir: Path, recipe, records: list[dict]) -> int | None:

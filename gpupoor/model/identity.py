@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gpupoor.errors import UserError
 from gpupoor.model import gguf
 from gpupoor.model.builtin import PREFIX, resolve_model_path
 from gpupoor.storage.files import default_cache_dir, sha256_file, write_text_atomic
@@ -162,3 +163,61 @@ def _remember(identities: dict[str, dict]) -> None:
                           json.dumps(dict(list(merged.items())[-CACHE_ENTRIES:]), indent=0) + "\n")
     except OSError:
         pass
+
+
+BASE_KEY = "model.name_or_path"
+
+
+def base_change(recorded: dict | None, base: str | None, revision: str | None = None,
+                base_dir: Path | None = None) -> str | None:
+    """What changed in the base a run's weights were trained on, since a manifest recorded it (`recorded`: the
+    manifest's "models"), in words; None when nothing did, when nothing was recorded (older runs), or when `base`
+    (a --base the user gave) names another model than the recorded one: a base chosen on purpose is not a swap
+    (merge.check_base_fits still checks that it fits). Files unchanged since they were hashed are not read again.
+
+    export, merge-lora, generate and chat ask before they load the base; status says it too."""
+    record = (recorded or {}).get(BASE_KEY)
+    if not isinstance(record, dict):
+        return None
+    if base is not None and not _names_recorded(record, base, base_dir or Path.cwd()):
+        return None
+    return identity_change(record, current_identity(record, revision))
+
+
+def current_identity(record: dict, revision: str | None = None) -> dict:
+    """The identity now of the model a record describes (same path or hub id), reusing the record's hashes for
+    files whose size, mtime, ctime and inode are those they were hashed at."""
+    if "hub" in record:
+        return {"hub": record["hub"], "commit": hub_commit(record["hub"], revision)}
+    known = _cached_hashes()
+    known.update({entry["stat"]: entry["sha256"] for entry in record.get("files", {}).values()
+                  if isinstance(entry, dict) and "stat" in entry and "sha256" in entry})
+    now = model_identity(str(record.get("path")), None, Path.cwd(), known)
+    _remember({BASE_KEY: now})
+    return now
+
+
+def _names_recorded(record: dict, base: str, base_dir: Path) -> bool:
+    """Whether a model name (a path or a hub id) is the recorded model."""
+    if "hub" in record:
+        return base == record["hub"]
+    local = resolve_model_path(base, base_dir)
+    return local is not None and str(local) == str(Path(str(record.get("path"))).resolve())
+
+
+def check_base_unchanged(weights_dir: Path, base: str | None, force: bool, warn, what: str) -> None:
+    """Refuse (a UserError: exit 2) to build `what` ("the merged model", "answers") on a base that is not the one
+    the weights in `weights_dir` were trained on, as its manifest records it; with `force`, warn and go on."""
+    from gpupoor.storage.checkpoint import read_manifest
+
+    revision = None
+    if base is None and (weights_dir / "adapter_config.json").is_file():
+        revision = json.loads((weights_dir / "adapter_config.json").read_text()).get("revision")
+    change = base_change(read_manifest(weights_dir).get("models"), base, revision)
+    if change is None:
+        return
+    if not force:
+        raise UserError(f"the base model changed since the run trained on it ({change}): {what} would combine the "
+                        "trained weights with another model's",
+                        hint="restore the base the run trained on, or pass --force to go on with the changed one")
+    warn(f"--force: the base model changed since the run trained on it ({change}); {what} uses the changed base")
