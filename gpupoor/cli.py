@@ -98,6 +98,7 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
 
     def guarded() -> int | None:
         from gpupoor.commands.train import leave_now
+        from gpupoor.run.launch import report_once
         from gpupoor.run.session import RunFailed
         from gpupoor.run.signals import StopRequest
 
@@ -112,14 +113,15 @@ def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int |
             # Bad input every process agreed on (a base changed since the checkpoint, say): said, then ended
             # without the interpreter's teardown of gloo, which now and then aborted such a process with SIGABRT
             # (see commands.train.leave_now) and the launcher reported "killed by SIGABRT" instead of exit 2.
-            typer.echo(f"error: {exc}", err=True)
+            # Said once for all the processes, by gpupoor's launcher where it started them.
+            report_once(str(exc), say=lambda text: typer.echo(f"error: {text}", err=True))
             code, refused = EXIT_BAD_INPUT, True
         except RunFailed as exc:
             if not (stop.finished and from_command_line() and several):
                 raise
             # A failure every process agreed on (a full disk during a save): said, then ended like a finished
             # process, without the interpreter's teardown of gloo (see commands.train.leave_now).
-            typer.echo(f"error: {exc}", err=True)
+            report_once(str(exc), say=lambda text: typer.echo(f"error: {text}", err=True))
             code = 1
         finally:
             # The outcome is decided (a checkpoint or final/ committed, or the error said): a signal while the process
@@ -148,9 +150,9 @@ def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
             raise
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:  # Ctrl-C (130), or SIGTERM / SIGHUP where a verb turns them into one (143, 129)
+        typer.echo(f"stopped by {exc.name}" if hasattr(exc, "signum") else "interrupted", err=True)
+        raise typer.Exit(getattr(exc, "exit_code", 130)) from None
     except Exception as exc:
         from gpupoor.run.session import RunFailed
 
@@ -345,6 +347,8 @@ def merge_lora(
     skip_manifest_check: bool = typer.Option(False, "--skip-manifest-check", help="Merge an adapter whose files "
                                              "no longer match the manifest gpupoor wrote (you edited them on "
                                              "purpose). Without it, a mismatch is an error (exit 2)."),
+    force: bool = typer.Option(False, "--force", help="Go on when the base model changed since the run trained "
+                               "on it (by default that is refused, exit 2)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Merge a LoRA, DoRA or IA3 adapter into its base, shard by shard, into a standard model directory. The
@@ -368,7 +372,7 @@ def merge_lora(
 
         quiet_libraries()
         adapter = resolve_adapter(source, checkpoint, check_files=not skip_manifest_check)
-        merged = merge(adapter, output, dtype, base, shard_bytes, qlora_base, say=typer.echo)
+        merged = merge(adapter, output, dtype, base, shard_bytes, qlora_base, say=typer.echo, force=force)
         typer.echo(f"merged model written to {merged}")
         if verify:
             gap = verify_merge(adapter, merged, base)
@@ -389,12 +393,17 @@ def export(
                                           "--quant, -QUANT is added before .gguf). Default: RUN_DIR/gguf/NAME-QUANT"
                                           ".gguf, or beside a model directory. Must not exist."),
     checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
-    eval_file: Optional[Path] = typer.Option(None, "--eval", help="Text to measure perplexity on: .txt, or .jsonl "
-                                             "rows with a \"text\" field. Default: the run's eval set."),
+    eval_file: Optional[Path] = typer.Option(None, "--eval", help="Text to measure perplexity on: .txt or .md, or "
+                                             ".jsonl rows with a \"text\" field. Default: the run's eval set."),
     eval_tokens: int = typer.Option(16384, "--eval-tokens", min=1, help="Score at most about this many target "
                                     "tokens."),
     quality: bool = typer.Option(True, "--quality/--no-quality", help="Measure each file's perplexity against "
                                  "the full-precision model (loads each file back with transformers)."),
+    force: bool = typer.Option(False, "--force", help="Go on when the base model changed since the run trained "
+                               "on it (by default that is refused, exit 2)."),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where an adapter is merged into its base "
+                                            "first: a temporary fp32 model, 4 bytes a parameter (~32 GB for an 8B "
+                                            "model), removed at the end. Default: the output folder."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Write the trained model as GGUF files (adapter merged first) and measure what each quantization costs in
@@ -402,10 +411,16 @@ def export(
 
     def action() -> int:
         from gpupoor.commands.export import export as run_export
+        from gpupoor.errors import Terminated
         from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
-        run_export(source, quant, fmt, output, checkpoint, eval_file, eval_tokens, quality, say=typer.echo)
+        try:
+            run_export(source, quant, fmt, output, checkpoint, eval_file, eval_tokens, quality, say=typer.echo,
+                       force=force, work_dir=work_dir)
+        except Terminated as exc:  # what was half written is removed, and the complete files were said
+            typer.echo(f"stopped by {exc.name} (exit {exc.exit_code})", err=True)
+            return exc.exit_code
         return 0
 
     _guarded(debug, action)
@@ -425,6 +440,8 @@ def generate(
     fmt: Optional[str] = typer.Option(None, "--format", help="Prompt format (text | alpaca | chat | completion); default: "
                                       "the run's, or chat for a model with a chat template."),
     base: Optional[str] = typer.Option(None, "--base", help="Base model for an adapter (default: the one it names)."),
+    force: bool = typer.Option(False, "--force", help="Go on when the base model changed since the run trained "
+                               "on it (by default that is refused, exit 2)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Sample from a trained model with the prompt format its run trained on (greedy by default)."""
@@ -439,7 +456,8 @@ def generate(
 
         quiet_libraries()
         answer_prompts(source, checkpoint, base, fmt, prompt, file, max_new_tokens, temperature,
-                       out=typer.echo, note=lambda text: typer.echo(f"note: {text}", err=True))
+                       out=typer.echo, note=lambda text: typer.echo(f"note: {text}", err=True), force=force,
+                       warn=_warn)
         return 0
 
     _guarded(debug, action)
@@ -452,17 +470,20 @@ def chat(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (reproducible)."),
     base: Optional[str] = typer.Option(None, "--base", help="Base model for an adapter (default: the one it names)."),
+    force: bool = typer.Option(False, "--force", help="Go on when the base model changed since the run trained "
+                               "on it (by default that is refused, exit 2)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Talk to the tuned model in its run's format, answers streamed; /system TEXT, /reset, /exit."""
 
     def action() -> int:
-        from gpupoor.commands.chat import chat as chat_loop
+        from gpupoor.commands.chat import StdinLines, chat as chat_loop
         from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
-        chat_loop(source, checkpoint, base, max_new_tokens, temperature, read=input,
-                  write=lambda text: typer.echo(text, nl=False))
+        write = lambda text: typer.echo(text, nl=False)  # noqa: E731
+        chat_loop(source, checkpoint, base, max_new_tokens, temperature, read=StdinLines(sys.stdin.buffer, write),
+                  write=write, force=force, warn=_warn)
         return 0
 
     _guarded(debug, action)
@@ -486,18 +507,19 @@ def validate(
     def check(path: Path) -> str:
         """Raise on a bad recipe; return what to print on success."""
         from gpupoor.plan.make import preflight_plan
-        from gpupoor.commands.validate import preflight, show_rows
+        from gpupoor.commands.validate import WHOLE_CHECK_BYTES, RowCheck, preflight, show_rows
         from gpupoor.recipe.loading import load_recipe
         from gpupoor.units import format_bytes
 
         loaded = load_recipe(path, set_ or [])
-        warnings = preflight(loaded)
+        notes: list[str] = []  # sources too big to read whole: which rows were checked
+        warnings = preflight(loaded, RowCheck(WHOLE_CHECK_BYTES, notes.append))
         plan = preflight_plan(loaded, force, warnings.append)
         rows = show_rows(loaded, show, colour=sys.stdout.isatty()) if show else []
         for warning in warnings:
             typer.echo(f"{path}: warning: {warning}", err=True)
         memory = "" if plan is None else f" (predicted peak {format_bytes(plan.peak)} on {plan.device})"
-        return "\n".join([f"{path}: ok{memory}", *rows])
+        return "\n".join([f"{path}: ok{memory}", *(f"{path}: note: {note}" for note in notes), *rows])
 
     def action() -> int:
         failed = crashed = 0

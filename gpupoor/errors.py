@@ -1,6 +1,13 @@
-"""Errors meant for people. Anything raised as a UserError exits with code 2 and no traceback."""
+"""Errors meant for people. Anything raised as a UserError exits with code 2 and no traceback. And Terminated:
+SIGTERM or SIGHUP as an exception, for the verbs with nothing to checkpoint (export, merge-lora), so that their
+`with` blocks remove what they half wrote, as they do for Ctrl-C (train and resume checkpoint instead:
+gpupoor/run/signals.py)."""
 
 from __future__ import annotations
+
+import contextlib
+import signal
+import threading
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3  # gpupoor plan: the recipe is predicted not to fit the memory
@@ -17,3 +24,51 @@ class UserError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
+
+
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread is. A KeyboardInterrupt, so that what cleans up after Ctrl-C
+    (and the command line's handling of it) cleans up after these too; `exit_code` is the shell's code for death
+    by that signal (143, 129), which a scheduler or script reads the same as before."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class _RaiseOnce:
+    """The handler: the first signal raises; later ones are ignored, so a repeated SIGTERM cannot cut short the
+    cleanup the first one started (removing a scratch model of tens of GB takes a moment)."""
+
+    def __init__(self):
+        self.raised = False
+
+    def __call__(self, signum, frame) -> None:
+        if not self.raised:
+            self.raised = True
+            raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def termination_raised():
+    """SIGTERM and SIGHUP raise Terminated inside the block (the handlers before it are put back after). Nested
+    blocks share the outer one's handler. Only the main thread can install handlers: elsewhere it does nothing."""
+    if threading.current_thread() is not threading.main_thread() or \
+            isinstance(signal.getsignal(signal.SIGTERM), _RaiseOnce):
+        yield
+        return
+    handler = _RaiseOnce()
+    previous = {sig: signal.signal(sig, handler) for sig in TERMINATING}
+    try:
+        yield
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, signal.SIG_DFL if before is None else before)  # None: a handler set from C

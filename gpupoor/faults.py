@@ -12,6 +12,7 @@ where only a real crash would, so tests can prove that nothing is lost.
 - `timeout@STEP`: this process finds its time limit reached after optimizer step STEP.
 - `kill@gathered[:STEP]` (or `enospc@gathered[:STEP]`): in the middle of a save's collective part (the weights
   are gathered; FSDP: inside DCP, where this process starts writing its optimizer shard).
+- `ACTION@gguf-tensor:QUANT` (kill, sigterm or enospc): in `export`, after each tensor written to the QUANT file.
 - `rankN/ACTION@WHERE`: only in the process of rank N (a signal that reaches one rank, one rank that dies).
 
 Unset in normal use; reading one environment variable costs nothing.

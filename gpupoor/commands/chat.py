@@ -13,6 +13,27 @@ from gpupoor.errors import UserError
 HELP = "/system TEXT: set the system prompt (and start over)   /reset: start over   /exit: leave"
 
 
+class StdinLines:
+    """`read` for chat from a binary stream (standard input's bytes): each line decoded as UTF-8 on its own, so a
+    line that is not text (or holds a NUL byte) is a UserError naming `<stdin>:LINE` and the next line reads on.
+    (input() decodes with the locale's error handler: strict, it raised and lost the session; in a C/POSIX locale
+    the bad bytes reached the tokenizer as lone surrogates, a TypeError.)"""
+
+    def __init__(self, stream, write: Callable[[str], None]):
+        self.stream, self.write = stream, write
+        self.number = 0  # lines read so far
+
+    def __call__(self, prompt: str) -> str:
+        from gpupoor.commands.generate import decode_line
+
+        self.write(prompt)
+        raw = self.stream.readline()
+        if not raw:
+            raise EOFError
+        self.number += 1
+        return decode_line(raw.rstrip(b"\r\n"), f"<stdin>:{self.number}")
+
+
 def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, temperature: float,
          read: Callable[[str], str], write: Callable[[str], None], force: bool = False,
          warn: Callable[[str], None] = print) -> None:
@@ -35,6 +56,9 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
         except EOFError:
             write("\n")
             return
+        except UserError as exc:  # a line that is not text (StdinLines): said, and the conversation goes on
+            write(f"({exc.message}; it was not sent: type it again)\n")
+            continue
         if not line:
             continue
         if line in ("/exit", "/quit"):

@@ -1,10 +1,12 @@
 """`gpupoor export`: a run (or a model directory) as GGUF files for llama.cpp, Ollama and LM Studio, one per
 `--quant`, from one merge, and a table of what each quantization cost in perplexity.
 
-Everything that can be refused is refused before any work: the format, the quant names, the architecture, the
-output paths. An adapter is merged once into a temporary fp32 model directory beside the output (the streaming
-merge of merge-lora, QLoRA through the dequantized base) and removed afterwards; a full fine-tune or a model
-directory is read as it is."""
+Everything that can be refused is refused before any work: the format, the quant names, the eval file, the
+architecture, the output paths, and a disk without room for what the export writes (gpupoor/export/space.py).
+An adapter is merged once into a temporary fp32 model directory in the work directory (`--work-dir`, default the
+output folder; the streaming merge of merge-lora, QLoRA through the dequantized base) and removed afterwards; a
+full fine-tune or a model directory is read as it is. Ctrl-C, SIGTERM and SIGHUP remove what was half written and
+say which files are complete; what a killed export left is removed by the next one into the same folder."""
 
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ import contextlib
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from gpupoor.errors import UserError
 from gpupoor.model.gguf import INSTALL
+
+if TYPE_CHECKING:
+    from gpupoor.export.space import SpacePlan
 
 FORMATS = ("gguf",)
 MIN_GGUF = (0, 18)  # the oldest gguf whose files (Gemma 3, Phi-3 metadata) read back exactly
@@ -106,14 +111,15 @@ def same_grid_notes(source: ExportSource, quants: list[str]) -> list[str]:
     if not (is_gguf(base) and Path(base).is_file()):
         return []
     base_type = read_gguf(Path(base)).quantization.split(", ")[0]
+    if base_type in ("F32", "F16", "BF16"):  # unquantized: no grid for the merged weights to round back to
+        return []
     notes = [f"the base {Path(base).name} is {base_type}: --quant {quant} rounds the merged weights to that same grid, "
              "where a small fine-tuning update can round back to the base's own weights"
              for quant in quants if QUANTS[quant].base == base_type]
-    if base_type not in ("F32", "F16", "BF16"):
-        notes.append(f"the base {Path(base).name} is quantized ({base_type}): its weights sit on that grid, and "
-                     "re-quantizing them can undo or distort the fine-tuning update (on the real demo's Q4_1 base, "
-                     "q4_1 and q5_1 cost far more than q4_0, q5_0 or q4_k_m; docs/export.md). Read the quality "
-                     "table before choosing")
+    notes.append(f"the base {Path(base).name} is quantized ({base_type}): its weights sit on that grid, and "
+                 "re-quantizing them can undo or distort the fine-tuning update (on the real demo's Q4_1 base, "
+                 "q4_1 and q5_1 cost far more than q4_0, q5_0 or q4_k_m; docs/export.md). Read the quality "
+                 "table before choosing")
     return notes
 
 
@@ -138,32 +144,51 @@ def output_paths(source: ExportSource, quants: list[str], output: Path | None) -
     return paths, table
 
 
+# How an export's user merges a QLoRA adapter into the original full-precision base: export has no --qlora-base.
+QLORA_ORIGINAL = ("gpupoor merge-lora RUN --qlora-base original --output DIR, then gpupoor export DIR --eval FILE "
+                  "(or --no-quality)")
+
+
 @contextlib.contextmanager
 def model_directory(source: ExportSource, scratch_parent: Path, say: Callable[[str], None]):
     """A transformers model directory of the trained model: the weights themselves, or the adapter merged into its
-    base in fp32 in a temporary directory (removed afterwards)."""
+    base in fp32 in a temporary directory (removed afterwards; its name carries this process's id, so that the
+    next export can tell a killed export's scratch from a running one's)."""
     if not source.is_adapter:
         yield source.weights_dir
         return
     from gpupoor.commands.merge import merge_lora
+    from gpupoor.export.space import SCRATCH_PREFIX
+    from gpupoor.storage.files import writer_tag
     from gpupoor.storage.run_weights import RunWeights
 
-    with tempfile.TemporaryDirectory(prefix=".gpupoor-export-", dir=scratch_parent) as scratch:
-        say("merging the adapter into its base (fp32)")
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{writer_tag()}-", dir=scratch_parent) as scratch:
+        say(f"merging the adapter into its base (fp32, in {scratch_parent})")
         merged = merge_lora(RunWeights(source.weights_dir, source.run_dir), Path(scratch) / "merged", dtype="fp32",
-                            say=say)
+                            say=say, qlora_original=QLORA_ORIGINAL,
+                            check_base=False)  # export checked it before any work
         yield merged
 
 
 def export(path: Path, quants: list[str], fmt: str = "gguf", output: Path | None = None,
            checkpoint: str = "final", eval_file: Path | None = None, eval_tokens: int = 16384,
-           quality: bool = True, say: Callable[[str], None] = print) -> list[QualityRow]:
+           quality: bool = True, say: Callable[[str], None] = print, force: bool = False,
+           work_dir: Path | None = None) -> list[QualityRow]:
+    from gpupoor.errors import termination_raised
     from gpupoor.export.architectures import check_rope, family_of
-    from gpupoor.export.quant_types import QUANTS
+    from gpupoor.export.quality import read_eval_file
     from gpupoor.storage.rundir import check_writable
 
     quants = check_request(fmt, quants)
+    # Read now, not after the files are written: a bad --eval found then would leave files a corrected rerun
+    # is refused for.
+    eval_text = read_eval_file(eval_file) if quality and eval_file is not None else None
     source = resolve_source(path, checkpoint)
+    if source.is_adapter:  # before any work: the merge would use whatever base sits at the recorded path now
+        from gpupoor.model.identity import check_base_unchanged
+
+        check_base_unchanged(source.weights_dir, None, force, lambda text: say(f"warning: {text}"),
+                             "the exported model")
     family = family_of(source.config, str(path))
     check_rope(source.config, str(path))
     for note in same_grid_notes(source, quants):
@@ -174,44 +199,124 @@ def export(path: Path, quants: list[str], fmt: str = "gguf", output: Path | None
                         hint="pass --eval FILE (plain text, or JSONL rows with a \"text\" field), or --no-quality")
     folder = next(iter(paths.values())).parent
     check_writable(folder, f"--output {folder}", hint="give --output a file in a writable directory")
-    with _folder_kept_if_written(folder), model_directory(source, folder, say) as model_dir:
-        from gpupoor.export.gguf_file import write_gguf
-
-        written = []
-        for quant, target in paths.items():
-            file = write_gguf(model_dir, target, QUANTS[quant], name=source.name)
-            say(f"wrote {file.path} ({file.size_bytes / 2**20:.1f} MiB, {file.bits_per_weight:.2f} bits/weight)")
-            written.append(file)
-        write_modelfiles(model_dir, written, family.gguf_arch, source.run_dir, say)
-        rows = measure(model_dir, source, written, eval_file, eval_tokens, table, say) if quality else \
-            [QualityRow(f.quant, f.path.name, f.size_bytes, round(f.bits_per_weight, 3), None, None,
-                        dict(f.types)) for f in written]
+    work = work_dir.expanduser().absolute() if work_dir is not None else folder
+    if work_dir is not None:
+        check_writable(work, f"--work-dir {work}", hint="give --work-dir a writable directory")
+    space = _space_plan(source, quants, work, folder, say)
+    progress = Progress(space, writing=work if source.is_adapter else None)  # the merge comes first
+    with termination_raised(), _said_if_stopped(progress, say), _disk_full_said(progress), \
+            _folder_removed_if_empty(folder), _folder_removed_if_empty(work), \
+            model_directory(source, work, say) as model_dir:
+        rows = _write_and_measure(model_dir, source, paths, table, family.gguf_arch, progress, say,
+                                  (eval_file, eval_text, eval_tokens) if quality else None)
     return rows
 
 
+@dataclass
+class Progress:
+    """What the export has written so far, for the message when it stops or the disk fills."""
+
+    space: SpacePlan | None  # None when the model's size is not one gpupoor can count
+    finished: list[Path] = field(default_factory=list)  # files completely written
+    writing: Path | None = None  # the file (or the merge's folder) being written
+
+
+def _space_plan(source: ExportSource, quants: list[str], work: Path, folder: Path, say: Callable[[str], None]):
+    """Remove what killed exports left in the folders, then refuse when a disk lacks room for this export."""
+    from gpupoor.export.space import plan_space, sweep_export_leftovers
+    from gpupoor.hardware import DTYPES
+    from gpupoor.model.gguf import is_gguf
+    from gpupoor.storage.checkpoint import read_manifest
+
+    sweep_export_leftovers([folder, work], say)
+    base_copy = 0  # a GGUF base is dequantized into the work directory before the merge, in the run's precision
+    if source.is_adapter:
+        base = json.loads((source.weights_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if base and is_gguf(base):
+            base_copy = DTYPES[read_manifest(source.weights_dir).get("precision") or "fp32"].itemsize
+    space = plan_space(source.config, quants, source.is_adapter, base_copy, work, folder)
+    if space is not None:
+        space.check()
+    return space
+
+
+def _write_and_measure(model_dir: Path, source: ExportSource, paths: dict[str, Path], table: Path, gguf_arch: str,
+                       progress: Progress, say: Callable[[str], None], evaluation: tuple | None) -> list[QualityRow]:
+    """Each file, a Modelfile beside each, and (`evaluation`: the eval file, its text, the token cap) the table."""
+    from gpupoor.export.gguf_file import write_gguf
+    from gpupoor.export.quant_types import QUANTS
+
+    written = []
+    for quant, target in paths.items():
+        progress.writing = target
+        file = write_gguf(model_dir, target, QUANTS[quant], name=source.name)
+        progress.finished.append(file.path)
+        say(f"wrote {file.path} ({file.size_bytes / 2**20:.1f} MiB, {file.bits_per_weight:.2f} bits/weight)")
+        written.append(file)
+    progress.writing = table.parent
+    write_modelfiles(model_dir, written, gguf_arch, source.run_dir, say)
+    if evaluation is None:
+        return [QualityRow(f.quant, f.path.name, f.size_bytes, round(f.bits_per_weight, 3), None, None,
+                           dict(f.types)) for f in written]
+    return measure(model_dir, source, written, *evaluation, table, say)
+
+
 @contextlib.contextmanager
-def _folder_kept_if_written(folder: Path):
-    """Create the output folder; remove it again if the export fails before anything is in it."""
+def _folder_removed_if_empty(folder: Path):
+    """Create the folder; remove it again at the end if this export created it and left nothing in it (it failed
+    before writing anything, or it is the --work-dir the merge's scratch was removed from)."""
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     try:
         yield
-    except BaseException:
-        if created and not any(folder.iterdir()):
+    finally:
+        if created and folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
+
+
+@contextlib.contextmanager
+def _said_if_stopped(progress: Progress, say: Callable[[str], None]):
+    """Ctrl-C, SIGTERM or SIGHUP (gpupoor.errors.Terminated): once the half-written file and the merge's
+    scratch are removed, say which files are complete."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        how = f"stopped by {exc.name}" if hasattr(exc, "signum") else "interrupted"
+        complete = f"complete and kept: {', '.join(map(str, progress.finished))}" if progress.finished else \
+            "no file was complete"
+        say(f"{how}: {complete}; what was half written was removed")
         raise
 
 
-def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Path | None, eval_tokens: int,
-            table: Path, say: Callable[[str], None]) -> list[QualityRow]:
-    """Perplexity of the full-precision model and of each file read back, printed as a table and written as JSON
-    beside the files."""
+@contextlib.contextmanager
+def _disk_full_said(progress: Progress):
+    """A full disk, however the library writing said it (safetensors' SafetensorError, numpy's short write), as
+    bad input with the space the export needs; raised once what was half written is removed."""
+    from gpupoor.storage.files import ran_out_of_space
+
+    try:
+        yield
+    except Exception as exc:
+        if not ran_out_of_space(exc):
+            raise
+        if progress.space is not None:
+            raise progress.space.disk_full(progress.writing, progress.finished) from None
+        kept = f"; complete and kept: {', '.join(map(str, progress.finished))}" if progress.finished else ""
+        raise UserError(f"the disk filled while writing {progress.writing}: what was half written was removed{kept}",
+                        hint="free space there (the fp32 merge takes 4 bytes a parameter), or write elsewhere "
+                        "(--work-dir, --output), and export again") from None
+
+
+def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Path | None, eval_text: str | None,
+            eval_tokens: int, table: Path, say: Callable[[str], None]) -> list[QualityRow]:
+    """Perplexity of the full-precision model and of each file read back (on `eval_text`, read from `eval_file`
+    before any work, else the run's eval set), printed as a table and written as JSON beside the files."""
     from gpupoor.export.quality import file_eval_text, perplexity_of_gguf, perplexity_of_model_dir, run_eval_text
     from gpupoor.model.load import load_tokenizer
     from gpupoor.recipe.schema import ModelSection
 
     tokenizer = load_tokenizer(str(model_dir), ModelSection(name_or_path=str(model_dir)))
-    text = file_eval_text(eval_file, tokenizer, eval_tokens) if eval_file else \
+    text = file_eval_text(eval_file, tokenizer, eval_tokens, raw=eval_text) if eval_file else \
         run_eval_text(source.run_dir, tokenizer, eval_tokens)
     tokens = sum(int((labels != -100).sum()) for _, labels in text.examples)
     say(f"measuring perplexity on {tokens} target tokens of {text.source}: the full-precision model, then each file "
@@ -224,10 +329,29 @@ def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Pat
         rows.append(QualityRow(file.quant, file.path.name, file.size_bytes, round(file.bits_per_weight, 3),
                                round(value, 4), round(100 * (value / reference - 1), 3), dict(file.types)))
     say(render_table(rows))
-    report = {"eval": {"source": text.source, "target_tokens": tokens}, "rows": [asdict(row) for row in rows]}
+    measured_on = {"source": text.source, "target_tokens": tokens, "full_precision_perplexity": round(reference, 4)}
+    report, kept = with_earlier_rows(table, {"eval": measured_on,
+                                             "rows": [{**asdict(row), "eval": measured_on} for row in rows]})
     _write_text(table, json.dumps(report, indent=2) + "\n")
-    say(f"wrote {table}")
+    say(f"wrote {table}" + (f", keeping the earlier measurements of {', '.join(kept)} (each row names the text "
+                            "it was measured on)" if kept else ""))
     return rows
+
+
+def with_earlier_rows(table: Path, report: dict) -> tuple[dict, list[str]]:
+    """`report` with the rows an earlier export wrote to the same table for types this one did not measure, and
+    their names: a second export of a run adds to its table instead of replacing it (a type measured again: the
+    newest measurement). Each row keeps the text it was measured on ("eval"), whose full-precision perplexity its
+    change is relative to."""
+    try:
+        earlier = json.loads(table.read_text(encoding="utf-8")) if table.is_file() else {}
+    except (OSError, ValueError):  # unreadable: nothing to keep (it is replaced, as before)
+        earlier = {}
+    rows = earlier.get("rows") if isinstance(earlier, dict) else None
+    measured = {row["type"] for row in report["rows"]}
+    kept = [{**row, "eval": row.get("eval") or earlier.get("eval")} for row in rows or []
+            if isinstance(row, dict) and row.get("type") not in measured]
+    return {**report, "rows": report["rows"][:1] + kept + report["rows"][1:]}, [row["type"] for row in kept]
 
 
 def render_table(rows: list[QualityRow]) -> str:
@@ -255,6 +379,14 @@ def write_modelfiles(model_dir: Path, written: list, gguf_arch: str, run_dir: Pa
 
 
 def _write_text(target: Path, text: str) -> None:
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, target)
+    """Written whole or not at all: under a temporary name (with this process's id, see gpupoor/export/space.py)
+    that is removed if the write fails."""
+    from gpupoor.storage.files import writer_tag
+
+    temporary = target.with_name(f".{target.name}.tmp-{writer_tag()}")
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

@@ -19,13 +19,15 @@ class Generator:
 
 
 def load_generator(path: Path, checkpoint: str = "final", base: str | None = None, fmt: str | None = None,
-                   device: str = "auto") -> Generator:
-    """A run dir or adapter (base + adapter, quantized as trained) or a plain model directory."""
+                   device: str = "auto", force: bool = False, warn=print) -> Generator:
+    """A run dir or adapter (base + adapter, quantized as trained) or a plain model directory. An adapter's base
+    is refused when it is not the one the run trained on (`force`: `warn` and go on)."""
 
     from gpupoor.data.build import make_encoder
     from gpupoor.hardware import dtype_of, resolve_device, resolve_inference_precision
     from gpupoor.storage.checkpoint import read_manifest
     from gpupoor.commands.merge import base_config, check_base_fits
+    from gpupoor.model.identity import check_base_unchanged
     from gpupoor.model.load import load_tokenizer, quantization_config
     from gpupoor.recipe.schema import DataSection, ModelSection, QuantizationSection
     from gpupoor.storage.rundir import stored_recipe
@@ -49,6 +51,7 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
         adapter_config = json.loads((source.path / "adapter_config.json").read_text())
         base_name = base or adapter_config["base_model_name_or_path"]
         revision = None if base else adapter_config.get("revision")
+        check_base_unchanged(source.path, base, force, warn, "the answers")
         check_base_fits(source.path, base_config(base_name, revision), base_name)
         quant = recipe.quantization if recipe else QuantizationSection()
         # Compute in the precision the run trained in, where this device has it (the manifest records it).
@@ -137,11 +140,17 @@ def rows_from_file(path: Path, encoder) -> list[tuple[dict, str]]:
     """(row, where) per JSONL line: rows in the run's format, or {"prompt": "..."}. A chat row's trailing
     assistant turn (the expected answer) is dropped so the model writes its own."""
     from gpupoor.data.loading import read_rows, resolve_source
+
+    return _prompt_rows(read_rows(resolve_source(str(path), Path.cwd(), "train", "--file")), encoder)
+
+
+def _prompt_rows(rows, encoder) -> list[tuple[dict, str]]:
+    """(row, where) for each data row (gpupoor.data.loading.Row) of a prompts file, as rows_from_file says."""
     from gpupoor.data.row_fields import wrong_type
 
     data_format = encoder.format
-    rows = []
-    for row in read_rows(resolve_source(str(path), Path.cwd(), "train", "--file")):
+    prompts = []
+    for row in rows:
         fields = dict(row.fields)
         if "prompt" in fields and isinstance(fields["prompt"], str):
             fields = data_format.prompt_row(fields["prompt"])
@@ -149,8 +158,8 @@ def rows_from_file(path: Path, encoder) -> list[tuple[dict, str]]:
             raise wrong_type(row.where, "prompt", fields["prompt"])
         else:
             fields = data_format.as_prompt(fields)
-        rows.append((fields, row.where))
-    return rows
+        prompts.append((fields, row.where))
+    return prompts
 
 
 def check_prompt_source(prompt: str | None, file: Path | None) -> None:
@@ -166,12 +175,11 @@ def check_prompt_source(prompt: str | None, file: Path | None) -> None:
 
 def rows_from_stdin(encoder) -> list[tuple[dict, str]]:
     """Standard input as JSONL rows (as --file reads them) when every line is a JSON object, else one prompt per
-    non-empty line."""
-    import sys
-    import tempfile
+    non-empty line. Errors name `<stdin>:LINE`."""
+    from gpupoor.data.loading import jsonl_rows
 
-    text = sys.stdin.read()
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = stdin_lines()
+    texts = [(number, line) for number, line in lines if line.strip()]
 
     def is_row(line: str) -> bool:
         try:
@@ -179,20 +187,43 @@ def rows_from_stdin(encoder) -> list[tuple[dict, str]]:
         except ValueError:
             return False
 
-    if lines and all(is_row(line) for line in lines):
-        with tempfile.TemporaryDirectory() as folder:
-            rows_file = Path(folder) / "stdin.jsonl"
-            rows_file.write_text(text, encoding="utf-8")
-            return [(row, where.replace(str(rows_file), "<stdin>")) for row, where in rows_from_file(rows_file, encoder)]
-    return [(prompt_row(line, encoder), f"<stdin>:{number}") for number, line in enumerate(text.splitlines(), 1)
-            if line.strip()]
+    if texts and all(is_row(line) for _, line in texts):
+        return _prompt_rows(jsonl_rows(lines, "<stdin>"), encoder)
+    return [(prompt_row(line, encoder), f"<stdin>:{number}") for number, line in texts]
+
+
+def stdin_lines() -> list[tuple[int, str]]:
+    """Standard input's lines as (number, text), each decoded as UTF-8 on its own (decode_line): Python's own
+    decoding either fails on the whole input, naming no line, or (in a C/POSIX locale) lets the bad bytes through
+    as lone surrogates that the tokenizer then rejects with a TypeError."""
+    import sys
+
+    stream = getattr(sys.stdin, "buffer", None)  # (a program that swapped sys.stdin for text has no bytes)
+    raw = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogatepass")
+    return [(number, decode_line(line, f"<stdin>:{number}")) for number, line in enumerate(raw.splitlines(), 1)]
+
+
+def decode_line(raw: bytes, where: str) -> str:
+    """One line of standard input as text; a UserError naming `where` (`<stdin>:LINE`) when its bytes are not
+    UTF-8, or hold a NUL byte (binary data: no prompt has one, and the tokenizer would take it as text)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{where}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line "
+                        f"({exc.reason})", hint="give prompts as UTF-8 text (e.g. through `iconv -f latin1 -t "
+                        "utf-8`)") from None
+    if "\0" in text:
+        raise UserError(f"{where}: a NUL byte at byte {raw.index(0) + 1} of the line: binary data, not text",
+                        hint="give prompts as text: one per line, or JSONL rows") from None
+    return text
 
 
 def answer_prompts(source: Path, checkpoint: str, base: str | None, fmt: str | None, prompt: str | None,
-                   file: Path | None, max_new_tokens: int, temperature: float, out, note) -> None:
+                   file: Path | None, max_new_tokens: int, temperature: float, out, note, force: bool = False,
+                   warn=print) -> None:
     """`gpupoor generate`: the answer to --prompt, or one JSON line per row of --file (or standard input); an
     empty answer gets a note saying why."""
-    generator = load_generator(source, checkpoint, base, fmt)
+    generator = load_generator(source, checkpoint, base, fmt, force=force, warn=warn)
     encoder = generator.encoder
     if prompt is not None:
         rows = [(prompt_row(prompt, encoder), "--prompt")]

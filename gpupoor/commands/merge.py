@@ -30,7 +30,7 @@ from gpupoor.hardware import DTYPES
 from gpupoor.model.gguf import is_gguf
 from gpupoor.model.identity import check_base_unchanged, config_facts
 from gpupoor.storage.checkpoint import read_manifest
-from gpupoor.storage.files import atomic_dir
+from gpupoor.storage.files import atomic_dir, writer_tag
 from gpupoor.storage.run_weights import RunWeights
 from gpupoor.storage.shards import MODEL_INDEX, SINGLE_FILE, weight_files
 from gpupoor.train.metrics import read_metrics
@@ -264,11 +264,12 @@ def quantized_modules(config, quantization: dict) -> set[str]:
             if isinstance(module, torch.nn.Linear) and not any(name == s or name.endswith("." + s) for s in skip)}
 
 
-def _explicit_precision(recipe: dict) -> str:
+def _explicit_precision(recipe: dict, qlora_original: str) -> str:
     precision = recipe.get("precision", "auto")
     if precision == "auto":
         raise UserError("the adapter's run does not record which precision `auto` resolved to",
-                        hint="pass --qlora-base original, or merge an adapter written by this gpupoor version")
+                        hint=f"merge into the full-precision base ({qlora_original}), or use an adapter written "
+                        "by this gpupoor version")
     return precision
 
 
@@ -391,16 +392,21 @@ class MergePlan:
 
 def merge_lora(source: RunWeights, output: Path, dtype: str = "auto", base: str | None = None,
                max_shard_bytes: int = 2 * 10**9, qlora_base: str = "dequantized", say=print, force: bool = False,
-               check_base: bool = True) -> Path:
+               check_base: bool = True, qlora_original: str = "--qlora-base original") -> Path:
     """Merge a LoRA, DoRA or IA3 adapter into its base (a model directory, a hub id or a GGUF file): a new
     standard model directory at `output`. The base is first checked to be the one the run trained on (its
-    manifest's record; `force` goes on with a warning; `check_base` off: the caller checked it)."""
+    manifest's record; `force` goes on with a warning; `check_base` off: the caller checked it).
+    `qlora_original`: how the caller's user merges a QLoRA adapter into the full-precision base instead.
+    SIGTERM and SIGHUP stop it like Ctrl-C, removing the partial output; what a merge into the same output that
+    was killed left beside it is removed first."""
+    from gpupoor.errors import termination_raised
     from gpupoor.storage.rundir import check_writable
 
     output = output.expanduser().resolve()
     if output.exists():
         raise UserError(f"output directory {output} already exists", hint="choose a new --output, or delete it")
     check_writable(output)  # before the base is read: an impossible --output is said at once
+    _sweep_killed_merges(output, say)
     adapter = AdapterWeights(source.path)
     base_name = base or adapter.config.get("base_model_name_or_path")
     if not base_name:
@@ -408,9 +414,26 @@ def merge_lora(source: RunWeights, output: Path, dtype: str = "auto", base: str 
     if check_base:
         check_base_unchanged(source.path, base, force, lambda text: say(f"warning: {text}"), "the merged model")
     # The hub revision the run trained on (recorded in the adapter config), unless another base was given.
-    with _base_directory(base_name, None if base else adapter.config.get("revision"), source, output) as base_dir:
-        _merge_from(base_dir, base_name, adapter, source, output, dtype, max_shard_bytes, qlora_base, say)
+    with termination_raised(), \
+            _base_directory(base_name, None if base else adapter.config.get("revision"), source, output) as base_dir:
+        _merge_from(base_dir, base_name, adapter, source, output, dtype, max_shard_bytes, qlora_base, say,
+                    qlora_original)
     return output
+
+
+def _sweep_killed_merges(output: Path, say) -> None:
+    """Remove what a merge into `output` that was killed on this machine (its process gone) left beside it: the
+    partial output (atomic_dir's `.tmp-NAME-PID@HOST`) and a GGUF base's dequantized copy
+    (`.tmp-gguf-base-PID@HOST-*`); name those it leaves alone."""
+    from gpupoor.storage.files import WRITER, sweep_leftovers
+
+    for pattern in (re.compile(rf"\.tmp-{re.escape(output.name)}-{WRITER}"),
+                    re.compile(rf"\.tmp-gguf-base-{WRITER}-[a-z0-9_]+")):
+        removed, kept = sweep_leftovers(output.parent, pattern)
+        for entry, _ in removed:
+            say(f"removed {entry}, left by a merge that was killed")
+        for entry, why in kept:
+            say(f"note: {entry} looks like a merge's temporary folder, left alone: {why}")
 
 
 @contextlib.contextmanager
@@ -426,12 +449,12 @@ def _base_directory(base_name: str, revision: str | None, source: RunWeights, ou
 
     dtype = DTYPES[read_manifest(source.path).get("precision") or "fp32"]
     output.parent.mkdir(parents=True, exist_ok=True)  # (the output's own atomic_dir would make it too)
-    with tempfile.TemporaryDirectory(prefix=f".tmp-gguf-base-{os.getpid()}-", dir=output.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".tmp-gguf-base-{writer_tag()}-", dir=output.parent) as tmp:
         yield save_dequantized(base_name, Path(tmp), dtype)
 
 
 def _merge_from(base_dir: Path, base_name: str, adapter: AdapterWeights, source: RunWeights, output: Path,
-                dtype: str, max_shard_bytes: int, qlora_base: str, say) -> None:
+                dtype: str, max_shard_bytes: int, qlora_base: str, say, qlora_original: str) -> None:
     from transformers import AutoConfig
 
     check_base_fits(source.path, base_config(str(base_dir)), base_name)
@@ -444,12 +467,12 @@ def _merge_from(base_dir: Path, base_name: str, adapter: AdapterWeights, source:
     if quantization.get("bits") and qlora_base == "dequantized":
         quantize = quantized_modules(config, quantization)
         # The dtype the base was loaded in before quantizing: the run's resolved precision (in the manifest).
-        load_dtype = DTYPES[read_manifest(source.path).get("precision") or _explicit_precision(recipe)]
+        load_dtype = DTYPES[read_manifest(source.path).get("precision") or _explicit_precision(recipe, qlora_original)]
         say(f"QLoRA run: merging into the base as the run saw it ({quantization['bits']}-bit, dequantized); "
-            "--qlora-base original merges into the full-precision weights instead")
+            f"to merge into the full-precision weights instead: {qlora_original}")
     plan = MergePlan(base_name, base_dir, adapter, base_dtype if dtype == "auto" else DTYPES[dtype], quantization,
                      quantize, load_dtype)
-    with atomic_dir(output, f".tmp-{output.name}-{os.getpid()}") as tmp:  # the output appears whole or not at all
+    with atomic_dir(output, f".tmp-{output.name}-{writer_tag()}") as tmp:  # the output appears whole or not at all
         untied = _write_merged_weights(plan, tmp, max_shard_bytes)
         _write_model_files(plan, tmp, config, untied, source, recipe, metrics, qlora_base)
 

@@ -93,7 +93,7 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
         lines.append(f"  warning: {nonfinite} of {len(steps)} logged steps were skipped for a non-finite loss or "
                      f"gradient norm (no update): lower training.learning_rate (now {recipe.training.learning_rate:g})")
     lines += _checkpoint_lines(run_dir)
-    lines += _model_change_lines(run_dir)
+    lines += _model_change_lines(run_dir, recipe)
     lines.append(_session_line(run_dir, recipe.checkpoint.time_limit))
     final = final_problem(run_dir)
     if final is None:
@@ -107,23 +107,32 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
     return "\n".join(lines), final
 
 
-MODEL_ROLES = {"model.name_or_path": "the base model", "distill.teacher": "the distillation teacher"}
-
-
-def _model_change_lines(run_dir: Path) -> list[str]:
-    """A warning for each model the run trained with (as its newest valid manifest records them) whose files
-    changed at the same path since: resume, merge-lora, export, generate and chat would refuse them."""
+def _model_change_lines(run_dir: Path, recipe) -> list[str]:
+    """A warning for each model the run trained with (as its newest manifest records them) whose files changed at
+    the same path since, or that cannot be read: the verbs that load it refuse it."""
     from gpupoor.model.identity import current_identity, identity_change
 
     newest = [run_dir / "final"] if (run_dir / "final").is_dir() else []
     newest += [path for path, _, problem in scan(run_dir / "checkpoints", check_files=False) if problem is None]
-    recorded = read_manifest(newest[0]).get("models") if newest else None
+    manifest = read_manifest(newest[0]) if newest else {}
+    adapter = manifest.get("weights") != "model"
+    roles = {"model.name_or_path": ("the base model", recipe.model.revision,
+                                    "resume, merge-lora, export, generate and chat refuse it" if adapter else
+                                    "resume refuses it"),
+             "distill.teacher": ("the distillation teacher", recipe.distill.revision if recipe.distill else None,
+                                 "resume refuses it")}
     lines = []
-    for key, record in (recorded or {}).items():
-        change = identity_change(record, current_identity(record)) if isinstance(record, dict) else None
+    for key, record in (manifest.get("models") or {}).items():
+        if not isinstance(record, dict) or key not in roles:
+            continue
+        what, revision, refused = roles[key]
+        try:
+            change = identity_change(record, current_identity(record, revision))
+        except OSError as exc:
+            change = f"cannot be read: {exc}"
         if change is not None:
-            lines.append(f"  warning: {MODEL_ROLES.get(key, key)} changed since the run trained on it ({change}): "
-                         "resume, merge-lora, export, generate and chat refuse it unless --force")
+            lines.append(f"  warning: {what} changed since the run trained on it ({change}): {refused} unless "
+                         "--force")
     return lines
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.model import gguf
@@ -21,8 +23,12 @@ from gpupoor.errors import UserError
 from gpupoor.recipe.loading import LoadedRecipe
 from gpupoor.recipe.rules import MAX_PASSES, check_rows, check_tokenized_settings
 from gpupoor.recipe.schema import DataSection, SourceSection
+from gpupoor.units import format_bytes
 
-PREFLIGHT_ROWS = 200  # rows parsed per data file: enough to catch a wrong format, fast on big files
+PREFLIGHT_ROWS = 200  # rows train's preflight parses per data file (training reads every row itself)
+# `gpupoor validate` checks every row of a source up to this size (alpaca rows: about 0.4 s); of a bigger one the
+# first PREFLIGHT_ROWS, and says so: a bad row further on is found when training reads it.
+WHOLE_CHECK_BYTES = 32 * 2**20
 TEMPLATE_ROWS = 20  # rows rendered with a recipe's chat template
 # Names transformers passes to a chat template from the tokenizer (its special tokens). validate has no tokenizer,
 # so they get stand-ins: a template may use them without being flagged for an undefined name.
@@ -79,17 +85,17 @@ def data_sources(data: DataSection) -> list[tuple[str, SourceSection]]:
     return [(f"data.datasets[{number}]", source) for number, source in enumerate(data.sources())]
 
 
-def check_training_data(loaded: LoadedRecipe) -> list[str]:
+def check_training_data(loaded: LoadedRecipe, whole: RowCheck | None = None) -> list[str]:
     """Every source's path and eval_path parse in the source's own format; data.tokenized_path exists."""
     data = loaded.recipe.data
     if data.tokenized_path:
         return check_tokenized_path(data.tokenized_path, loaded.base_dir, data)
     warnings: list[str] = []
     for prefix, source in data_sources(data):
-        warnings += check_data(source.path, f"{prefix}.path", loaded, source.split, source)
+        warnings += check_data(source.path, f"{prefix}.path", loaded, source.split, source, whole)
         check_source_amounts(prefix, source, loaded.base_dir)
         if source.eval_path:
-            warnings += check_data(source.eval_path, f"{prefix}.eval_path", loaded, "train", source)
+            warnings += check_data(source.eval_path, f"{prefix}.eval_path", loaded, "train", source, whole)
     return warnings + eval_is_training_data(loaded)
 
 
@@ -167,21 +173,39 @@ def check_tokenized_path(value: str, base_dir: Path, data: DataSection | None = 
     return []
 
 
-def check_data(value: str, key: str, loaded: LoadedRecipe, split: str, source: SourceSection | None = None
-               ) -> list[str]:
-    """The first PREFLIGHT_ROWS rows of one data location parse in `source`'s format (default: the first
-    source's); a chat or sharegpt source's rows also render with a data.chat_template."""
+@dataclass
+class RowCheck:
+    """validate's reading of data sources: every row of one up to `whole_bytes`; of a bigger one the first
+    PREFLIGHT_ROWS, and `note` says so."""
+
+    whole_bytes: int
+    note: Callable[[str], None]
+
+
+def check_data(value: str, key: str, loaded: LoadedRecipe, split: str, source: SourceSection | None = None,
+               whole: RowCheck | None = None) -> list[str]:
+    """The rows of one data location parse in `source`'s format (default: the first source's): every row when
+    `whole` allows it, else the first PREFLIGHT_ROWS; a chat or sharegpt source's rows also render with a
+    data.chat_template."""
     data = loaded.recipe.data
     source = source or data.sources()[0]
     location = resolve_source(value, loaded.base_dir, split, key)
     if location.kind == "hub":
         return [f"{key}: {value} is a hub dataset name; its rows are checked when training starts"]
-    rows = read_rows(location, PREFLIGHT_ROWS)
+    size = _bytes_of(Path(location.location))
+    every_row = whole is not None and size <= whole.whole_bytes
+    data_format = source_format(source, data)
+    rows: list[Row] = []  # the first PREFLIGHT_ROWS, for the template and the warnings; the rest checked and let go
+    for row in iter_rows(location, None if every_row else PREFLIGHT_ROWS):
+        data_format.check(row.fields, row.where, needs_assistant=not data.train_on_prompt)
+        if len(rows) < PREFLIGHT_ROWS:
+            rows.append(row)
     if not rows:
         raise UserError(f"{key}: {location.location} has no rows")
-    data_format = source_format(source, data)
-    for row in rows:
-        data_format.check(row.fields, row.where, needs_assistant=not data.train_on_prompt)
+    if whole is not None and not every_row and len(rows) == PREFLIGHT_ROWS:
+        whole.note(f"{key}: checked the first {PREFLIGHT_ROWS} rows of {location.location} ({format_bytes(size)}; "
+                   f"validate reads a source whole up to {format_bytes(whole.whole_bytes)}): training checks every "
+                   "other row as it reads it")
     template = resolve_chat_template(data.chat_template)
     conversations = [(row.where, messages) for row in rows[:TEMPLATE_ROWS]
                      if (messages := data_format.conversation(row.fields, row.where)) is not None]
@@ -192,6 +216,13 @@ def check_data(value: str, key: str, loaded: LoadedRecipe, split: str, source: S
         # the tokenizer's own renders them. (A format whose every row is one: check_tokenizer_template.)
         _check_tokenizer_renders(loaded, f"{data_format.name} (with message lists)")
     return data_format.warnings(rows, key, PREFLIGHT_ROWS)
+
+
+def _bytes_of(path: Path) -> int:
+    """A data file's size, or a saved dataset directory's files together."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(part.stat().st_size for part in path.rglob("*") if part.is_file())
 
 
 def source_format(source: SourceSection, data: DataSection) -> Format:
@@ -403,8 +434,10 @@ def check_trackers(report_to: list[str]) -> None:
                         "(metrics.jsonl always has every record)")
 
 
-def preflight(loaded: LoadedRecipe) -> list[str]:
-    """Raise UserError on the first definite problem; return warnings for what could not be checked."""
+def preflight(loaded: LoadedRecipe, whole: RowCheck | None = None) -> list[str]:
+    """Raise UserError on the first definite problem; return warnings for what could not be checked. `whole`
+    (validate's): check every row of the data sources it allows; else (train's) the first PREFLIGHT_ROWS of each,
+    as training then reads every row itself."""
     recipe = loaded.recipe
     check_trackers(recipe.logging.report_to)
     warnings = check_model(_named(recipe.model), loaded.base_dir)
@@ -412,7 +445,7 @@ def preflight(loaded: LoadedRecipe) -> list[str]:
     warnings += check_last_layers(loaded)
     if recipe.distill is not None:
         warnings += check_model(recipe.distill.teacher, loaded.base_dir, "distill.teacher")
-    warnings += check_training_data(loaded)
+    warnings += check_training_data(loaded, whole)
     warnings += check_tokenizer_template(loaded)
     if recipe.peft.init_adapter:  # (imports torch: only when there is an adapter to check)
         from gpupoor.model.init_adapter import check_init_adapter

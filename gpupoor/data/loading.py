@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,24 +110,29 @@ def iter_rows(source: DataSource, limit: int | None = None) -> Iterator[Row]:
 
 
 def _read_jsonl(path: Path, limit: int | None) -> Iterator[Row]:
-    count = 0
     with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{line_no}: not valid JSON: {exc.msg} (column {exc.colno})",
-                                hint="each line of a .jsonl file is one JSON object") from None
-            if not isinstance(value, dict):
-                raise UserError(f"{path}:{line_no}: expected a JSON object, got {type(value).__name__}")
-            if _SURROGATE_ESCAPE.search(line):
-                _refuse_lone_surrogate(value, line, f"{path}:{line_no}")
-            yield Row(value, f"{path}:{line_no}")
-            count += 1
-            if limit is not None and count >= limit:
-                return
+        yield from jsonl_rows(enumerate(handle, 1), str(path), limit)
+
+
+def jsonl_rows(lines: Iterable[tuple[int, str]], name: str, limit: int | None = None) -> Iterator[Row]:
+    """The rows of JSONL text, given as (line number, line); errors name `name:LINE` (a file, or `<stdin>`)."""
+    count = 0
+    for line_no, line in lines:
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{name}:{line_no}: not valid JSON: {exc.msg} (column {exc.colno})",
+                            hint="each line of a .jsonl file is one JSON object") from None
+        if not isinstance(value, dict):
+            raise UserError(f"{name}:{line_no}: expected a JSON object, got {type(value).__name__}")
+        if _SURROGATE_ESCAPE.search(line):
+            _refuse_lone_surrogate(value, line, f"{name}:{line_no}")
+        yield Row(value, f"{name}:{line_no}")
+        count += 1
+        if limit is not None and count >= limit:
+            return
 
 
 def _read_json(path: Path, limit: int | None) -> Iterator[Row]:

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from gpupoor import faults
 from gpupoor.errors import UserError
 from gpupoor.export.architectures import (Family, check_rope, extra_tensors, family_of, to_llama_cpp_layout,
                                           write_hyperparameters)
 from gpupoor.export.gguf_tokenizer import write_tokenizer
 from gpupoor.export.quant_types import Quant, encode, nbytes, tensor_type
+from gpupoor.storage.files import ran_out_of_space, writer_tag
 from gpupoor.storage.shards import weight_files
 
 
@@ -105,7 +107,7 @@ def write_gguf(model_dir: Path, output: Path, quant: Quant, name: str) -> Writte
     check_rope(config, str(model_dir))
     planned = plan_tensors(model_dir, config, family, quant)
     extras = extra_tensors(config)
-    temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    temporary = output.with_name(f".{output.name}.tmp-{writer_tag()}")  # sweepable: space.py
     # gguf logs each special token it sets, and transformers' tokenizer warns about the pair template: not news.
     with _removed_unless_complete(temporary, output), _quiet("gguf"), _quiet("transformers"), \
             contextlib.closing(gguf.GGUFWriter(str(temporary), family.gguf_arch)) as writer:
@@ -132,6 +134,7 @@ def write_gguf(model_dir: Path, output: Path, quant: Quant, name: str) -> Writte
                                 hint="export an earlier checkpoint (--checkpoint step-N) from before the loss diverged")
             weights = to_llama_cpp_layout(tensor.hf_name, weights, config, family)
             writer.write_tensor_data(encode(weights, tensor.qtype))
+            faults.at_stage("gguf-tensor", quant.name)  # tests: a signal, a kill, a full disk mid-file
         writer.close()  # before the fsync and rename (closing again on the way out is a no-op)
         with open(temporary, "rb+") as handle:
             os.fsync(handle.fileno())
@@ -156,15 +159,13 @@ def _quiet(logger_name: str):
 
 @contextlib.contextmanager
 def _removed_unless_complete(temporary: Path, output: Path):
+    """The temporary file removed on any failure or interruption. A full disk, however the library writing said
+    it (numpy's short write has no errno), comes out as one OSError(ENOSPC) naming `output`: the caller knows
+    how much space the export needs and says so."""
     try:
         yield
-    except OSError as exc:
+    except BaseException as exc:
         temporary.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC:
-            raise UserError(f"the disk filled while writing {output}: nothing was written under that name",
-                            hint=f"free space on {output.parent} (the file needs about the model's size at "
-                            "this quantization) and export again") from None
-        raise
-    except BaseException:
-        temporary.unlink(missing_ok=True)
+        if ran_out_of_space(exc):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(output)) from exc
         raise

@@ -52,29 +52,55 @@ def run_eval_text(run_dir: Path, tokenizer, max_tokens: int) -> EvalText:
     return EvalText(_capped((dataset[i] for i in range(len(dataset))), max_tokens), source)
 
 
-def file_eval_text(path: Path, tokenizer, max_tokens: int, window: int = 512) -> EvalText:
-    """Plain text (.txt) or JSONL rows with a "text" field, tokenized and cut into windows of `window` tokens."""
+# What `--eval FILE` may be, by extension: anything else (a .csv, a .json array) would be scored as if it were
+# prose, its markup and all, and the table would measure the wrong thing.
+EVAL_FORMATS = {".txt": "plain text", ".md": "plain text", ".jsonl": 'JSONL rows with a "text" field'}
+EVAL_HINT = 'give a .txt (or .md) file of plain text, or a .jsonl file with a "text" string in each row'
+
+
+def read_eval_file(path: Path) -> str:
+    """The text of `--eval FILE` (a JSONL file's "text" fields joined by blank lines), checked before the export
+    does any work: it exists, has an extension gpupoor reads, is UTF-8, holds text, and every JSONL row has a
+    "text" string (named by line)."""
     if not path.is_file():
-        raise UserError(f"--eval {path}: no such file", hint="give a .txt file or a .jsonl file with a \"text\" field")
+        what = "is a directory" if path.is_dir() else "no such file"
+        raise UserError(f"--eval {path}: {what}", hint=EVAL_HINT)
+    if path.suffix.lower() not in EVAL_FORMATS:
+        accepted = ", ".join(f"{suffix} ({what})" for suffix, what in EVAL_FORMATS.items())
+        raise UserError(f"--eval {path}: {path.suffix or 'a name without an extension'} is not a format gpupoor "
+                        f"reads as eval text; it reads {accepted}", hint=EVAL_HINT)
     try:
         raw = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"--eval {path}: not UTF-8 text (byte {exc.start}: {exc.reason})",
                         hint="save the file as UTF-8") from None
-    if path.suffix == ".jsonl":
-        texts = []
-        for number, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"--eval {path}:{number}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise UserError(f"--eval {path}:{number}: a row needs a \"text\" string",
-                                hint="or give the text as a .txt file")
-            texts.append(row["text"])
-        raw = "\n\n".join(texts)
+    if path.suffix.lower() == ".jsonl":
+        raw = "\n\n".join(_jsonl_texts(path, raw))
+    if not raw.strip():
+        raise UserError(f"--eval {path}: there is no text in it to score", hint=EVAL_HINT)
+    return raw
+
+
+def _jsonl_texts(path: Path, raw: str) -> list[str]:
+    texts = []
+    for number, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"--eval {path}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise UserError(f"--eval {path}:{number}: a row needs a \"text\" string",
+                            hint="or give the text as a .txt file")
+        texts.append(row["text"])
+    return texts
+
+
+def file_eval_text(path: Path, tokenizer, max_tokens: int, window: int = 512, raw: str | None = None) -> EvalText:
+    """Plain text or JSONL rows with a "text" field (`raw`: the text read_eval_file read from `path` already),
+    tokenized and cut into windows of `window` tokens."""
+    raw = read_eval_file(path) if raw is None else raw
     ids = torch.tensor(tokenizer(raw, add_special_tokens=False)["input_ids"], dtype=torch.long)
     if len(ids) < 2:
         raise UserError(f"--eval {path}: fewer than two tokens of text to score")

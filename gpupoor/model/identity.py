@@ -57,13 +57,17 @@ def model_identity(value: str, revision: str | None, base_dir: Path, known: dict
         manifest = json.loads((local / "manifest.json").read_text())
         builtin = {name: entry["sha256"] for name, entry in manifest["files"].items()}
     if gguf.is_gguf(str(local)) and local.is_file():  # one file: its config and weights both
-        return {"path": str(local), "files": {local.name: _hashed(local, builtin, known)},
+        return {"path": str(local), "files": _model_files(local, builtin, known),
                 "config": config_facts(gguf.read_gguf(local).config)}
-    files = {}
-    for path in sorted(local.iterdir()) if local.is_dir() else []:
-        if path.is_file() and (path.name == "config.json" or path.name.endswith(WEIGHT_SUFFIXES)):
-            files[path.name] = _hashed(path, builtin, known)
-    return {"path": str(local), "files": files, "config": _facts(local / "config.json")}
+    return {"path": str(local), "files": _model_files(local, builtin, known), "config": _facts(local / "config.json")}
+
+
+def _model_files(local: Path, builtin: dict[str, str], known: dict[str, str]) -> dict[str, dict]:
+    """The files that make a model, hashed: a GGUF file itself, or a directory's config.json and weight files."""
+    if local.is_file():
+        return {local.name: _hashed(local, builtin, known)}
+    return {path.name: _hashed(path, builtin, known) for path in (sorted(local.iterdir()) if local.is_dir() else [])
+            if path.is_file() and (path.name == "config.json" or path.name.endswith(WEIGHT_SUFFIXES))}
 
 
 def _hashed(path: Path, builtin: dict[str, str], known: dict[str, str]) -> dict:
@@ -192,7 +196,8 @@ def current_identity(record: dict, revision: str | None = None) -> dict:
     known = _cached_hashes()
     known.update({entry["stat"]: entry["sha256"] for entry in record.get("files", {}).values()
                   if isinstance(entry, dict) and "stat" in entry and "sha256" in entry})
-    now = model_identity(str(record.get("path")), None, Path.cwd(), known)
+    # Only the files: what identity_change compares (a GGUF's metadata is not parsed again).
+    now = {"path": record.get("path"), "files": _model_files(Path(str(record.get("path"))), {}, known)}
     _remember({BASE_KEY: now})
     return now
 
@@ -202,7 +207,7 @@ def _names_recorded(record: dict, base: str, base_dir: Path) -> bool:
     if "hub" in record:
         return base == record["hub"]
     local = resolve_model_path(base, base_dir)
-    return local is not None and str(local) == str(Path(str(record.get("path"))).resolve())
+    return local is not None and str(local.resolve()) == str(Path(str(record.get("path"))).resolve())
 
 
 def check_base_unchanged(weights_dir: Path, base: str | None, force: bool, warn, what: str) -> None:
@@ -213,7 +218,12 @@ def check_base_unchanged(weights_dir: Path, base: str | None, force: bool, warn,
     revision = None
     if base is None and (weights_dir / "adapter_config.json").is_file():
         revision = json.loads((weights_dir / "adapter_config.json").read_text()).get("revision")
-    change = base_change(read_manifest(weights_dir).get("models"), base, revision)
+    recorded = read_manifest(weights_dir).get("models")
+    record = (recorded or {}).get(BASE_KEY)
+    if base is None and isinstance(record, dict) and "path" in record and not Path(str(record["path"])).exists():
+        raise UserError(f"the base model the run trained on is no longer at {record['path']}",
+                        hint="put it back there, or pass --base with the same model where it is now")
+    change = base_change(recorded, base, revision)
     if change is None:
         return
     if not force:

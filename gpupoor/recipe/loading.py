@@ -8,6 +8,7 @@ Imports no torch, so `gpupoor validate` and `--help` stay fast.
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,10 @@ def _line_map(text: str, source: str) -> dict[str, str]:
                 key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
                 lines[key] = f"{source}:{key_node.start_mark.line + 1}"
                 walk(value_node, key)
+        elif isinstance(node, yaml.SequenceNode) and prefix:  # data.datasets.0.path: pydantic's location of it
+            for index, item in enumerate(node.value):
+                lines[f"{prefix}.{index}"] = f"{source}:{item.start_mark.line + 1}"
+                walk(item, f"{prefix}.{index}")
 
     try:
         root = yaml.compose(text, Loader=_RecipeLoader)
@@ -105,16 +110,50 @@ class _RecipeLoader(yaml.SafeLoader):
         return self._sizes[id(node)]
 
 
+class _RefusedKey(yaml.constructor.ConstructorError):
+    """A mapping key a recipe cannot have: not text (a list, a mapping, a number, null, a date)."""
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *base`: the anchor's keys merged in (an override is no duplicate)
+
+
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == MERGE_TAG:
+            continue
         key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, str):  # `? [a, b]`, `1:`, `null:`: every recipe key is a name
+            raise _RefusedKey(None, None, _not_a_name(key_node, key), key_node.start_mark)
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r} (first on line {seen[key]})", key_node.start_mark
             )
         seen[key] = key_node.start_mark.line + 1
     return loader.construct_mapping(node, deep=deep)
+
+
+def _not_a_name(key_node: yaml.Node, key: Any) -> str:
+    """Why a key that is not text cannot be a recipe key, and how to write it as one."""
+    if isinstance(key_node, (yaml.SequenceNode, yaml.MappingNode)):  # YAML's `? ` complex key
+        kind = "a list" if isinstance(key_node, yaml.SequenceNode) else "a mapping"
+        return (f"a key here is {kind}, {_short(_node_text(key_node))}, not a name: recipe keys are names such as "
+                "`training:` or `learning_rate:`; a list or mapping goes after the colon, as the value")
+    kinds = {bool: "a boolean", int: "a number", float: "a number"}
+    kind = "null" if key is None else kinds.get(type(key), f"a {type(key).__name__}")  # date, datetime, bytes
+    if not key_node.value:
+        return "a key here is empty (nothing before its colon): recipe keys are names such as `training:`"
+    return (f"the key {key_node.value} is read as {kind}, not a name: recipe keys are names such as `training:`; "
+            f"quote it (\"{key_node.value}\":) if it is meant as text")
+
+
+def _node_text(node: yaml.Node) -> str:
+    """A node as flow-style YAML, for a message (composed nodes only: nothing is constructed)."""
+    if isinstance(node, yaml.SequenceNode):
+        return "[" + ", ".join(_node_text(child) for child in node.value) + "]"
+    if isinstance(node, yaml.MappingNode):
+        return "{" + ", ".join(f"{_node_text(k)}: {_node_text(v)}" for k, v in node.value) + "}"
+    return str(node.value)
 
 
 _RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
@@ -147,13 +186,24 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[str]:
 
 
 def _allowed_keys(loc: tuple) -> list[str]:
-    """Field names allowed at the parent of an error location."""
+    """Field names allowed at the parent of an error location (in a list of sections, an item's: data.datasets.0)."""
     model: type[BaseModel] | None = Recipe
     for part in loc[:-1]:
+        if model is not None and str(part).isdigit():  # an item of the list of sections the last part named
+            continue
         if model is None or not isinstance(part, str) or part not in model.model_fields:
             return []
-        model = section_model(model.model_fields[part].annotation)
+        model = _field_section(model.model_fields[part].annotation)
     return list(model.model_fields) if model else []
+
+
+def _field_section(annotation) -> type[BaseModel] | None:
+    """The section a field holds, or each item of a list of sections holds (`list[SourceSection] | None`)."""
+    found = section_model(annotation)
+    if found is None:
+        lists = [option for option in (annotation, *typing.get_args(annotation)) if typing.get_origin(option) is list]
+        found = next((section_model(typing.get_args(option)[0]) for option in lists), None)
+    return found
 
 
 MAX_REPORTED_ERRORS = 10
@@ -276,7 +326,7 @@ def _read_mapping(path: Path) -> tuple[dict, dict[str, str]]:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc)
-        if isinstance(exc, _RefusedYAML):
+        if isinstance(exc, (_RefusedYAML, _RefusedKey)):
             raise UserError(f"{where}: {problem}") from None
         raise UserError(f"{where}: not valid YAML: {problem}") from None
     if data is None:
@@ -318,9 +368,12 @@ def _deep_merge(base: dict, child: dict) -> dict:
 def _has_key(tree: dict, dotted: str) -> bool:
     node: Any = tree
     for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):  # data.datasets.0
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
             return False
-        node = node[part]
     return True
 
 

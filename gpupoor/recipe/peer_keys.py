@@ -88,6 +88,17 @@ PEER_KEYS: dict[str, PeerKey] = {
 }
 
 
+# Names too short or common to tell anywhere (`type`, `r`): told only in the gpupoor section where another tool
+# writes them. Keyed by (section, their key); a section's list items are `[]` (`data.datasets[]`: each entry).
+SECTION_PEER_KEYS: dict[tuple[str, str], PeerKey] = {
+    ("data.datasets[]", "type"): PeerKey("data.datasets[].format", AX, "text, alpaca, chat (their chat_template), "
+                                         "sharegpt, completion or preference"),
+    ("data", "type"): PeerKey("data.format", AX, "text, alpaca, chat (their chat_template), sharegpt, completion "
+                              "or preference"),
+    ("peft", "r"): PeerKey("peft.rank", "PEFT"),  # LoraConfig(r=...)
+}
+
+
 # Their chat template names for a family gpupoor ships a template of (gpupoor.data.templates): LLaMA-Factory's
 # `template:` values (its template.py) and axolotl's `chat_template:` values (its ChatTemplate enum). The same
 # family's turns; each tool's text may differ in details (a default system prompt, whitespace).
@@ -103,8 +114,13 @@ PEER_TEMPLATE_NAMES: dict[str, dict[str, str]] = {
 
 def peer_hint(key: str, where: tuple[str, ...], value: object = None) -> str | None:
     """`LLaMA-Factory's 'num_train_epochs' is gpupoor's 'training.epochs'` for a key another tool uses, unless it
-    is already where gpupoor has it (then it is not unknown); for their template names, gpupoor's name too."""
-    found = PEER_KEYS.get(key)
+    is already where gpupoor has it (then it is not unknown); for their template names, gpupoor's name too.
+    `where`: the dotted parts above the key, a list item's index as digits ("data", "datasets", "0")."""
+    found = SECTION_PEER_KEYS.get((_section(where, ""), key))
+    if found is not None:  # told with this entry's own index: data.datasets[2].format
+        found = PeerKey(f"{_section(where)}.{found.ours.rsplit('.', 1)[1]}", found.tools, found.note)
+    else:
+        found = PEER_KEYS.get(key)
     if found is None or ".".join((*where, key)) == found.ours:
         return None
     named = PEER_TEMPLATE_NAMES.get(key, {}).get(value) if isinstance(value, str) else None
@@ -112,3 +128,9 @@ def peer_hint(key: str, where: tuple[str, ...], value: object = None) -> str | N
         return f"{found.tools}'s '{key}' is gpupoor's '{found.ours}', and its '{value}' is gpupoor's '{named}'"
     note = f": {found.note}" if found.note else ""
     return f"{found.tools}'s '{key}' is gpupoor's '{found.ours}'{note}"
+
+
+def _section(where: tuple[str, ...], index: str | None = None) -> str:
+    """("data", "datasets", "0") as data.datasets[0], or with `index` "" for any item, data.datasets[]."""
+    return "".join(f"[{part if index is None else index}]" if part.isdigit() else f".{part}"
+                   for part in where).lstrip(".")

@@ -6,6 +6,9 @@ never requeued.
 - Exit codes: every process of this node exited 75 -> 75; every one 0 -> 0; one of them 2 (bad input) -> 2; every
   one 130 (aborted) -> 130; anything else -> 1, with one line naming each process's exit code. (Each node's
   launcher judges its own processes; the processes agree on every stop, so all nodes say the same.)
+- An error every process agreed on (bad input: exit 2; a full disk during a save: exit 1) is said once, by the
+  launcher, above its summary line: each process leaves its message in a folder the launcher names in
+  GPUPOOR_LAUNCH_ERRORS (report_once) instead of printing it, so N processes do not print it N times.
 - SIGTERM, SIGINT and SIGUSR1 reaching the launcher are passed on to its processes (each started in a session of
   its own, so a terminal's Ctrl-C or a scheduler's signal to the launcher would not reach them) and the launcher
   waits for them: they save a checkpoint and exit 75. torchrun would instead stop them and kill them 30 s later.
@@ -16,11 +19,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_RESUMABLE, UserError
 from gpupoor.run.signals import EXIT_ABORTED, STOP_SIGNALS
 from gpupoor.run.startup import from_command_line
 
+ERRORS_ENV = "GPUPOOR_LAUNCH_ERRORS"  # the folder a launched process leaves its error message in (report_once)
 # The launcher's own shutdown handling stays on for these (the workers are stopped, as torchrun does).
 LAUNCHER_SIGNALS = "SIGHUP,SIGQUIT"
 # torchrun's --signals-to-handle, and exit codes read again after the processes are closed, came in torch 2.9.
@@ -55,6 +62,33 @@ def exit_code(codes: list[int]) -> int:
     if all(code == EXIT_ABORTED for code in codes):
         return EXIT_ABORTED
     return 1
+
+
+def report_once(text: str, say: Callable[[str], None]) -> None:
+    """An error this process of a launch agreed on with the others: left for the launcher, which says each
+    different message once (said here when this process has no launcher of gpupoor's, e.g. torchrun's own)."""
+    folder = os.environ.get(ERRORS_ENV)
+    if folder:
+        rank = os.environ.get("RANK", str(os.getpid()))
+        try:
+            staged = Path(folder) / f".rank-{rank}.txt"
+            staged.write_text(text, encoding="utf-8")
+            staged.rename(Path(folder) / f"rank-{rank}.txt")  # whole, or not there: the launcher may read any time
+            return
+        except OSError:
+            pass  # (the launcher is gone, or its folder): said here instead
+    say(text)
+
+
+def _reported(folder: str) -> list[str]:
+    """The different messages the processes left (report_once), by rank."""
+    texts: list[str] = []
+    files = sorted(Path(folder).glob("rank-*.txt"), key=lambda path: int(path.stem.removeprefix("rank-") or 0))
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text not in texts:
+            texts.append(text)
+    return texts
 
 
 def _describe(code: int) -> str:
@@ -118,6 +152,8 @@ def launch(torchrun: list[str], command: list[str], debug: bool = False, say=pri
     if not debug:
         _quiet_launcher()
     previous = {sig: signal.signal(sig, _pass_on) for sig in STOP_SIGNALS}
+    errors = tempfile.TemporaryDirectory(prefix="gpupoor-launch-")
+    os.environ[ERRORS_ENV] = errors.name  # the processes inherit this process's environment
     try:
         run(args)  # torchrun's own entry point after parsing; returns when every process exited 0
         return 0
@@ -126,10 +162,14 @@ def launch(torchrun: list[str], command: list[str], debug: bool = False, say=pri
         processes = int(args.nproc_per_node)  # given as a number (torchrun also takes "auto", "gpu")
         codes = [failure.exitcode for failure in failures.values()] + [0] * (processes - len(failures))
         code = exit_code(codes)
+        for text in _reported(errors.name):
+            say(f"error: {text}")
         if code != EXIT_RESUMABLE:
             said = ", ".join(f"rank {rank}: {_describe(failure.exitcode)}" for rank, failure in sorted(failures.items()))
             say(f"error: {len(failures)} of {processes} processes failed ({said}); their output is above")
         return code
     finally:
+        os.environ.pop(ERRORS_ENV, None)
+        errors.cleanup()
         for sig, handler in previous.items():  # from the command line: exiting with the code decided, not 143
             signal.signal(sig, signal.SIG_IGN if from_command_line() else handler)

@@ -108,7 +108,9 @@ def required_files(manifest: dict, path: Path, training: bool) -> tuple[str, ...
     """The files a directory with this manifest must list: its weights (an adapter, or a model's config and
     every safetensors shard its index names), plus the training state of a checkpoint (optimizer.pt, or under
     FSDP the DCP metadata of the optimizer's shards)."""
-    if manifest.get("weights") == "model":
+    # A built-in model (gpupoor.model.builtin: {"builtin": NAME}) is a whole model too, written before manifests
+    # said "weights"; read as an adapter's, its manifest would be said to lack adapter files.
+    if manifest.get("weights") == "model" or "builtin" in manifest:
         if MODEL_INDEX in manifest["files"] and (path / MODEL_INDEX).is_file():
             try:
                 shards = tuple(indexed_shards(path) or ())

@@ -8,8 +8,10 @@ folder that holds the name.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -83,6 +85,88 @@ def naming(exc: BaseException, path: Path) -> BaseException:
         named.__cause__ = exc
         return named
     return exc
+
+
+# A full disk or quota as the libraries that write model files report it: safetensors' SafetensorError carries
+# Rust's io::Error text ("No space left on device (os error 28)", no errno); numpy's tofile (the gguf package
+# writes tensors with it) says a short write as "65536 requested and 64864 written", an OSError without errno.
+_OUT_OF_SPACE_TEXT = re.compile(r"os error (?:28|122)\b|code: (?:28|122)\b|No space left on device|"
+                                r"Disk quota exceeded|\d+ requested and \d+ written")
+
+
+def ran_out_of_space(exc: BaseException) -> bool:
+    """Whether `exc` is a write that failed for want of space (ENOSPC, EDQUOT, or the libraries' words for it)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return (isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError") and \
+        bool(_OUT_OF_SPACE_TEXT.search(str(exc)))
+
+
+# Who wrote a temporary name: `PID@HOST`. A pid means something only on the machine (and in the pid namespace) that
+# issued it: two jobs on different nodes sharing a scratch folder must not take each other's live files for a dead
+# writer's. The host is the kernel's node name, made safe for a file name.
+WRITER = r"(?P<pid>\d+)@(?P<host>[A-Za-z0-9._-]+)"
+PID_MAX = 2**22  # Linux's largest pid_max: a larger number is no pid of this machine's
+
+
+def writer_tag() -> str:
+    """This process's `PID@HOST`, for temporary names that a later process may sweep (sweep_leftovers)."""
+    return f"{os.getpid()}@{_host()}"
+
+
+def _host() -> str:
+    import re
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname() or "localhost")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this number runs here (True when that cannot be told: nothing is removed then)."""
+    if not 0 < pid <= PID_MAX:
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # it exists, as another user's; or no pid at all
+        return True
+    return True
+
+
+def sweep_leftovers(folder: Path, pattern: re.Pattern) -> tuple[list[tuple[Path, int]], list[tuple[Path, str]]]:
+    """Remove the entries of `folder` whose names `pattern` matches (with the WRITER groups) and whose writer was
+    a process of this host that no longer runs: the temporary files and folders of a writer killed (SIGKILL, a
+    power cut, the OOM killer) before it could remove them. Returns (removed with their sizes, kept with why):
+    kept are those of a running process (another writer at work, or one that took a dead writer's pid), of
+    another host (its processes cannot be seen from here), or that could not be removed."""
+    removed: list[tuple[Path, int]] = []
+    kept: list[tuple[Path, str]] = []
+    if not folder.is_dir():
+        return removed, kept
+    for entry in sorted(folder.iterdir()):
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        if match.group("host") != _host():
+            kept.append((entry, f"written on host {match.group('host')}, whose processes cannot be seen from here"))
+            continue
+        if process_alive(int(match.group("pid"))):
+            kept.append((entry, "its process is running (another export or merge?)"))
+            continue
+        try:
+            size = dir_size(entry) if entry.is_dir() and not entry.is_symlink() else entry.lstat().st_size
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except FileNotFoundError:  # removed meanwhile (by another sweep)
+            continue
+        except OSError as exc:
+            kept.append((entry, f"could not be removed: {exc.strerror or exc}"))
+            continue
+        removed.append((entry, size))
+    return removed, kept
 
 
 def publish_dir(tmp: Path, target: Path) -> None:

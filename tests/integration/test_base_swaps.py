@@ -83,6 +83,26 @@ def test_force_goes_on_with_the_changed_base_and_says_so(swapped, tmp_path):
     assert "warning: --force: the base model changed" in merged.output and f"{base.name} changed" in merged.output
     generated = invoke("generate", run, "--prompt", "hello", "--max-new-tokens", "2", "--force")
     assert generated.exit_code == 0 and "--force: the base model changed" in generated.output, generated.output
+    chatted = invoke("chat", run, "--max-new-tokens", "2", "--force")
+    assert chatted.exit_code == 0 and "--force: the base model changed" in chatted.output, chatted.output
+    exported = invoke("export", run, "-q", "f32", "--no-quality", "--output", tmp_path / "x.gguf", "--force")
+    assert exported.exit_code == 0 and "--force: the base model changed" in exported.output, exported.output
+    assert (tmp_path / "x.gguf").is_file()
+
+
+def test_a_base_gone_from_its_path_is_said_as_gone(gguf_run, tmp_path):
+    """Not "changed" with a --force that could not load it: the base is not there; --base names where it is now."""
+    run, base = gguf_run
+    moved = tmp_path / "moved.gguf"
+    base.rename(moved)
+    try:
+        merged = invoke("merge-lora", run, "--output", tmp_path / "merged")
+        assert merged.exit_code == 2 and f"no longer at {base}" in merged.output, merged.output
+        assert "--base" in merged.output
+        elsewhere = invoke("merge-lora", run, "--output", tmp_path / "merged", "--base", moved)
+        assert elsewhere.exit_code == 0, elsewhere.output
+    finally:
+        moved.rename(base)
 
 
 def test_the_same_bytes_put_back_are_the_same_base(gguf_run, tmp_path):

@@ -191,22 +191,37 @@ def test_existing_output_is_refused(lora_run, tmp_path):
     assert result.exit_code == 2 and "already exists" in result.output
 
 
-def test_interrupted_merge_leaves_no_output(lora_run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop, code", [("ctrl-c", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
+def test_interrupted_merge_leaves_no_output(lora_run, tmp_path, monkeypatch, stop, code):
+    """Ctrl-C, or a real SIGTERM / SIGHUP sent mid-merge: the partial output removed, the shell's code for each. The
+    test's own handler only records a signal: without merge-lora's handling the merge would finish (exit 0)."""
+    import os
+    import signal
+
     import gpupoor.commands.merge as merge_module
 
-    calls = []
+    calls, received = [], []
 
     def failing_add(self, name, tensor):
         calls.append(name)
         if len(calls) == 5:
-            raise KeyboardInterrupt
+            if stop == "ctrl-c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), getattr(signal, stop))
         return original(self, name, tensor)
 
     original = merge_module.ShardWriter.add
     monkeypatch.setattr(merge_module.ShardWriter, "add", failing_add)
-    result = merge(lora_run, "--output", tmp_path / "m", "--max-shard-size", "10KB")
-    assert result.exit_code == 130
-    assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".tmp-*"))
+    signum = getattr(signal, stop, signal.SIGTERM)
+    previous = signal.signal(signum, lambda *args: received.append(args[0]))
+    try:
+        result = merge(lora_run, "--output", tmp_path / "m", "--max-shard-size", "10KB")
+    finally:
+        signal.signal(signum, previous)
+    assert result.exit_code == code, result.output
+    assert not received and not (tmp_path / "m").exists() and not list(tmp_path.glob(".tmp-*"))
+    if stop != "ctrl-c":
+        assert f"stopped by {stop}" in result.output
 
 
 def test_generate_is_greedy_and_uses_the_run_format(lora_run, tmp_path):

@@ -262,8 +262,21 @@ def test_a_changed_base_is_refused_by_every_process(recipe, tiny_model, tmp_path
     refused = launched("resume", run)
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-3000:]
     assert "error: 2 of 2 processes failed (rank 0: exit 2, rank 1: exit 2)" in refused.stderr
-    assert refused.stderr.count("model.safetensors changed") == 2, refused.stderr[-3000:]
+    assert refused.stderr.count("model.safetensors changed") == 1, refused.stderr[-3000:]  # said by the launcher
     assert "Traceback" not in refused.stderr
+
+
+def test_bad_input_every_process_refuses_is_said_once_by_the_launcher(recipe, tmp_path):
+    """Each process refuses the recipe (before any process group): the launcher says the error once, above its
+    summary line, not once per process."""
+    bad = launched("train", recipe, "--output-dir", tmp_path / "run", "--set", "training.learning_rate=-1")
+    assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-3000:]
+    said = "'training.learning_rate' = -1: Input should be greater than 0"
+    assert (bad.stdout + bad.stderr).count(said) == 1, bad.stderr[-3000:]
+    lines = bad.stderr.splitlines()
+    summary = next(n for n, line in enumerate(lines) if line.startswith("error: 2 of 2 processes failed ("))
+    assert "exit 2" in lines[summary] and lines[:summary].count("error: invalid recipe:") == 1, bad.stderr[-3000:]
+    assert "Traceback" not in bad.stderr and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

@@ -93,10 +93,10 @@ def test_validate_checks_the_next_recipe_after_a_crash(make_recipe, monkeypatch)
 
     real = gpupoor.commands.validate.preflight
 
-    def crash_on_a(loaded):
+    def crash_on_a(loaded, *args):
         if loaded.source.name == "a.yaml":
             raise RuntimeError("boom")
-        return real(loaded)
+        return real(loaded, *args)
 
     monkeypatch.setattr(gpupoor.commands.validate, "preflight", crash_on_a)
     code, output = validate(make_recipe("a.yaml"), make_recipe("b.yaml"))
@@ -494,3 +494,97 @@ def test_eval_split_that_is_the_training_split_is_warned(make_recipe, tmp_path):
     assert code == 0 and "warning: data.eval_split: " in output and "(split train) is also training data" in output
     code, output = validate(make_recipe(data={"path": str(saved), "eval_split": "test"}))
     assert code == 0 and "also training data" not in output, output
+
+
+# 10. YAML keys that are not names (#41): a list, a mapping, a number, null; exit 2 at the key's line ----------------
+
+@pytest.mark.parametrize("text, line, said", [
+    ("? [a, b]\n: 1\n", 5, "a key here is a list, '[a, b]', not a name"),
+    ("training:\n  ? [a, b]\n  : 1\n", 6, "a key here is a list, '[a, b]', not a name"),
+    ("? {a: 1}\n: 1\n", 5, "a key here is a mapping, '{a: 1}', not a name"),
+    ("training:\n  ? {lr: 1}\n  : 1\n", 6, "a key here is a mapping, '{lr: 1}', not a name"),
+    ("1: x\n", 5, 'the key 1 is read as a number, not a name: recipe keys are names such as `training:`; '
+                  'quote it ("1":)'),
+    ("null: x\n", 5, "the key null is read as null, not a name"),
+    ("training:\n  null: 3\n", 6, "the key null is read as null, not a name"),
+    ("training:\n  7: 3\n", 6, "the key 7 is read as a number, not a name"),
+    ("2020-01-01: x\n", 5, "the key 2020-01-01 is read as a date, not a name"),
+    ("data:\n  path: t.jsonl\n  sharegpt_roles:\n    yes: user\n", 6, "the key yes is read as a boolean, not a name"),
+])
+def test_a_key_that_is_not_a_name_is_exit_2_at_its_line(tmp_path, text, line, said):
+    base = "model:\n  name_or_path: some/model\n" if text.startswith("data:") else MINIMAL  # (text's own data:)
+    where = f"r.yaml:{line}: "
+    path = write(tmp_path, base + text)
+    message = error_of(path)
+    assert where + said in message and "not valid YAML" not in message, message
+    code, output = validate(path)
+    assert code == 2 and where + said in output and "Traceback" not in output, output
+
+
+def test_a_yaml_merge_key_merges_and_its_overrides_are_no_duplicates(tmp_path):
+    """`<<: *anchor` was "not valid YAML" (the duplicate-key check constructed the merge key itself)."""
+    text = ("model:\n  name_or_path: some/model\ndata:\n  datasets:\n    - &first {path: a.jsonl, format: alpaca}\n"
+            "    - <<: *first\n      path: b.jsonl\n")
+    data = load_recipe(write(tmp_path, text)).recipe.data
+    assert [(s.path, s.format) for s in data.datasets] == [("a.jsonl", "alpaca"), ("b.jsonl", "alpaca")]
+
+
+# 11. validate reads a small source whole; of a big one it says how much it read (#41) ------------------------------
+
+def rows_with_a_bad_one_after_the_preflight(tmp_path):
+    from conftest import alpaca_rows, write_jsonl
+
+    return write_jsonl(tmp_path / "rows.jsonl", alpaca_rows(PREFLIGHT_ROWS) + [{"instruction": "x", "output": 5}])
+
+
+def test_validate_finds_a_bad_row_past_the_first_200_of_a_small_file(make_recipe, tmp_path):
+    data = rows_with_a_bad_one_after_the_preflight(tmp_path)
+    code, output = validate(make_recipe(data={"path": str(data)}))
+    assert code == 2 and f"rows.jsonl:{PREFLIGHT_ROWS + 1}: " in output and "output" in output, output
+
+
+def test_validate_says_it_read_only_the_first_rows_of_a_big_file(make_recipe, tmp_path, monkeypatch):
+    data = rows_with_a_bad_one_after_the_preflight(tmp_path)
+    monkeypatch.setattr("gpupoor.commands.validate.WHOLE_CHECK_BYTES", 1024)  # the file is ~10 KiB: "big"
+    code, output = validate(make_recipe(data={"path": str(data), "eval_path": str(data)}))
+    assert code == 0, output
+    for key in ("data.path", "data.eval_path"):
+        said = f"recipe.yaml: note: {key}: checked the first {PREFLIGHT_ROWS} rows of {data} ("
+        note = next((line for line in output.splitlines() if said in line), output)
+        assert note.endswith("): training checks every other row as it reads it"), output
+
+
+# 12. Standard input that is not text (#41): generate exits 2 naming <stdin>:LINE; chat says so and goes on -----------
+
+@pytest.mark.parametrize("piped, said", [
+    (b"sort this\ncaf\xe9 au lait\n", "<stdin>:2: not UTF-8 text: byte 0xe9 at byte 4 of the line"),
+    (b'{"prompt": "sort"}\n\n{"prompt": "caf\xe9"}\n', "<stdin>:3: not UTF-8 text: byte 0xe9 at byte 16 of the line"),
+    (b"sort this\nfine\nbinary\x00data\n", "<stdin>:3: a NUL byte at byte 7 of the line: binary data, not text"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "<stdin>:1: not UTF-8 text: byte 0x89 at byte 1 of the line"),
+])
+def test_generate_names_the_stdin_line_that_is_not_text(tiny_model, piped, said):
+    result = runner.invoke(app, ["generate", str(tiny_model), "--format", "text", "--max-new-tokens", "2"],
+                           input=piped)
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert "Traceback" not in result.output and "TypeError" not in result.output
+
+
+@pytest.mark.parametrize("row, said", [({"prompt": 5}, "<stdin>:2: field 'prompt' is a number (5), expected a string"),
+                                       ({"prompt": LONE}, "<stdin>:2: prompt: \\ud800 (column 14)")])
+def test_errors_in_rows_on_stdin_name_stdin_not_a_temporary_file(tiny_model, row, said):
+    piped = json.dumps({"prompt": "sort"}) + "\n" + json.dumps(row) + "\n"
+    for where in ([], ["--file", "-"]):
+        result = runner.invoke(app, ["generate", str(tiny_model), "--format", "text", "--max-new-tokens", "2", *where],
+                               input=piped)
+        assert result.exit_code == 2 and said in result.output, result.output
+        assert "tmp" not in result.output and "stdin.jsonl" not in result.output, result.output
+
+
+def test_chat_says_what_is_wrong_with_a_line_and_goes_on(tiny_model):
+    session = b"first\ncaf\xe9\nbinary\x00\nsecond\n/exit\n"
+    result = runner.invoke(app, ["chat", str(tiny_model), "--max-new-tokens", "2"], input=session)
+    assert result.exit_code == 0, result.output
+    assert "(<stdin>:2: not UTF-8 text: byte 0xe9 at byte 4 of the line (unexpected end of data); it was not sent: " \
+           "type it again)" in result.output
+    assert "(<stdin>:3: a NUL byte at byte 7 of the line: binary data, not text; it was not sent" in result.output
+    assert result.output.count("model> ") == 2  # first and second answered: the session went on

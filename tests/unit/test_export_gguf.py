@@ -308,12 +308,16 @@ def test_a_run_without_final_says_to_finish_it(tmp_path, make_recipe):
     assert result.exit_code == 2 and "has not finished" in result.output
 
 
-def test_a_disk_that_fills_mid_write_leaves_nothing_under_the_final_name(tiny_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   OSError("65536 requested and 64864 written")], ids=["enospc", "numpy-short-write"])
+def test_a_disk_that_fills_mid_write_leaves_nothing_under_the_final_name(error, tiny_models, tmp_path, monkeypatch):
+    """However the writer says it (numpy's tofile reports a short write with no errno), a full disk is said as one,
+    with the file and the space the export needs."""
     written = []
 
     def fill_up(self, tensor, *args, **kwargs):
         if written:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise error
         written.append(tensor.nbytes)
         original_write(self, tensor, *args, **kwargs)
 
@@ -322,8 +326,83 @@ def test_a_disk_that_fills_mid_write_leaves_nothing_under_the_final_name(tiny_mo
     out = tmp_path / "out"
     out.mkdir()
     result = export(tiny_models("llama"), "--quant", "q8_0", "--output", out / "model.gguf", "--no-quality")
-    assert result.exit_code == 2 and "disk filled" in result.output
+    assert result.exit_code == 2, result.output
+    assert f"the disk filled while writing {out / 'model.gguf'}: the export needs about" in result.output
+    assert f"for the files in {out}" in result.output and "Traceback" not in result.output
     assert written and list(out.iterdir()) == []
+
+
+def test_a_disk_without_room_for_the_files_is_refused_before_any_work(tiny_models, tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    result = export(tiny_models("llama"), "-q", "f32", "-q", "q4_0", "--output", tmp_path / "out" / "m.gguf",
+                    "--no-quality")
+    assert result.exit_code == 2, result.output
+    assert "not enough free space: the export writes about" in result.output
+    assert f"for the files in {tmp_path / 'out'}), and 0 MiB is free there" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("missing.txt", None, "missing.txt: no such file"),
+    ("empty.txt", b"  \n", "empty.txt: there is no text in it to score"),
+    ("latin1.txt", b"caf\xe9 au lait", "latin1.txt: not UTF-8 text (byte 3"),
+    ("rows.jsonl", b'{"text": "fine"}\n{"body": "no text"}\n', 'rows.jsonl:2: a row needs a "text" string'),
+    ("table.csv", b"text,label\nhello,1\n", "table.csv: .csv is not a format gpupoor reads as eval text; it reads "
+     ".txt (plain text), .md (plain text), .jsonl"),
+], ids=["missing", "empty", "not-utf8", "jsonl-without-text", "csv"])
+def test_a_bad_eval_file_is_refused_before_any_file_is_written(name, content, message, tiny_models, tmp_path):
+    """Found after the files were written, a bad --eval left files that the corrected command is refused for."""
+    eval_file = tmp_path / name
+    if content is not None:
+        eval_file.write_bytes(content)
+    result = export(tiny_models("llama"), "-q", "q8_0", "--output", tmp_path / "out" / "m.gguf", "--eval", eval_file)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_second_export_keeps_the_earlier_measurements_in_the_table(tiny_models, tmp_path):
+    text = tmp_path / "eval.txt"
+    text.write_text(" ".join([SAMPLE] * 10))
+    out = tmp_path / "out"
+    first = export(tiny_models("llama"), "-q", "f32", "-q", "q8_0", "--output", out / "m.gguf", "--eval", text)
+    assert first.exit_code == 0, first.output
+    before = {row["type"]: row for row in json.loads((out / "m.quality.json").read_text())["rows"]}
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"text": " ".join([SAMPLE] * 8)}) + "\n")
+    second = export(tiny_models("llama"), "-q", "q4_0", "--output", out / "m.gguf", "--eval", other)
+    assert second.exit_code == 0, second.output
+    assert "keeping the earlier measurements of f32, q8_0" in second.output
+    report = json.loads((out / "m.quality.json").read_text())
+    rows = {row["type"]: row for row in report["rows"]}
+    assert list(rows) == ["full precision", "f32", "q8_0", "q4_0"]
+    assert rows["f32"] == before["f32"] and rows["q8_0"] == before["q8_0"]  # kept as measured, with their text
+    assert rows["q8_0"]["eval"]["source"] == "eval.txt" and rows["q4_0"]["eval"]["source"] == "other.jsonl"
+    assert rows["full precision"]["eval"]["source"] == report["eval"]["source"] == "other.jsonl"
+
+
+def test_a_built_in_model_directory_exports_as_the_model_it_is(tiny_models, tmp_path):
+    """gpupoor:demo's directory has a manifest without "weights" (gpupoor.model.builtin): it is a model, not an
+    adapter missing its files."""
+    from gpupoor.storage.checkpoint import write_checkpoint
+
+    model_dir = tmp_path / "demo-v1"
+    write_checkpoint(model_dir, lambda tmp: shutil.copytree(tiny_models("llama"), tmp, dirs_exist_ok=True), 0,
+                     {"builtin": "demo"}, 0)
+    result = export(model_dir, "--output", tmp_path / "demo.gguf", "--no-quality")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "demo.gguf").is_file()
+
+
+def test_an_unquantized_gguf_base_gets_no_grid_note(tiny_gguf, tmp_path):
+    """An F32 (or F16, BF16) base has no grid that re-quantizing could round the merged weights back onto."""
+    from gpupoor.commands.export import ExportSource, same_grid_notes
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_gguf)}))
+    source = ExportSource(adapter, None, True, {}, "run")
+    assert same_grid_notes(source, ["f32", "f16", "q8_0", "q4_0"]) == []
 
 
 def test_an_export_of_a_model_directory_measures_on_eval_text(tiny_models, tmp_path):

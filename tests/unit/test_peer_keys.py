@@ -3,6 +3,7 @@ the table names exists, and docs/migration.md lists them all."""
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -10,24 +11,36 @@ import yaml
 
 from gpupoor.errors import UserError
 from gpupoor.recipe.loading import load_recipe, section_model
-from gpupoor.recipe.peer_keys import PEER_KEYS
+from gpupoor.recipe.peer_keys import PEER_KEYS, SECTION_PEER_KEYS
 from gpupoor.recipe.schema import Recipe
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "migration.md"
 
 
 def schema_has(dotted: str) -> bool:
+    """`data.datasets[].format`: `[]` is any item of a list of sections."""
     model = Recipe
     for part in dotted.split("."):
-        if model is None or part not in model.model_fields:
+        name = part.removesuffix("[]")
+        if model is None or name not in model.model_fields:
             return False
-        model = section_model(model.model_fields[part].annotation)
+        annotation = model.model_fields[name].annotation
+        if part.endswith("[]"):  # list[Section] | None: the section of an item
+            annotation = next(typing.get_args(option)[0] for option in typing.get_args(annotation)
+                              if typing.get_origin(option) is list)
+        model = section_model(annotation)
     return True
 
 
 @pytest.mark.parametrize("key", sorted(PEER_KEYS))
 def test_every_gpupoor_key_the_table_names_exists(key):
     assert schema_has(PEER_KEYS[key].ours), f"{key} -> {PEER_KEYS[key].ours}"
+
+
+@pytest.mark.parametrize("section, key", sorted(SECTION_PEER_KEYS))
+def test_every_gpupoor_key_the_section_table_names_exists(section, key):
+    ours = SECTION_PEER_KEYS[section, key].ours
+    assert schema_has(ours) and schema_has(section) and ours.rsplit(".", 1)[0] == section, (section, key, ours)
 
 
 def test_a_recipe_written_with_their_keys_is_told_ours_at_each_line(tmp_path):
@@ -64,10 +77,35 @@ def test_nested_under_the_wrong_section_names_the_right_one(tmp_path, make_recip
 
 
 def test_the_migration_page_lists_every_key():
-    rows = {line.split("|")[1].strip().strip("`"): line for line in DOCS.read_text().splitlines()
-            if line.startswith("| `")}
-    missing = [key for key in PEER_KEYS if key not in rows or f"`{PEER_KEYS[key].ours}`" not in rows[key]]
+    rows = [line for line in DOCS.read_text().splitlines() if line.startswith("| `")]
+    told = {(line.split("|")[1].strip().split("`")[1], line.split("|")[3].strip().strip("`")) for line in rows}
+    wanted = [(key, peer.ours) for key, peer in PEER_KEYS.items()]
+    wanted += [(key, peer.ours) for (_, key), peer in SECTION_PEER_KEYS.items()]
+    missing = [pair for pair in wanted if pair not in told]
     assert not missing, missing
+
+
+def test_their_names_for_a_datasets_format_and_the_lora_rank_are_told_as_ours(make_recipe):
+    """axolotl writes a dataset's format as `type`, PEFT the LoRA rank as `r`: names too common to tell
+    anywhere, so they are told where those tools write them, with the entry's own index."""
+    path = make_recipe()
+    recipe = yaml.safe_load(path.read_text())
+    rows = recipe["data"]["path"]
+    recipe["data"] = {"datasets": [{"path": rows}, {"path": rows, "type": "alpaca"}], "type": "alpaca"}
+    recipe["peft"] = {"r": 8}
+    recipe["type"] = "x"  # not where any tool writes it: no hint
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    with pytest.raises(UserError) as caught:
+        load_recipe(path)
+    message = caught.value.message
+    lines = path.read_text().splitlines()
+    line = next(number for number, text in enumerate(lines, 1) if text.strip() == "type: alpaca")
+    assert f"{path}:{line}: unknown key 'data.datasets.1.type'; axolotl's 'type' is gpupoor's " \
+           "'data.datasets[1].format': text, alpaca, chat" in message, message
+    assert "allowed here: path, name, format," in message
+    assert "unknown key 'data.type'; axolotl's 'type' is gpupoor's 'data.format'" in message
+    assert "unknown key 'peft.r'; PEFT's 'r' is gpupoor's 'peft.rank'" in message
+    assert "unknown key 'type'\n" in message
 
 
 @pytest.mark.parametrize("key, theirs, ours", [("template", "qwen", "qwen2.5"), ("template", "deepseek3", "deepseek"),
