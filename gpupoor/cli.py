@@ -411,16 +411,12 @@ def export(
 
     def action() -> int:
         from gpupoor.commands.export import export as run_export
-        from gpupoor.errors import Terminated
         from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
-        try:
-            run_export(source, quant, fmt, output, checkpoint, eval_file, eval_tokens, quality, say=typer.echo,
-                       force=force, work_dir=work_dir)
-        except Terminated as exc:  # what was half written is removed, and the complete files were said
-            typer.echo(f"stopped by {exc.name} (exit {exc.exit_code})", err=True)
-            return exc.exit_code
+        # SIGTERM / SIGHUP come out as gpupoor.errors.Terminated: _guarded says them and exits 143 / 129.
+        run_export(source, quant, fmt, output, checkpoint, eval_file, eval_tokens, quality, say=typer.echo,
+                   force=force, work_dir=work_dir)
         return 0
 
     _guarded(debug, action)

@@ -9,7 +9,6 @@ removes the newest valid checkpoint.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -79,7 +78,10 @@ def write_checkpoint(target: Path, save_files, step: int, manifest_extra: dict, 
 
 
 def is_disk_full(error: BaseException | None) -> bool:
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    """A full disk or quota, however the library writing said it (storage.files.ran_out_of_space)."""
+    from gpupoor.storage.files import ran_out_of_space
+
+    return error is not None and ran_out_of_space(error)
 
 
 def disk_full(target: Path, expected_bytes: int) -> CheckpointError:

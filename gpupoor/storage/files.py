@@ -115,7 +115,6 @@ def writer_tag() -> str:
 
 
 def _host() -> str:
-    import re
     import socket
 
     return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname() or "localhost")
