@@ -34,6 +34,24 @@ from gpupoor.optimizers import OPTIMIZERS
 class Choice:
     value: str
     reason: str
+    warning: str = ""  # said once at start: a choice that stands but costs the user (bf16 emulated on a CPU)
+
+
+@dataclass(frozen=True)
+class CpuBf16:
+    """What a CPU does with bf16 matrices: the matrix units its flags name ("" for none: gpupoor.cpu) and the
+    measured ratio of bf16 to fp32 matmul throughput at the model's shapes (None: not measured, as in `plan`,
+    which runs no torch; gpupoor.hardware.bf16_matmul_speedup measures it)."""
+
+    units: str = ""
+    speedup: float | None = None
+
+
+# bf16 must multiply at least this much faster than fp32 for `auto` to train in it on a CPU. The matmuls are
+# most of a CPU step but not all of it (the attention, norms, casts and the optimizer are not sped up, and bf16
+# adds casts), and bf16 costs precision: a unit that gains less than this is not worth it. Units measure far
+# above it (AMX 7-8x); a CPU without units far below (emulated: 0.01-0.1x).
+MIN_BF16_SPEEDUP = 1.5
 
 
 # ------------------------------------------------------------------------------------------------ hardware
@@ -70,15 +88,12 @@ def choose_device(requested: str, cuda_available: bool | None, gpu_name: str | N
     return Choice("cpu", "no CUDA GPU found")
 
 
-def choose_precision(requested: str, device: str, gpu_major: int | None) -> Choice:
-    """`gpu_major`: the CUDA compute capability's major version (None: a GPU not visible here)."""
+def choose_precision(requested: str, device: str, gpu_major: int | None, cpu: CpuBf16 = CpuBf16()) -> Choice:
+    """`gpu_major`: the CUDA compute capability's major version (None: a GPU not visible here). `cpu`: what the CPU
+    does with bf16 matrices (a CPU run: `auto` trains in bf16 where the units are there and, when measured,
+    multiply at least MIN_BF16_SPEEDUP x faster than fp32)."""
     if device == "cpu":
-        if requested in ("auto", "fp32"):
-            return Choice("fp32", "CPU trains in fp32" if requested == "auto" else "precision: fp32")
-        if requested == "fp16":
-            raise UserError("precision = 'fp16' needs a CUDA GPU; this run is on the CPU",
-                            hint="use precision: auto (fp32 on CPU)")
-        return Choice("bf16", "precision: bf16 (CPU autocast)")
+        return _cpu_precision(requested, cpu)
     if gpu_major is None:
         if requested == "auto":
             return Choice("bf16", "GPU not visible here: bf16 assumed (a GPU without bf16 uses fp16: the same bytes)")
@@ -95,16 +110,41 @@ def choose_precision(requested: str, device: str, gpu_major: int | None) -> Choi
     return Choice(requested, f"precision: {requested}")
 
 
-def choose_inference_precision(device: str, trained: str | None, gpu_major: int | None) -> str:
-    """`generate` computes in the precision the run trained in where this device has it: fp32 on a CPU, fp16
-    for a bf16 run on a GPU without native bf16, else what `auto` would train in."""
+def _cpu_precision(requested: str, cpu: CpuBf16) -> Choice:
+    if requested == "fp16":
+        raise UserError("precision = 'fp16' needs a CUDA GPU; this run is on the CPU",
+                        hint="use precision: auto (bf16 where the CPU has bf16 matrix units, else fp32), bf16 or fp32")
+    measured = f": bf16 matmuls {cpu.speedup:.1f}x fp32" if cpu.speedup is not None else ""
+    if requested == "fp32":
+        return Choice("fp32", "precision: fp32")
+    if requested == "bf16":
+        if cpu.units or cpu.speedup is None or cpu.speedup >= 1:
+            return Choice("bf16", "precision: bf16" + (f"; CPU has {cpu.units}{measured}" if cpu.units else ""))
+        return Choice("bf16", "precision: bf16 on a CPU without bf16 matrix units",
+                      warning=f"precision: bf16 on a CPU without bf16 matrix units: bf16 matmuls measured "
+                              f"{1 / cpu.speedup:.0f}x slower than fp32 here; precision: auto trains in fp32")
+    if not cpu.units:
+        return Choice("fp32", "CPU has no bf16 matrix units: fp32")
+    if cpu.speedup is None:
+        return Choice("bf16", f"CPU has {cpu.units}")
+    if cpu.speedup < MIN_BF16_SPEEDUP:
+        return Choice("fp32", f"CPU has {cpu.units}, but bf16 matmuls measured only {cpu.speedup:.1f}x fp32: fp32")
+    return Choice("bf16", f"CPU has {cpu.units}{measured}")
+
+
+def choose_inference_precision(device: str, trained: str | None, gpu_major: int | None,
+                               cpu: CpuBf16 = CpuBf16()) -> Choice:
+    """What `generate`, `chat` and export's perplexity compute in: on a CPU what `auto` would train in there (bf16
+    where its matrix units multiply faster, fp32 otherwise, whatever the run trained in: emulated bf16 is far
+    slower); on a GPU the precision the run trained in where the GPU has it (fp16 for a bf16 run on a GPU
+    without native bf16), else what `auto` would train in."""
     if device == "cpu":
-        return "fp32"
+        return _cpu_precision("auto", cpu)
     if trained == "bf16" and gpu_major is not None and gpu_major < 8:
-        return "fp16"
+        return Choice("fp16", "the run trained in bf16; this GPU has no native bf16")
     if trained in ("fp32", "fp16", "bf16"):
-        return trained
-    return choose_precision("auto", device, gpu_major).value
+        return Choice(trained, f"the run trained in {trained}")
+    return choose_precision("auto", device, gpu_major)
 
 
 def choose_attention(requested: str, device: str, flash_installed: bool, gpu_major: int | None) -> Choice:
@@ -196,7 +236,7 @@ FUSED_FAMILIES = ("llama", "qwen2", "mistral", "gemma")
 @dataclass(frozen=True)
 class FusedPaths:
     """Which fused decoder paths a run takes (model.fused_layers), as training installs them and the plan counts
-    them: the gated MLP as one function (plain LoRA on a dense fp32 base, or none), attention per packed example
+    them: the gated MLP as one function (plain LoRA on a dense base, or none), attention per packed example
     (sdpa)."""
 
     mlp: bool
@@ -205,15 +245,19 @@ class FusedPaths:
 
 
 def choose_fused_paths(enabled: bool, family: str | None, method: str, dropout: float, bits: int | None,
-                       precision: str, attention: str) -> FusedPaths:
+                       precision: str, attention: str, device: str = "cpu") -> FusedPaths:
+    """The fused LoRA linears and gated MLP compute in the frozen base's dtype: fp32, or on a CPU bf16 (its
+    fp32 adapters cast to bf16 for the matmuls, their gradients back to fp32). On a GPU a half-precision base keeps
+    peft's modules: the fused functions in half precision are measured on CPUs only so far."""
     if not enabled:
         return FusedPaths(False, False, "model.fused_layers: false")
     if family not in FUSED_FAMILIES:
         return FusedPaths(False, False, f"{family} is not one of {', '.join(FUSED_FAMILIES)}, where they are "
                           "tested")
-    why_not_mlp = ("" if method == "lora" and not dropout and bits is None and precision == "fp32" else
+    dtype_fits = precision == "fp32" or (precision == "bf16" and device == "cpu")
+    why_not_mlp = ("" if method == "lora" and not dropout and bits is None and dtype_fits else
                    f"peft.method {method}" if method != "lora" else "peft.dropout > 0" if dropout else
-                   "a quantized base" if bits is not None else f"{precision} weights under fp32 adapters")
+                   "a quantized base" if bits is not None else f"{precision} weights under fp32 adapters on a GPU")
     reasons = [f"LoRA linears and MLP as loaded ({why_not_mlp})" if why_not_mlp else "",
                "" if attention == "sdpa" else f"attention {attention} as loaded"]
     return FusedPaths(not why_not_mlp, attention == "sdpa", "; ".join(filter(None, reasons)))

@@ -8,11 +8,12 @@ import os
 
 import torch
 
-from gpupoor.decisions import (Choice, choose_attention, choose_device, choose_inference_precision,
+from gpupoor.cpu import bf16_facts_from_flags, pinned_bf16
+from gpupoor.decisions import (Choice, CpuBf16, choose_attention, choose_device, choose_inference_precision,
                                choose_precision, choose_sampler)
 
-__all__ = ["Choice", "DTYPES", "dtype_of", "resolve_attention", "resolve_device", "resolve_precision",
-           "resolve_inference_precision", "resolve_sampler", "usable_cpu_count"]
+__all__ = ["Choice", "DTYPES", "bf16_matmul_speedup", "cpu_bf16", "dtype_of", "resolve_attention", "resolve_device",
+           "resolve_precision", "resolve_inference_precision", "resolve_sampler", "usable_cpu_count"]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -29,12 +30,56 @@ def _gpu_major(device: str) -> int | None:
     return torch.cuda.get_device_capability(0)[0] if device == "cuda" else None
 
 
-def resolve_precision(requested: str, device: str) -> Choice:
-    return choose_precision(requested, device, _gpu_major(device))
+def resolve_precision(requested: str, device: str, *, measure: bool = True, dims=None) -> tuple[Choice, CpuBf16]:
+    """The precision and the CPU facts it was decided on (a GPU run: none). `measure`: run the CPU's matmul probe
+    where a choice rests on it (else the flags decide alone); `dims`: a callable giving the model's (hidden,
+    intermediate) for it, called only when it runs."""
+    cpu = cpu_bf16(requested, dims, measure) if device == "cpu" else CpuBf16()
+    return choose_precision(requested, device, _gpu_major(device), cpu), cpu
 
 
-def resolve_inference_precision(device: str, trained: str | None) -> str:
-    return choose_inference_precision(device, trained, _gpu_major(device))
+def resolve_inference_precision(device: str, trained: str | None) -> Choice:
+    cpu = cpu_bf16("auto") if device == "cpu" else CpuBf16()
+    return choose_inference_precision(device, trained, _gpu_major(device), cpu)
+
+
+# The probe's matmul when the model's shapes are not at hand: a 0.5B model's (hidden, intermediate).
+PROBE_DIMS = (1024, 2816)
+
+
+def cpu_bf16(requested: str, dims=None, measure: bool = True) -> CpuBf16:
+    """What this CPU does with bf16 matrices, as far as `requested` needs to know: its units from its flags, and
+    the measured speedup where a choice rests on it (`auto` on a CPU with units; `bf16` on one without, for its
+    warning). GPUPOOR_CPU_BF16 pins both (gpupoor.cpu)."""
+    facts = bf16_facts_from_flags()
+    units = facts.units
+    decides = (requested == "auto" and units) or (requested == "bf16" and not units)
+    if pinned_bf16() is not None or not measure or not decides:
+        return facts  # pinned; fp32 asked, auto without units, bf16 with units: nothing to measure
+    hidden, intermediate = dims() if dims is not None else PROBE_DIMS
+    # Emulated bf16 (no units, only for the warning) runs ~100x slower: fewer rows keep the probe short there.
+    return CpuBf16(units, bf16_matmul_speedup(hidden, intermediate, rows=256 if units else 32))
+
+
+def bf16_matmul_speedup(hidden: int, intermediate: int, rows: int = 256) -> float:
+    """fp32 time over bf16 time of one linear layer's matmul as a model runs it (rows x hidden through a hidden ->
+    intermediate weight), each the best of three after a warm-up (oneDNN builds its bf16 kernel on the first
+    call): ~10 ms on a CPU with units."""
+    import time
+
+    def best_time(dtype) -> float:
+        x = torch.randn(rows, hidden, dtype=dtype)
+        weight = torch.randn(intermediate, hidden, dtype=dtype)
+        torch.nn.functional.linear(x, weight)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            times.append(time.perf_counter() - start)
+        return max(min(times), 1e-9)
+
+    with torch.inference_mode():
+        return best_time(torch.float32) / best_time(torch.bfloat16)
 
 
 def resolve_attention(requested: str, device: str) -> Choice:

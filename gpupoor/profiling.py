@@ -88,7 +88,8 @@ class StepProfiler:
         for event in averages:
             if event.key.startswith("gpupoor/") and event.key[8:] in parts:
                 parts[event.key[8:]] = event.cpu_time_total / 1e6  # microseconds of host time
-        summary = {"steps": len(self.step_seconds), "step_s": sum(self.step_seconds), "parts_s": parts}
+        summary = {"steps": len(self.step_seconds), "step_s": sum(self.step_seconds), "parts_s": parts,
+                   "casts": cast_counts(averages, len(self.step_seconds))}
         (self.directory / "summary.json").write_text(json.dumps(summary, indent=1))
         self.say(describe(summary, self.directory))
 
@@ -120,10 +121,25 @@ def without_kineto_trace_lines():
                 sys.stderr.flush()
 
 
+# The op every dtype conversion (and, on a GPU, every host-device copy) runs through: Tensor.to, .float(), autocast.
+CAST_OP = "aten::_to_copy"
+
+
+def cast_counts(averages, steps: int) -> dict:
+    """The conversions per profiled step and their share of its host time: in mixed precision the casts between
+    bf16 activations and fp32 weights can cost more than the matmuls they feed (gpupoor.model.fused_lora)."""
+    event = next((e for e in averages if e.key == CAST_OP), None)
+    if event is None:
+        return {"per_step": 0, "s": 0.0}
+    return {"per_step": round(event.count / max(steps, 1), 1), "s": event.cpu_time_total / 1e6}
+
+
 def describe(summary: dict, directory: Path) -> str:
-    """A few lines: the share of step time each part took."""
+    """A few lines: the share of step time each part took, and the dtype casts."""
     total, parts = summary["step_s"], summary["parts_s"]
     shares = ", ".join(f"{part} {seconds / max(total, 1e-9):.0%}" for part, seconds in parts.items())
     other = total - sum(parts.values())
+    casts = summary.get("casts", {"per_step": 0, "s": 0.0})
     return (f"profile of {summary['steps']} steps ({total:.3f} s): {shares}, other {other / max(total, 1e-9):.0%}\n"
+            f"  casts ({CAST_OP}): {casts['per_step']:g} per step, {casts['s'] / max(total, 1e-9):.0%} of the time\n"
             f"  trace, top operators and summary in {directory} (open trace.json in ui.perfetto.dev)")

@@ -34,6 +34,9 @@ import yaml
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# `precision: auto` decides the same on every CPU: fp32, as on one without bf16 matrix units (a CI machine may
+# have AMX). Tests of the CPU bf16 choice pin other answers (gpupoor.cpu.PIN_VARIABLE) or unset it.
+os.environ["GPUPOOR_CPU_BF16"] = "none"
 if "PYTEST_XDIST_WORKER" in os.environ:  # several workers on a few cores: one thread each, or they fight
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch

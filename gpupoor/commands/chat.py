@@ -47,7 +47,8 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
     model, tokenizer, encoder = generator.model, generator.tokenizer, generator.encoder
     keeps_history = encoder.format.name == "chat"
     how = "chat template" if keeps_history else f"{encoder.format.name} format: each message is answered on its own"
-    write(f"chatting with {source} ({how}); {HELP}\n")
+    computing = f"; {generator.precision_note}" if generator.precision_note else ""
+    write(f"chatting with {source} ({how}{computing}); {HELP}\n")
     system, history = None, []
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     while True:

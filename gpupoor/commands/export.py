@@ -312,6 +312,7 @@ def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Pat
     """Perplexity of the full-precision model and of each file read back (on `eval_text`, read from `eval_file`
     before any work, else the run's eval set), printed as a table and written as JSON beside the files."""
     from gpupoor.export.quality import file_eval_text, perplexity_of_gguf, perplexity_of_model_dir, run_eval_text
+    from gpupoor.hardware import dtype_of, resolve_inference_precision
     from gpupoor.model.load import load_tokenizer
     from gpupoor.recipe.schema import ModelSection
 
@@ -319,17 +320,21 @@ def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Pat
     text = file_eval_text(eval_file, tokenizer, eval_tokens, raw=eval_text) if eval_file else \
         run_eval_text(source.run_dir, tokenizer, eval_tokens)
     tokens = sum(int((labels != -100).sum()) for _, labels in text.examples)
+    # Scored where export runs, the CPU: in bf16 where its matrix units multiply faster, as generate computes.
+    compute = resolve_inference_precision("cpu", None)
+    dtype = dtype_of(compute.value)
     say(f"measuring perplexity on {tokens} target tokens of {text.source}: the full-precision model, then each file "
-        "read back by transformers")
-    reference, _ = perplexity_of_model_dir(model_dir, text)
+        f"read back by transformers, computing in {compute.value} ({compute.reason})")
+    reference, _ = perplexity_of_model_dir(model_dir, text, dtype)
     parameters = written[0].parameters
     rows = [QualityRow("full precision", None, 4 * parameters, 32.0, round(reference, 4), 0.0)]
     for file in written:
-        value = perplexity_of_gguf(file.path, text, model_dir)
+        value = perplexity_of_gguf(file.path, text, model_dir, dtype)
         rows.append(QualityRow(file.quant, file.path.name, file.size_bytes, round(file.bits_per_weight, 3),
                                round(value, 4), round(100 * (value / reference - 1), 3), dict(file.types)))
     say(render_table(rows))
-    measured_on = {"source": text.source, "target_tokens": tokens, "full_precision_perplexity": round(reference, 4)}
+    measured_on = {"source": text.source, "target_tokens": tokens, "full_precision_perplexity": round(reference, 4),
+                   "computed_in": compute.value}
     report, kept = with_earlier_rows(table, {"eval": measured_on,
                                              "rows": [{**asdict(row), "eval": measured_on} for row in rows]})
     _write_text(table, json.dumps(report, indent=2) + "\n")

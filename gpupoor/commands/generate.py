@@ -16,6 +16,16 @@ class Generator:
     model: object
     tokenizer: object
     encoder: object  # gpupoor.data.encoder.Encoder: renders and tokenizes prompts exactly as training did
+    precision: object = None  # gpupoor.decisions.Choice: what the model computes in, and why
+    device: str = "cpu"
+
+    @property
+    def precision_note(self) -> str | None:
+        """What to tell a user whose CPU computes in bf16 (fp32 there is the default that needs no word)."""
+        chosen = self.precision
+        if self.device != "cpu" or chosen is None or chosen.value == "fp32":
+            return None
+        return f"computing in {chosen.value} ({chosen.reason})"
 
 
 def load_generator(path: Path, checkpoint: str = "final", base: str | None = None, fmt: str | None = None,
@@ -35,9 +45,18 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
 
     target = resolve_device(device).value
     weights = locate_weights(path, checkpoint)
+
+    def compute_in(trained: str | None):
+        """(the Choice, the dtype to load in): the precision the run trained in where this device has it; on a
+        CPU, bf16 where its matrix units multiply faster (gpupoor.decisions.choose_inference_precision). A model
+        directory on a GPU keeps its file's dtype."""
+        choice = resolve_inference_precision(target, trained)
+        return choice, dtype_of(choice.value) if target == "cpu" or trained else "auto"
+
     if weights.run_dir is not None and not weights.is_adapter:  # a full fine-tune: a model
         weights.verify()
-        model = _load_base(str(weights.path), dtype=torch.float32 if target == "cpu" else "auto")
+        precision, dtype = compute_in(read_manifest(weights.path).get("precision"))
+        model = _load_base(str(weights.path), dtype=dtype)
         tokenizer = load_tokenizer(str(weights.path), ModelSection(name_or_path=str(weights.path)))
         data = stored_recipe(path).data
     elif weights.is_adapter:
@@ -54,10 +73,9 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
         check_base_unchanged(source.path, base, force, warn, "the answers")
         check_base_fits(source.path, base_config(base_name, revision), base_name)
         quant = recipe.quantization if recipe else QuantizationSection()
-        # Compute in the precision the run trained in, where this device has it (the manifest records it).
-        precision = resolve_inference_precision(target, read_manifest(source.path).get("precision"))
-        quantization = quantization_config(quant, precision) if quant.bits else None
-        model = _load_base(base_name, dtype=dtype_of(precision), quantization_config=quantization,
+        precision, _ = compute_in(read_manifest(source.path).get("precision"))
+        quantization = quantization_config(quant, precision.value) if quant.bits else None
+        model = _load_base(base_name, dtype=dtype_of(precision.value), quantization_config=quantization,
                            revision=revision,
                            device_map={"": target} if quantization else None)
         try:
@@ -71,7 +89,8 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
         tokenizer = load_tokenizer(str(source.path), ModelSection(name_or_path=str(source.path)))
         data = recipe.data if recipe else DataSection(path="-", format=fmt or "text")
     elif (path / "config.json").is_file():
-        model = _load_base(str(path), dtype=torch.float32 if target == "cpu" else "auto")
+        precision, dtype = compute_in(None)
+        model = _load_base(str(path), dtype=dtype)
         tokenizer = load_tokenizer(str(path), ModelSection(name_or_path=str(path)))
         data = DataSection(path="-", format=fmt or ("chat" if tokenizer.chat_template else "text"))
     else:
@@ -82,7 +101,7 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
     if getattr(model, "hf_device_map", None) is None:
         model.to(target)
     model.eval()
-    return Generator(model, tokenizer, make_encoder(data, tokenizer))
+    return Generator(model, tokenizer, make_encoder(data, tokenizer), precision, target)
 
 
 def _load_base(name: str, **kwargs):
@@ -237,6 +256,8 @@ def answer_prompts(source: Path, checkpoint: str, base: str | None, fmt: str | N
                         hint="give --prompt TEXT, --file PROMPTS.jsonl, or pipe prompts in (one per line, or JSONL rows)")
     if not prompts:
         raise UserError(f"--file {file}: no prompts in it")
+    if generator.precision_note:
+        note(generator.precision_note)
     new_tokens, capped = cap_new_tokens(generator.model, prompts, max_new_tokens)
     if capped:
         note(capped)

@@ -130,22 +130,24 @@ def mean_nll(model, examples: list[tuple[torch.Tensor, torch.Tensor]], batch_siz
     return total / count, count
 
 
-def perplexity_of_model_dir(model_dir: Path, text: EvalText) -> tuple[float, int]:
+def perplexity_of_model_dir(model_dir: Path, text: EvalText, dtype=torch.float32) -> tuple[float, int]:
+    """`dtype`: what the model computes in (gpupoor.decisions.choose_inference_precision: bf16 on a CPU whose
+    matrix units multiply it faster, float32 elsewhere); the losses are summed in float64 either way."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     nll, tokens = mean_nll(model, text.examples)
     return math.exp(nll), tokens
 
 
-def perplexity_of_gguf(path: Path, text: EvalText, model_dir: Path) -> float:
-    """The GGUF loaded by transformers (dequantized to float32) and scored on the same ids."""
-    nll, _ = mean_nll(load_gguf_back(path, model_dir), text.examples)
+def perplexity_of_gguf(path: Path, text: EvalText, model_dir: Path, dtype=torch.float32) -> float:
+    """The GGUF loaded by transformers (dequantized to `dtype`) and scored on the same ids."""
+    nll, _ = mean_nll(load_gguf_back(path, model_dir, dtype), text.examples)
     return math.exp(nll)
 
 
-def load_gguf_back(path: Path, model_dir: Path):
-    """The model in a written GGUF file, in float32: through transformers' GGUF loader, or for the one
+def load_gguf_back(path: Path, model_dir: Path, dtype=torch.float32):
+    """The model in a written GGUF file, in `dtype`: through transformers' GGUF loader, or for the one
     architecture it cannot load (Gemma 1), through the gguf package's reader and dequantizer into the model
     class built from the original config (`read_with_gguf`)."""
     import functools
@@ -160,15 +162,15 @@ def load_gguf_back(path: Path, model_dir: Path):
     with mock.patch.object(gguf_loading, "tqdm", functools.partial(gguf_loading.tqdm, disable=True)):
         config = json.loads((model_dir / "config.json").read_text())
         if config.get("model_type") == "gemma":
-            return read_with_gguf(path, model_dir)
+            return read_with_gguf(path, model_dir).to(dtype)
         if rope_scaling(config)["rope_type"] != "default":
             # transformers' GGUF loader reads no rope-scaling keys (llama.cpp does): its config would rotate
             # differently from the file's, so the tensors are read from the file into the original config.
             from transformers import AutoConfig
 
-            return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+            return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
                                                         config=AutoConfig.from_pretrained(model_dir))
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
 
 
 def read_with_gguf(path: Path, model_dir: Path):

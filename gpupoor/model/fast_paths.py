@@ -11,13 +11,13 @@ from gpupoor.model.packed_attention import use_packed_attention
 
 
 def apply_fast_paths(model, enabled: bool, *, method: str = "lora", dropout: float = 0.0, bits: int | None = None,
-                     precision: str = "fp32") -> Choice:
+                     precision: str = "fp32", device: str = "cpu") -> Choice:
     """Install on `model` (peft-wrapped or not) the fast paths the recipe's settings allow; the choice and why,
     for the summary. Each installed module still checks per call and hands over to the plain one where its
     arithmetic is not plain LoRA on a frozen dense base (a DPO reference pass with the adapter off, say)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     paths = choose_fused_paths(enabled, getattr(base.config, "model_type", None), method, dropout, bits, precision,
-                               base.config._attn_implementation)
+                               base.config._attn_implementation, device)
     if not (paths.mlp or paths.attention):
         return Choice("off", f"{paths.reason}: the plain transformers and peft modules")
     family, parts = base.config.model_type, []

@@ -13,6 +13,12 @@ in backward (elementwise: cheap next to the matmuls), so each layer keeps two in
 Both apply only where the arithmetic is plain LoRA on a frozen dense base: one active adapter, no dropout, no
 DoRA, not merged, weights not quantized. Anything else (IA3, `full`, QLoRA's 4-bit base, adapters disabled for
 a DPO reference pass) runs peft's own forward: the fused forward checks per call and hands over.
+
+Both compute in the frozen base's dtype, whatever autocast says: fp32, or bf16 on a CPU with a bf16 base
+(gpupoor.decisions.choose_fused_paths). There the fp32 LoRA factors (the master weights) are cast to bf16 once
+per call, rank-wide and cheap, the input once if it is not bf16 already (it is: the base's norms return bf16), and
+their gradients back to fp32: the only casts a fused layer makes. peft's LoRA under autocast casts the full-width
+input to fp32 for the adapter and autocast casts it back, per adapted linear, forward and backward.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ def low_rank_of(module) -> LowRank | None:
     if not isinstance(module.lora_dropout[name], nn.Identity):
         return None  # dropout > 0: a second input per call, peft's path
     lora_a, lora_b = module.lora_A[name].weight, module.lora_B[name].weight
-    if lora_a.dtype != base.weight.dtype:
+    if lora_a.dtype not in (base.weight.dtype, torch.float32):
         return None
     return LowRank(base.weight, base.bias, lora_a, lora_b, float(module.scaling[name]))
 
@@ -57,8 +63,16 @@ def _trains(linear: nn.Linear) -> bool:
     return linear.weight.requires_grad or (linear.bias is not None and linear.bias.requires_grad)
 
 
+def in_compute_dtype(part: LowRank) -> LowRank:
+    """`part` with its LoRA factors in the frozen weight's dtype (the same tensors where they already are)."""
+    dtype = part.weight.dtype
+    if part.lora_a is None or part.lora_a.dtype == dtype:
+        return part
+    return LowRank(part.weight, part.bias, part.lora_a.to(dtype), part.lora_b.to(dtype), part.scaling)
+
+
 def _forward(x2d, part: LowRank):
-    """x W^T + b + s (x A^T) B^T, and x A^T (what B's gradient needs), for rows x2d."""
+    """x W^T + b + s (x A^T) B^T, and x A^T (what B's gradient needs), for rows x2d; `part` in_compute_dtype."""
     if part.bias is not None:
         out = torch.addmm(part.bias, x2d, part.weight.t())
     else:
@@ -71,7 +85,8 @@ def _forward(x2d, part: LowRank):
 
 
 def _backward(grad_out, x2d, xa, part: LowRank, needs_a: bool, needs_b: bool, needs_in: bool = True):
-    """The input's gradient, and A's and B's (None where not needed: the first layer's input needs none)."""
+    """The input's gradient, and A's and B's (None where not needed: the first layer's input needs none), in the
+    compute dtype (`part` in_compute_dtype)."""
     grad_in = grad_out @ part.weight if needs_in else None
     if part.lora_a is None:
         return grad_in, None, None
@@ -83,24 +98,38 @@ def _backward(grad_out, x2d, xa, part: LowRank, needs_a: bool, needs_b: bool, ne
     return grad_in, grad_a, grad_b
 
 
+def _rows(x, dtype):
+    """`x` as rows in the compute dtype: a view where it is already, one cast where not."""
+    return x.reshape(-1, x.shape[-1]).to(dtype)
+
+
+def _to(grad, dtype):
+    """A gradient in the dtype of the tensor it belongs to (the fp32 master weights)."""
+    return grad if grad is None else grad.to(dtype)
+
+
 class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
-        part = LowRank(weight, bias, lora_a, lora_b, scaling)
-        x2d = x.reshape(-1, x.shape[-1])
-        out, xa = _forward(x2d, part)
-        ctx.save_for_backward(x2d, xa, weight, lora_a, lora_b)
+        part = in_compute_dtype(LowRank(weight, bias, lora_a, lora_b, scaling))
+        x2d = _rows(x, weight.dtype)
+        with torch.autocast(x.device.type, enabled=False):  # the dtypes are chosen here, not by autocast
+            out, xa = _forward(x2d, part)
+        ctx.save_for_backward(x2d, xa, weight, part.lora_a, part.lora_b)
         ctx.scaling, ctx.input_shape = scaling, x.shape
+        ctx.dtypes = (x.dtype, lora_a.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         x2d, xa, weight, lora_a, lora_b = ctx.saved_tensors
         part = LowRank(weight, None, lora_a, lora_b, ctx.scaling)
-        grad_in, grad_a, grad_b = _backward(grad_out.reshape(-1, grad_out.shape[-1]), x2d, xa, part,
-                                            ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.needs_input_grad[0])
-        grad_x = grad_in.view(ctx.input_shape) if grad_in is not None else None
-        return grad_x, None, None, grad_a, grad_b, None
+        grad_rows = _rows(grad_out, weight.dtype)
+        grad_in, grad_a, grad_b = _backward(grad_rows, x2d, xa, part, ctx.needs_input_grad[3],
+                                            ctx.needs_input_grad[4], ctx.needs_input_grad[0])
+        input_dtype, lora_dtype = ctx.dtypes
+        grad_x = grad_in.view(ctx.input_shape).to(input_dtype) if grad_in is not None else None
+        return grad_x, None, None, _to(grad_a, lora_dtype), _to(grad_b, lora_dtype), None
 
 
 def lora_linear_forward(self, x, *args, **kwargs):
@@ -118,14 +147,17 @@ class GatedMlpFunction(torch.autograd.Function):
     def forward(ctx, x, act_fn, gate: LowRank, up: LowRank, down: LowRank, *trainable):
         # `trainable`: the LoRA factors (gate A, B, up A, B, down A, B; None where a linear has none), passed as
         # inputs so autograd routes their gradients.
-        x2d = x.reshape(-1, x.shape[-1])
-        g, xa_gate = _forward(x2d, gate)
-        u, xa_up = _forward(x2d, up)
-        h = act_fn(g).mul_(u)
-        out, xa_down = _forward(h, down)
+        gate, up, down = (in_compute_dtype(part) for part in (gate, up, down))
+        x2d = _rows(x, gate.weight.dtype)
+        with torch.autocast(x.device.type, enabled=False):  # the dtypes are chosen here, not by autocast
+            g, xa_gate = _forward(x2d, gate)
+            u, xa_up = _forward(x2d, up)
+            h = act_fn(g).mul_(u)
+            out, xa_down = _forward(h, down)
         del h  # recomputed in backward from g and u
         ctx.save_for_backward(x2d, g, u, xa_gate, xa_up, xa_down)
         ctx.act_fn, ctx.parts, ctx.input_shape = act_fn, (gate, up, down), x.shape
+        ctx.dtypes = (x.dtype, [t.dtype if t is not None else None for t in trainable])
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -133,6 +165,7 @@ class GatedMlpFunction(torch.autograd.Function):
         x2d, g, u, xa_gate, xa_up, xa_down = ctx.saved_tensors
         gate, up, down = ctx.parts
         needs = ctx.needs_input_grad[5:]
+        grad_out = grad_out.to(gate.weight.dtype)
         with torch.enable_grad():
             g_leaf = g.detach().requires_grad_()
             activated = ctx.act_fn(g_leaf)
@@ -147,9 +180,10 @@ class GatedMlpFunction(torch.autograd.Function):
         grad_x, grad_gate_a, grad_gate_b = _backward(grad_g, x2d, xa_gate, gate, needs[0], needs[1], needs_x)
         del grad_g
         grad_x_up, grad_up_a, grad_up_b = _backward(grad_u, x2d, xa_up, up, needs[2], needs[3], needs_x)
-        grad_x = grad_x.add_(grad_x_up).view(ctx.input_shape) if needs_x else None
-        return (grad_x, None, None, None, None,
-                grad_gate_a, grad_gate_b, grad_up_a, grad_up_b, grad_down_a, grad_down_b)
+        input_dtype, lora_dtypes = ctx.dtypes
+        grad_x = grad_x.add_(grad_x_up).view(ctx.input_shape).to(input_dtype) if needs_x else None
+        grads = (grad_gate_a, grad_gate_b, grad_up_a, grad_up_b, grad_down_a, grad_down_b)
+        return (grad_x, None, None, None, None, *(_to(grad, dtype) for grad, dtype in zip(grads, lora_dtypes)))
 
 
 def gated_mlp_forward(self, x):

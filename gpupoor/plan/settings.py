@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpupoor.decisions import (FusedPaths, choose_attention, choose_fused_loss, choose_fused_paths, choose_precision,
+from gpupoor.decisions import (CpuBf16, FusedPaths, choose_attention, choose_fused_loss, choose_fused_paths, choose_precision,
                                choose_reference, choose_sampler, choose_strategy)
 from gpupoor.plan.device import GpuFacts
 from gpupoor.plan.shape import LINEARS, Shape
@@ -106,13 +106,18 @@ class Settings:
 
 
 def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = GpuFacts(), *,
-                     teacher: Shape | None = None, processes: int = 1) -> Settings:
+                     teacher: Shape | None = None, processes: int = 1, cpu: CpuBf16 | None = None) -> Settings:
     """The recipe on `device`, each `auto` decided as training decides it (gpupoor.decisions). `teacher`: the
-    distillation teacher's shape, when the recipe has one; `processes`: how many run it (one is described)."""
+    distillation teacher's shape, when the recipe has one; `processes`: how many run it (one is described);
+    `cpu`: what the CPU does with bf16 matrices (default: what its flags say, unmeasured: gpupoor.cpu)."""
+    if cpu is None:
+        from gpupoor.cpu import bf16_facts_from_flags
+
+        cpu = bf16_facts_from_flags() if device == "cpu" else CpuBf16()
     dist = recipe.distributed
     distribution = Distribution(processes, strategy_of(recipe, processes), dist.shard_frozen,
                                 dist.reshard_after_forward, dist.cpu_offload and device == "cuda")
-    precision = choose_precision(recipe.precision, device, gpu.major).value
+    precision = choose_precision(recipe.precision, device, gpu.major, cpu).value
     attention = choose_attention(recipe.model.attention, device, gpu.flash_installed, gpu.major).value
     sampler = choose_sampler(recipe.data.sampler, attention, recipe.model.trust_remote_code).value
     targets = tuple(LINEARS) if recipe.peft.target_modules == "all-linear" else \
@@ -149,7 +154,7 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                     gpu_major=gpu.major,
                     fused_paths=choose_fused_paths(recipe.model.fused_layers, shape.model_type, recipe.peft.method,
                                                    recipe.peft.dropout, recipe.quantization.bits, precision,
-                                                   attention))
+                                                   attention, device))
 
 
 def what_trains(shape: Shape, s: Settings) -> Training:

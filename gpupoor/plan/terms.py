@@ -128,9 +128,10 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
     lora_inputs = {name: shape.linear(name)[0] for name in lora}
     total = 0.0
     if half:
-        # RMSNorm upcasts its input to fp32 and keeps that copy; peft casts each LoRA input to the adapter's
-        # fp32 and autocast casts it back: every adapted module keeps its own half-precision copy.
-        total += 2 * (4 * h + 4)
+        total += 2 * (4 * h + 4)  # RMSNorm upcasts its input to fp32 and keeps that copy, and 1/rms
+    if half and not s.fused_mlp:
+        # peft casts each LoRA input to the adapter's fp32 and autocast casts it back: every adapted module keeps
+        # its own half-precision copy. (The fused functions compute in the base's half dtype: the fp32 count.)
         total += sum(lora_inputs.values()) * b
         for members, norm in INPUT_GROUPS:
             size = shape.linear(members[0])[0]
@@ -142,7 +143,8 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
             if any(n in feedforward for n in members):  # IA3 scales it in its vector's fp32
                 total += size * 4
     else:
-        total += 2 * (h * b + 4)  # each norm's input (the residual stream) and 1/rms
+        if not half:
+            total += 2 * (h * b + 4)  # each norm's input (the residual stream) and 1/rms
         if s.dropout:  # each adapter keeps its own dropped input instead of the shared one
             total += sum(lora_inputs.values()) * b
         for members, _ in INPUT_GROUPS:
@@ -165,8 +167,9 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
         # and leaves the output to o_proj, which keeps it where its own backward needs it (an adapted or trained
         # o_proj; under autocast an adapter keeps its own cast copy, counted with the adapters' inputs).
         cpu = s.device == "cpu"
-        keeps_output = cpu or "o_proj" in layer.weights or (not half and (("o_proj" in lora and not s.dropout)
-                                                                           or "o_proj" in feedforward))
+        plain_lora = not half or s.fused_mlp  # o_proj's adapter keeps the output itself, not its own cast copy
+        keeps_output = cpu or "o_proj" in layer.weights or (plain_lora and (("o_proj" in lora and not s.dropout)
+                                                                            or "o_proj" in feedforward))
         total += ((2 if keeps_output else 1) * q + 2 * kv) * b + (heads * 4 if cpu else 0)
         return total + _mlp_saved(shape, s)
     # attention: rotated q, k and v, and the output (kept by SDPA/flash for its backward; o_proj's input)

@@ -157,7 +157,7 @@ def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
     return checkpoint.manifest.get("total_steps", math.inf)
 
 
-def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
+def _plan_quietly(loaded: LoadedRecipe, device: str | None = None, cpu_bf16=None):
     """The memory plan for the startup summary (one of the processes launched), or None when the model is not
     one it can describe."""
     from gpupoor.decisions import launch_layout
@@ -165,7 +165,7 @@ def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
 
     try:
         processes, nodes = launch_layout(os.environ)
-        return make_plan(loaded, device, processes=processes, nodes=nodes)
+        return make_plan(loaded, device, processes=processes, nodes=nodes, cpu_bf16=cpu_bf16)
     except Exception:  # advisory: never let the plan stop a run
         return None
 
@@ -220,8 +220,9 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
     if checkpoint is not None:
         session.startup.mark("restore")
     loss_fn, eval_fn, loss_path = _choose_loss(session)
-    if plan is not None and plan.device != session.device:  # planned for another device than torch found
-        plan = _plan_quietly(LoadedRecipe(recipe, None), session.device)
+    # Planned for another device than torch found, or another precision than the CPU's matmul probe decided.
+    if plan is not None and (plan.device, plan.precision) != (session.device, session.choices["precision"].value):
+        plan = _plan_quietly(LoadedRecipe(recipe, None), session.device, session.cpu_bf16)
     session.memory_plan = plan
     print_summary(session, say=say, checkpoint=checkpoint, loss_path=loss_path)
     owned_lock = open_run_dir(session, lock=lock, started=started, say=say)

@@ -140,6 +140,7 @@ class Session:
     scheduler: object = None
     state: object = None  # gpupoor.train.state.TrainState
     memory_plan: object = None
+    cpu_bf16: object = None  # gpupoor.decisions.CpuBf16: what the precision was decided on (a CPU run)
     teacher: object = None  # the frozen distillation teacher (recipe.distill)
     # What the run directory stores as its recipe when it differs from `recipe`: a resume's --time-limit is this
     # invocation's budget, not the run's (gpupoor.run.orchestrate.resume_run).
@@ -223,14 +224,18 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     quiet_libraries()
     clock.mark("libraries")
     device = resolve_device(recipe.training.device)
-    precision = resolve_precision(recipe.precision, device.value)
-    attention = resolve_attention(recipe.model.attention, device.value)
     processes, nodes = launch_layout(os.environ)
+    # Several processes decide on the CPU's flags alone: each measuring for itself could disagree.
+    precision, cpu_bf16 = resolve_precision(recipe.precision, device.value, measure=processes == 1,
+                                            dims=lambda: _probe_dims(recipe))
+    attention = resolve_attention(recipe.model.attention, device.value)
     strategy = choose_strategy(recipe.distributed.strategy, processes)
     # The Accelerator first: under `accelerate launch` it says which GPU this process owns.
     accelerator = make_accelerator(device.value, precision.value, strategy.value)
     if not accelerator.is_main_process:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
+    if precision.warning:
+        say(f"warning: {precision.warning}")
     threads = _use_cpu_cores(recipe.training.cpu_threads) if device.value == "cpu" else None
     torch.manual_seed(recipe.seed)
 
@@ -248,7 +253,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
                         precision=precision.value, attention=attention.value, device=str(accelerator.device),
                         seed=recipe.seed, smoke=smoke, resuming=resuming)
     fused = apply_fast_paths(model, recipe.model.fused_layers, method=recipe.peft.method, dropout=recipe.peft.dropout,
-                             bits=recipe.quantization.bits, precision=precision.value)
+                             bits=recipe.quantization.bits, precision=precision.value, device=device.value)
     summary = summarize(model)
     built_on = {"precision": precision.value, "attention": attention.value, "device": str(accelerator.device),
                 "smoke": smoke}
@@ -277,7 +282,21 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
                    tokenizer=tokenizer, data=data, model=prepared_model,
                    unwrapped=accelerator.unwrap_model(prepared_model), raw_optimizer=raw_optimizer,
                    optimizer=optimizer, steps=steps, warmup=warmup_steps(recipe.training, steps), summary=summary,
-                   nodes=nodes, teacher=teacher, reference=reference, startup=clock)
+                   nodes=nodes, teacher=teacher, reference=reference, startup=clock, cpu_bf16=cpu_bf16)
+
+
+def _probe_dims(recipe: Recipe) -> tuple[int, int]:
+    """The model's (hidden, intermediate) for the CPU's bf16 matmul probe, read from its config as `plan` reads it
+    (gpupoor.hardware.PROBE_DIMS where it cannot be read: the model's own errors come when it loads)."""
+    from gpupoor.hardware import PROBE_DIMS
+    from gpupoor.plan.shape import load_shape
+    from gpupoor.recipe.loading import LoadedRecipe
+
+    try:
+        shape, _ = load_shape(LoadedRecipe(recipe, None))
+    except Exception:  # noqa: BLE001 -- a probe's shape is a detail; loading the model says what is wrong
+        return PROBE_DIMS
+    return shape.hidden, shape.intermediate
 
 
 def _use_cpu_cores(cpu_threads: int | None):

@@ -41,7 +41,7 @@ def test_one_merge_writes_each_file_and_measures_it_on_the_runs_eval_set(lora_ru
     modelfile = (folder / "run-q8_0.Modelfile").read_text()  # an alpaca run: Alpaca's prompt, not a chat template
     assert "### Instruction:\n{{ .Prompt }}\n\n### Response:\n{{ .Response }}" in modelfile
     report = json.loads((folder / "run.quality.json").read_text())
-    assert report["eval"]["source"] == "the run's eval set"
+    assert report["eval"]["source"] == "the run's eval set" and report["eval"]["computed_in"] == "fp32"
     rows = {row["type"]: row for row in report["rows"]}
     assert rows["f32"]["perplexity"] == rows["full precision"]["perplexity"]
     assert abs(rows["q8_0"]["change_pct"]) < 1.0

@@ -34,3 +34,17 @@ def test_a_run_too_short_for_the_profile_says_so(make_recipe, tmp_path):
     result = invoke("train", make_recipe(training={"max_steps": 3}), "--output-dir", tmp_path / "run", "--profile", "5")
     assert result.exit_code == 0 and "nothing was profiled" in result.output
     assert not (tmp_path / "run" / "profile").exists()
+
+
+def test_the_profile_counts_the_dtype_casts_of_a_step(make_recipe, tmp_path):
+    """fp32 casts next to nothing; bf16 on the CPU casts (norms to fp32 and back, the fp32 LoRA factors to bf16,
+    the loss's chunks), and the summary says how many per step."""
+    casts = {}
+    for precision in ("fp32", "bf16"):
+        run = tmp_path / precision
+        result = invoke("train", make_recipe(precision=precision, training={"max_steps": 4}), "--output-dir", run,
+                        "--profile", "1")
+        assert result.exit_code == 0, result.output
+        assert "casts (aten::_to_copy):" in result.output
+        casts[precision] = json.loads((run / "profile" / "summary.json").read_text())["casts"]["per_step"]
+    assert casts["bf16"] > casts["fp32"] + 10, casts

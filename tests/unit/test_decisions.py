@@ -160,7 +160,7 @@ def test_plan_resolves_what_training_resolves(machine, device, major, flash):
         recipe = _recipe(precision=precision, attention=attention, sampler=sampler, trust=trust)
 
         def training():  # in the order gpupoor.run.session decides: a recipe wrong twice fails on its precision
-            chosen_precision = hardware.resolve_precision(precision, device).value
+            chosen_precision = hardware.resolve_precision(precision, device)[0].value
             chosen_attention = hardware.resolve_attention(attention, device).value
             return chosen_precision, chosen_attention, hardware.resolve_sampler(sampler, chosen_attention, trust).value
 

@@ -1,0 +1,71 @@
+"""What the CPU can do with bf16 matrices, read without torch (so `gpupoor plan` can ask it too): the matrix units
+its flags name. Training confirms them with a matmul probe (gpupoor.hardware.bf16_matmul_speedup) before
+`gpupoor.decisions.choose_precision` picks bf16 on their word."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Flags that name bf16 matrix units, best first, as the kernel lists them in /proc/cpuinfo: Intel's AMX tiles
+# (Sapphire Rapids and later), AVX-512 BF16 dot products (Cooper Lake, AMD Zen 4 and later), Arm's BFMMLA
+# (Neoverse V1 and later, Graviton 3, Apple M2: "bf16" among the Features). Without one of them torch computes a
+# bf16 matmul by converting to fp32 and back: 10-80x slower than fp32 (measured 84x on an AVX2 EPYC).
+BF16_UNIT_FLAGS = (("amx_bf16", "AMX bf16"), ("avx512_bf16", "AVX-512 bf16"), ("bf16", "Arm bf16 (BFMMLA)"))
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The feature flags of /proc/cpuinfo's first processor ("flags" on x86, "Features" on Arm)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def bf16_units(flags: set[str]) -> str:
+    """The bf16 matrix units these flags name, in words ("" for none)."""
+    return next((name for flag, name in BF16_UNIT_FLAGS if flag in flags), "")
+
+
+def this_cpus_bf16_units(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This machine's bf16 matrix units ("" for none, or where /proc/cpuinfo cannot be read: not Linux)."""
+    try:
+        return bf16_units(cpu_flags(cpuinfo.read_text(errors="replace")))
+    except OSError:
+        return ""
+
+
+# Pins what gpupoor takes the CPU's bf16 units to be, instead of reading its flags and measuring: "none", or the
+# units' name, either with ":SPEEDUP" (the ratio of bf16 to fp32 matmul throughput). For a container or VM that
+# hides the CPU's flags, and for tests that must decide the same on every CPU.
+PIN_VARIABLE = "GPUPOOR_CPU_BF16"
+
+
+def pinned_bf16(environ=None):
+    """The CpuBf16 facts GPUPOOR_CPU_BF16 pins, or None when it is unset."""
+    import os
+
+    from gpupoor.decisions import CpuBf16
+    from gpupoor.errors import UserError
+
+    value = (os.environ if environ is None else environ).get(PIN_VARIABLE, "").strip()
+    if not value:
+        return None
+    units, _, speedup = value.rpartition(":") if ":" in value else (value, "", "")
+    try:
+        ratio = float(speedup) if speedup else None
+    except ValueError:
+        ratio = None
+    if (speedup and (ratio is None or not ratio > 0)) or not units:
+        raise UserError(f"{PIN_VARIABLE}={value!r} is not 'none', 'UNITS' or 'UNITS:SPEEDUP'",
+                        hint=f"e.g. {PIN_VARIABLE}='AMX bf16:7.5' or {PIN_VARIABLE}=none:0.02, or unset it to "
+                             "read the CPU's flags and measure")
+    return CpuBf16("" if units.lower() == "none" else units, ratio)
+
+
+def bf16_facts_from_flags():
+    """The CpuBf16 facts known without measuring (what `plan` decides on): pinned, or the flags' units."""
+    from gpupoor.decisions import CpuBf16
+
+    pinned = pinned_bf16()
+    return pinned if pinned is not None else CpuBf16(this_cpus_bf16_units())
