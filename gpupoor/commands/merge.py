@@ -496,6 +496,10 @@ def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int) 
                     pending_replace.discard(name)
                 elif tensor.is_floating_point() and name in plan.quantize:
                     tensor = quantize_roundtrip(tensor, plan.quantization, plan.load_dtype)
+                elif tensor.is_floating_point() and plan.load_dtype is not None:
+                    # The rest of the base as the run saw it too: a bf16 run loaded its embeddings, norms and head
+                    # in bf16 (a no-op for an fp32 run).
+                    tensor = tensor.to(plan.load_dtype)
                 if name in adapter.updates:
                     try:
                         tensor = adapter.updates[name](tensor.float())
@@ -555,18 +559,28 @@ def verify_merge(source: RunWeights, merged: Path, base: str | None = None) -> f
         adapter.lora_dropout = 0.0  # the trained model runs in train mode below (see the 4-bit note): no dropout
     base_name = base or adapter.base_model_name_or_path
     quant = QuantizationSection(**(recipe.get("quantization") or {}))
-    # 4-bit matmuls in the precision the run trained with (the reference is what training computed).
+    # A quantized base is loaded in the dtype the run loaded it in: bitsandbytes quantizes what it is given, and a
+    # bf16 run's weights, rounded to bf16 first, get other 4-bit codes (1% of them on the tiny test model) than fp32
+    # ones. Then everything computes in fp32, as the merged model does, so bf16's rounding of the activations
+    # (~1e-2 of the logits) is not mistaken for the merge's error. What is left of a bf16 run's gap (~1e-3 of the
+    # logits on the tiny model) is bitsandbytes dequantizing the 4-bit weights straight to fp32 here where the run
+    # rounded them to bf16 (as the merge does).
     precision = read_manifest(source.path).get("precision", "fp32")
-    quantization = quantization_config(quant, precision) if quant.bits else None
+    load_dtype = DTYPES[precision] if quant.bits else torch.float32
+    quantization = quantization_config(quant.model_copy(update={"compute_dtype": "fp32"}), precision) \
+        if quant.bits else None
     if is_gguf(base_name):
         from gpupoor.model.load import load_gguf_model
 
-        trained = load_gguf_model(base_name, torch.float32, quantization=quantization)
+        trained = load_gguf_model(base_name, load_dtype, quantization=quantization)
     else:
-        trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32,
+        trained = AutoModelForCausalLM.from_pretrained(base_name, dtype=load_dtype,
                                                        quantization_config=quantization,
                                                        revision=None if base else adapter.revision,
                                                        device_map={"": "cpu"} if quantization else None)
+    for param in trained.parameters():  # the unquantized tensors (embeddings, norms, head), as the run saw them
+        if param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
     with bitsandbytes_unless_loaded():
         trained = PeftModel.from_pretrained(trained, source.path, config=adapter)
     merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)

@@ -8,6 +8,8 @@ strategy is chosen in make_accelerator (its rules in decisions.py); a data sourc
 
 from __future__ import annotations
 
+import json
+
 import math
 import os
 from dataclasses import dataclass, field
@@ -189,6 +191,7 @@ class Session:
         extra = {} if gathered is None else {"state_dict": gathered}
         if self.full:
             self.unwrapped.save_pretrained(directory, max_shard_size=FULL_SHARD_SIZE, **extra)
+            _config_dtype_holds_every_weight(directory, self.unwrapped)
         else:
             self.unwrapped.save_pretrained(directory, safe_serialization=True, **extra)  # adapter config + weights
         self.tokenizer.save_pretrained(directory)
@@ -199,6 +202,21 @@ class Session:
         location = getattr(config, "base_model_name_or_path", None)
         (directory / "README.md").write_text(weights_card(self.recipe.model.name_or_path, self.recipe.peft.method,
                                                           self.full, location), encoding="utf-8")
+
+
+def _config_dtype_holds_every_weight(directory: Path, model) -> None:
+    """A bf16 `full` run that trains some weights (peft.last_layers, modules_to_save) saves them fp32 beside its
+    bf16 frozen ones, and transformers writes the first parameter's dtype into config.json: a plain
+    from_pretrained(dtype="auto") would round the trained weights to bf16. Say float32 there, which holds both."""
+    import torch
+
+    dtypes = {param.dtype for param in model.parameters() if param.is_floating_point()}
+    if len(dtypes) < 2 or torch.float32 not in dtypes:
+        return
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config["dtype"] = "float32"
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: bool = False,

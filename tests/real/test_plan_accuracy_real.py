@@ -11,13 +11,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from gpupoor.cpu import this_cpus_bf16_units
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-iso-dates.yaml"
 
 
 def test_the_plan_is_within_ten_percent_of_a_real_runs_peak(real_model_dir, tmp_path):
+    assert_plan_within_ten_percent(real_model_dir, tmp_path, precision="fp32")
+
+
+@pytest.mark.skipif(not this_cpus_bf16_units(), reason="a bf16 run here would be emulated: 84x slower matmuls on an "
+                    "AVX2 CPU (docs/benchmarks.md has the figures measured by hand)")
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_bf16_plan_is_within_ten_percent_of_a_real_runs_peak(real_model_dir, tmp_path, checkpointing):
+    assert_plan_within_ten_percent(real_model_dir, tmp_path, precision="bf16",
+                                   **{"memory.gradient_checkpointing": str(checkpointing).lower()})
+
+
+def assert_plan_within_ten_percent(real_model_dir, tmp_path, **overrides):
     run_dir = tmp_path / "run"
     overrides = {"model.name_or_path": real_model_dir, "data.eval_path": "null", "training.max_steps": 2,
-                 "logging.every_steps": 1, "logging.progress": "none"}
+                 "logging.every_steps": 1, "logging.progress": "none", **overrides}
     command = [sys.executable, "-m", "gpupoor", "train", str(RECIPE), "--output-dir", str(run_dir)]
     for key, value in overrides.items():
         command += ["--set", f"{key}={value}"]

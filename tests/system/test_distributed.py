@@ -516,3 +516,23 @@ def test_an_fsdp_stop_before_the_first_step_resumes_exactly(recipe, straight, tm
     assert losses(run) == losses(straight("fsdp"))
     a, b = adapter(straight("fsdp")), adapter(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_bf16_on_two_processes_trains_like_one_process_accumulating(straight, strategy):
+    """precision bf16 on the CPU (#42): two processes (DDP; FSDP, which gathers the fp32 LoRA weights in bf16 where
+    one process casts them under autocast) end where one process accumulating their two micro-batches ends. Both
+    multiply the same bf16 values and add the two gradients in fp32 (commutative for two): measured bitwise here.
+    Bounds: bf16's tolerances of tests/integration/test_cpu_bf16.py (the losses U / 4, the adapter 16 U)."""
+    from test_cpu_bf16 import GRAD_REL, LOSS_REL
+
+    changes = ("--set", "precision=bf16", "--set", "training.max_steps=2")
+    one, two = straight("one", *changes), straight(strategy, *changes)
+    assert len([loss for _, loss, _ in losses(one) if loss is not None]) == 2
+    for (step, loss, eval_loss), (step_b, loss_b, eval_b) in zip(losses(one), losses(two), strict=True):
+        assert step == step_b
+        assert loss == pytest.approx(loss_b, rel=LOSS_REL) if loss is not None else loss_b is None
+        assert eval_loss == pytest.approx(eval_b, rel=LOSS_REL) if eval_loss is not None else eval_b is None
+    assert close(adapter(one), adapter(two), GRAD_REL)
