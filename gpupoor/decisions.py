@@ -132,6 +132,17 @@ def _cpu_precision(requested: str, cpu: CpuBf16) -> Choice:
     return Choice("bf16", f"CPU has {cpu.units}{measured}")
 
 
+def choose_resumed_precision(requested: str, device: str, trained_in: str | None) -> Choice:
+    """What a resumed run asks for: on a CPU, `auto` keeps the precision its checkpoint was written in (auto
+    decided it at the run's start, on that machine's CPU), so that a run preempted on a CPU with bf16 units and
+    resumed on one without (or the other way round) goes on as it started instead of changing its trajectory.
+    (On a GPU, `auto` decides again: a run moved from an A100 to a T4 must go on in fp16.)"""
+    if requested == "auto" and device == "cpu" and trained_in in ("fp32", "bf16"):
+        return Choice(trained_in, f"precision auto chose {trained_in} at the run's start: a resume keeps it; "
+                                  "--set precision=... --force changes it")
+    return Choice(requested, "")
+
+
 def choose_inference_precision(device: str, trained: str | None, gpu_major: int | None,
                                cpu: CpuBf16 = CpuBf16()) -> Choice:
     """What `generate`, `chat` and export's perplexity compute in: on a CPU what `auto` would train in there (bf16

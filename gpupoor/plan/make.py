@@ -25,15 +25,15 @@ from gpupoor.units import format_bytes
 
 
 def make_plan(loaded: LoadedRecipe, device: str | None = None, *, memory: int | None = None, processes: int = 1,
-              nodes: int = 1, cpu_bf16=None) -> Plan:
-    """The plan of one process out of `processes` (on `nodes`), each `auto` decided as training decides it.
-    `cpu_bf16`: the gpupoor.decisions.CpuBf16 facts training measured (default: the CPU's flags, unmeasured)."""
+              nodes: int = 1) -> Plan:
+    """The plan of one process out of `processes` (on `nodes`), each `auto` decided as training decides it (on a
+    CPU, the precision on its flags alone: training's probe may still choose fp32, and plans again if it does)."""
     recipe = loaded.recipe
     device = device or default_device(recipe)
     gpu = gpu_facts(device)
     shape, source = load_shape(loaded)
     teacher, teacher_source = load_teacher_shape(loaded)
-    settings = resolve_settings(recipe, device, shape, gpu, teacher=teacher, processes=processes, cpu=cpu_bf16)
+    settings = resolve_settings(recipe, device, shape, gpu, teacher=teacher, processes=processes)
     terms, assumptions = plan_terms(shape, settings, uses_bitsandbytes(recipe))
     if memory is not None:
         memory_source = "--memory"
@@ -44,7 +44,7 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, *, memory: int | 
         assumptions.insert(1, f"teacher config: {teacher_source}")
     if recipe.precision == "auto" and device == "cuda" and gpu.major is None:
         assumptions.append("precision auto taken as bf16 (a GPU without bf16 uses fp16: the same bytes)")
-    if recipe.precision == "auto" and device == "cpu" and settings.precision == "bf16" and cpu_bf16 is None:
+    if recipe.precision == "auto" and device == "cpu" and settings.precision == "bf16":
         assumptions.append("precision auto taken as bf16 on the CPU's flags (training confirms with a matmul "
                            "probe, and trains in fp32 where bf16 measures under "
                            f"{MIN_BF16_SPEEDUP:g}x fp32: set precision to be sure)")

@@ -157,7 +157,7 @@ def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
     return checkpoint.manifest.get("total_steps", math.inf)
 
 
-def _plan_quietly(loaded: LoadedRecipe, device: str | None = None, cpu_bf16=None):
+def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
     """The memory plan for the startup summary (one of the processes launched), or None when the model is not
     one it can describe."""
     from gpupoor.decisions import launch_layout
@@ -165,7 +165,7 @@ def _plan_quietly(loaded: LoadedRecipe, device: str | None = None, cpu_bf16=None
 
     try:
         processes, nodes = launch_layout(os.environ)
-        return make_plan(loaded, device, processes=processes, nodes=nodes, cpu_bf16=cpu_bf16)
+        return make_plan(loaded, device, processes=processes, nodes=nodes)
     except Exception:  # advisory: never let the plan stop a run
         return None
 
@@ -206,7 +206,8 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
     from gpupoor.run.summary import print_summary
     from gpupoor.train.state import restore_rng
 
-    session = build_session(recipe, run_dir, smoke=smoke, say=say, resuming=checkpoint is not None, clock=clock)
+    session = build_session(recipe, run_dir, smoke=smoke, say=say, resuming=checkpoint is not None, clock=clock,
+                            trained_in=checkpoint.manifest.get("precision") if checkpoint is not None else None)
     session.recipe_to_store = recipe_to_store
     if not session.main:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
@@ -220,9 +221,11 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
     if checkpoint is not None:
         session.startup.mark("restore")
     loss_fn, eval_fn, loss_path = _choose_loss(session)
-    # Planned for another device than torch found, or another precision than the CPU's matmul probe decided.
-    if plan is not None and (plan.device, plan.precision) != (session.device, session.choices["precision"].value):
-        plan = _plan_quietly(LoadedRecipe(recipe, None), session.device, session.cpu_bf16)
+    # Planned for another device than torch found, or another precision than training chose (the CPU's matmul
+    # probe, a resume keeping its checkpoint's): planned again for what was built.
+    chosen = session.choices["precision"].value
+    if plan is not None and (plan.device, plan.precision) != (session.device, chosen):
+        plan = _plan_quietly(LoadedRecipe(recipe.model_copy(update={"precision": chosen}), None), session.device)
     session.memory_plan = plan
     print_summary(session, say=say, checkpoint=checkpoint, loss_path=loss_path)
     owned_lock = open_run_dir(session, lock=lock, started=started, say=say)

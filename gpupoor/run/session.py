@@ -142,7 +142,6 @@ class Session:
     scheduler: object = None
     state: object = None  # gpupoor.train.state.TrainState
     memory_plan: object = None
-    cpu_bf16: object = None  # gpupoor.decisions.CpuBf16: what the precision was decided on (a CPU run)
     teacher: object = None  # the frozen distillation teacher (recipe.distill)
     # What the run directory stores as its recipe when it differs from `recipe`: a resume's --time-limit is this
     # invocation's budget, not the run's (gpupoor.run.orchestrate.resume_run).
@@ -220,10 +219,10 @@ def _config_dtype_holds_every_weight(directory: Path, model) -> None:
 
 
 def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: bool = False,
-                  clock=None) -> Session:
+                  clock=None, trained_in: str | None = None) -> Session:
     """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed.
     `resuming`: a checkpoint's weights will replace the starting ones. `clock`: a gpupoor.run.startup.StartupClock
-    already running (a new one otherwise)."""
+    already running (a new one otherwise). `trained_in`: the precision the checkpoint was written in."""
     from gpupoor.run.startup import StartupClock
 
     clock = clock or StartupClock()
@@ -231,7 +230,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
 
     from gpupoor import faults
     from gpupoor.data.build import build_data
-    from gpupoor.decisions import choose_strategy, launch_layout
+    from gpupoor.decisions import Choice, choose_resumed_precision, choose_strategy, launch_layout
     from gpupoor.hardware import resolve_attention, resolve_device, resolve_precision, resolve_sampler
     from gpupoor.model.build import build_model, summarize
     from gpupoor.model.fast_paths import apply_fast_paths
@@ -244,8 +243,11 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     device = resolve_device(recipe.training.device)
     processes, nodes = launch_layout(os.environ)
     # Several processes decide on the CPU's flags alone: each measuring for itself could disagree.
-    precision, cpu_bf16 = resolve_precision(recipe.precision, device.value, measure=processes == 1,
+    requested = choose_resumed_precision(recipe.precision, device.value, trained_in)
+    precision, _ = resolve_precision(requested.value, device.value, measure=processes == 1,
                                             dims=lambda: _probe_dims(recipe))
+    if requested.value != recipe.precision:
+        precision = Choice(precision.value, requested.reason, precision.warning)
     attention = resolve_attention(recipe.model.attention, device.value)
     strategy = choose_strategy(recipe.distributed.strategy, processes)
     # The Accelerator first: under `accelerate launch` it says which GPU this process owns.
@@ -300,7 +302,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
                    tokenizer=tokenizer, data=data, model=prepared_model,
                    unwrapped=accelerator.unwrap_model(prepared_model), raw_optimizer=raw_optimizer,
                    optimizer=optimizer, steps=steps, warmup=warmup_steps(recipe.training, steps), summary=summary,
-                   nodes=nodes, teacher=teacher, reference=reference, startup=clock, cpu_bf16=cpu_bf16)
+                   nodes=nodes, teacher=teacher, reference=reference, startup=clock)
 
 
 def _probe_dims(recipe: Recipe) -> tuple[int, int]:

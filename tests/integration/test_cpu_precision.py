@@ -58,3 +58,22 @@ def test_the_plan_takes_the_flags_word_and_says_training_confirms_it(make_recipe
     assert "precision auto taken as bf16 on the CPU's flags" in result.output
     monkeypatch.setenv(PIN_VARIABLE, "none")
     assert json.loads(invoke("plan", recipe, "--json").output)["precision"] == "fp32"
+
+
+def test_a_resume_keeps_the_precision_auto_chose_at_the_start(make_recipe, tmp_path, monkeypatch):
+    """A run started in bf16 on a CPU with units, preempted and resumed on one without, goes on in bf16 (with the
+    warning that it is emulated there) instead of changing its trajectory; the plan follows."""
+    monkeypatch.setenv(PIN_VARIABLE, "AMX bf16:7.6")
+    run = tmp_path / "run"
+    recipe = make_recipe(training={"max_steps": 4}, checkpoint={"every_steps": 2})
+    cut = invoke("train", recipe, "--output-dir", run, fault="sigterm@2", monkeypatch=monkeypatch)
+    assert cut.exit_code == 75, cut.output
+    monkeypatch.setenv(PIN_VARIABLE, "none:0.05")
+    resumed = invoke("resume", run)
+    assert resumed.exit_code == 0, resumed.output
+    assert "precision bf16 (precision auto chose bf16 at the run's start: a resume keeps it" in resumed.output
+    assert resumed.output.count("measured 20x slower than fp32") == 1
+    assert json.loads((run / "final" / "manifest.json").read_text())["precision"] == "bf16"
+    planned = json.loads(invoke("plan", make_recipe(precision="bf16"), "--json").output)["peak_bytes"]
+    predicted = [r["predicted_peak_mb"] for r in read_metrics(run) if "predicted_peak_mb" in r]
+    assert predicted and all(mb == round(planned / 2**20, 1) for mb in predicted)

@@ -105,3 +105,11 @@ def test_the_probe_measures_this_cpu(monkeypatch):
         assert chosen.value == "fp32" and facts.speedup is None  # no units: nothing to measure
     else:
         assert facts.speedup is not None and chosen.value == ("bf16" if facts.speedup >= MIN_BF16_SPEEDUP else "fp32")
+
+
+def test_a_resume_on_the_cpu_keeps_the_precision_auto_chose_at_the_start():
+    kept = decisions.choose_resumed_precision("auto", "cpu", "bf16")
+    assert kept.value == "bf16" and "a resume keeps it" in kept.reason
+    assert decisions.choose_resumed_precision("fp32", "cpu", "bf16").value == "fp32"  # an explicit change stands
+    assert decisions.choose_resumed_precision("auto", "cuda", "bf16").value == "auto"  # a GPU decides again
+    assert decisions.choose_resumed_precision("auto", "cpu", None).value == "auto"  # a new run
