@@ -120,6 +120,19 @@ bench-real-lf: install fetch-real
 		--lf-python $(LF_VENV)/bin/python --sides gpupoor-packed,gpupoor-packed-gc,$(LF_SIDES) \
 		$(if $(ROWS),--rows $(ROWS)) || exit 1; done
 
+# Issue #42, on a CPU with bf16 matrix units (lscpu: amx_bf16 or avx512_bf16): gpupoor's precision auto (bf16 there)
+# and fp32 against LLaMA-Factory's bf16: true and false (neat packing), with and without gradient checkpointing,
+# at 1 and 2 threads; ROWS=64 for the issue's table. On a CPU without the units bf16 is emulated (6-84x slower
+# matmuls): the sides run, but the table says nothing about bf16 there.
+BF16_SIDES ?= gpupoor-packed-auto,gpupoor-packed,lf-neat-bf16,lf-neat,gpupoor-packed-gc-auto,gpupoor-packed-gc,lf-neat-gc-bf16,lf-neat-gc
+.PHONY: bench-real-bf16
+bench-real-bf16: install fetch-real
+	@test -f $(KIT)/peer_trl.py || { echo "make bench-real-bf16: the peer benchmark kit (its measure.py) is not at $(KIT). Set KIT=path/to/bench."; exit 1; }
+	@test -x $(LF_VENV)/bin/llamafactory-cli || { echo "make bench-real-bf16: no LLaMA-Factory at $(LF_VENV): run make bench-lf-venv (or set LF_VENV)."; exit 1; }
+	@grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo || echo "make bench-real-bf16: this CPU has no bf16 matrix units (lscpu): bf16 is emulated here"
+	for threads in 1 2; do $(PY) bench/compare_trl_real.py --kit $(KIT) --rounds 3 --threads $$threads \
+		--lf-python $(LF_VENV)/bin/python --sides $(BF16_SIDES) $(if $(ROWS),--rows $(ROWS)) || exit 1; done
+
 # Start-up latency (import floors, --smoke, validate, plan, the reference fixture's non-training time): ~5 min.
 .PHONY: bench-startup
 bench-startup: install

@@ -43,8 +43,8 @@ SETTINGS = {"batch": 8, "seq": 512, "rank": 16}  # the comparison the issue asks
 REFERENCE_ROWS = 160  # the issue's reference fixture
 KIT_ROWS = 400  # fixture.py's own default: what bench/distributed.py trained on, kept for it
 DEFAULT_SIDES = "gpupoor-packed,gpupoor-packed-gc,trl-packed"
-SIDES_HELP = ("comma-separated: gpupoor-{packed,length_grouped,random}[-gc], trl-{packed,padded}[-gc], "
-              "lf-{packed,neat}[-gc]")
+SIDES_HELP = ("comma-separated: gpupoor-{packed,length_grouped,random}[-gc][-bf16|-auto], trl-{packed,padded}[-gc], "
+              "lf-{packed,neat}[-gc][-bf16]")
 LF_PYTHON_HELP = (f"the python of LLaMA-Factory's venv, for lf-* sides (default: ${peer_llamafactory.PYTHON_ENV} or "
                   "../lf-venv/bin/python; `make bench-lf-venv` builds it)")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # both sides: no network call inflates a wall time
@@ -125,10 +125,12 @@ def startup_breakdown(start: dict | None) -> dict | None:
 
 
 def run_gpupoor(kit: Path, fixture: Path, sampler: str, checkpointing: bool, extra: list[str],
-                run_dir: Path | None = None) -> dict:
-    run_dir = run_dir or fixture / f"run-gpupoor-{sampler}{'-gc' if checkpointing else ''}"
+                run_dir: Path | None = None, precision: str = "fp32") -> dict:
+    """`precision`: the recipe's (fp32, bf16 or auto: on a CPU with bf16 matrix units, bf16)."""
+    suffix = "" if precision == "fp32" else f"-{precision}"
+    run_dir = run_dir or fixture / f"run-gpupoor-{sampler}{'-gc' if checkpointing else ''}{suffix}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = [arg for item in extra for arg in ("--set", item)]
+    overrides = [arg for item in [*extra, f"precision={precision}"] for arg in ("--set", item)]
     measured = measured_run(kit, [str(ROOT / ".venv" / "bin" / "gpupoor"), "train",
                                   str(gpupoor_recipe(fixture, sampler, checkpointing)), "--output-dir", str(run_dir),
                                   *overrides])
@@ -153,8 +155,8 @@ def run_trl(kit: Path, fixture: Path, packing: bool, checkpointing: bool) -> dic
             "peak_rss_mb": measured["peak_rss_mb"], "tokens": peer["tokens"], "loss": peer["loss"]}
 
 
-def run_llamafactory(kit: Path, fixture: Path, neat: bool, checkpointing: bool) -> dict:
-    command, run_dir, tokens = peer_llamafactory.prepare(fixture, SETTINGS, neat, checkpointing)
+def run_llamafactory(kit: Path, fixture: Path, neat: bool, checkpointing: bool, bf16: bool = False) -> dict:
+    command, run_dir, tokens = peer_llamafactory.prepare(fixture, SETTINGS, neat, checkpointing, bf16)
     measured = measured_run(kit, command, env=peer_llamafactory.environment())
     return {**peer_llamafactory.results(run_dir, tokens), "wall_s": measured["seconds"],
             "peak_rss_mb": measured["peak_rss_mb"]}
@@ -162,23 +164,31 @@ def run_llamafactory(kit: Path, fixture: Path, neat: bool, checkpointing: bool) 
 
 @dataclass(frozen=True)
 class Side:
-    """One column of the comparison, as named on the command line: tool-layout[-gc]."""
+    """One column of the comparison, as named on the command line: tool-layout[-gc][-PRECISION]."""
 
     tool: str  # gpupoor | trl | lf (LLaMA-Factory)
     layout: str  # gpupoor: its data.sampler; trl: packed | padded; lf: packed | neat (block-diagonal packing)
     checkpointing: bool
+    # fp32 (every side's default); gpupoor also bf16 or auto (bf16 on a CPU with bf16 matrix units), LLaMA-Factory
+    # bf16 (its `bf16: true`: the weights loaded in bf16, LoRA in fp32, autocast)
+    precision: str = "fp32"
 
     @classmethod
     def parse(cls, name: str) -> Side:
         tool, _, rest = name.partition("-")
+        precision = next((p for p in ("bf16", "auto") if rest.endswith(f"-{p}")), "fp32")
+        rest = rest.removesuffix(f"-{precision}")
         checkpointing = rest.endswith("-gc")
         layout = rest.removesuffix("-gc")
+        precisions = {"gpupoor": ("fp32", "bf16", "auto"), "lf": ("fp32", "bf16"), "trl": ("fp32",)}
+        if precision not in precisions.get(tool, ()):
+            raise SystemExit(f"unknown side {name!r}: -bf16 and -auto are gpupoor's, -bf16 LLaMA-Factory's too")
         allowed = {"gpupoor": ("packed", "length_grouped", "random"), "trl": ("packed", "padded"),
                    "lf": ("packed", "neat")}
         if layout not in allowed.get(tool, ()):
             raise SystemExit(f"unknown side {name!r}: use gpupoor-{{packed,length_grouped,random}}[-gc], "
                              "trl-{packed,padded}[-gc] or lf-{packed,neat}[-gc]")
-        return cls(tool, layout, checkpointing)
+        return cls(tool, layout, checkpointing, precision)
 
     def label(self, extra: list[str], versions: dict[str, str]) -> str:
         """`versions`: check_prerequisites' peer versions."""
@@ -188,13 +198,14 @@ class Side:
                 "lf": f"LLaMA-Factory {versions.get('lf')} + peft {what}"}[self.tool]
         if self.tool == "gpupoor" and extra:
             name += f" ({', '.join(extra)})"
-        return name + (" + gradient checkpointing" if self.checkpointing else "")
+        precision = "" if self.precision == "fp32" else f", precision {self.precision}"
+        return name + (" + gradient checkpointing" if self.checkpointing else "") + precision
 
     def run(self, kit: Path, fixture: Path, extra: list[str]) -> dict:
         if self.tool == "gpupoor":
-            return run_gpupoor(kit, fixture, self.layout, self.checkpointing, extra)
+            return run_gpupoor(kit, fixture, self.layout, self.checkpointing, extra, precision=self.precision)
         if self.tool == "lf":
-            return run_llamafactory(kit, fixture, self.layout == "neat", self.checkpointing)
+            return run_llamafactory(kit, fixture, self.layout == "neat", self.checkpointing, self.precision == "bf16")
         return run_trl(kit, fixture, packing=self.layout == "packed", checkpointing=self.checkpointing)
 
 

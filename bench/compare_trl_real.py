@@ -39,8 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_llamafactory  # noqa: E402
 from compare_trl import (DEFAULT_SIDES, LF_PYTHON_HELP, SETTINGS, SIDES_HELP, Side, check_prerequisites,  # noqa: E402
-                         peer_names, result_sections, run_rounds)
-from machine import ROOT, Steady, shown_command, usable_cores, write_section  # noqa: E402
+                         med, peer_names, result_sections, run_rounds)
+from machine import ROOT, Steady, gflops, shown_command, usable_cores, write_section  # noqa: E402
 
 DEMO_ROWS = ROOT / "recipes" / "data" / "iso-dates-train.jsonl"
 # What a reader of an LF row must know (bench/peer_llamafactory.py's docstring says it all).
@@ -81,11 +81,26 @@ def build_real_fixture(rows: int | None = None) -> Path:
     return fixture
 
 
+def cpu_model() -> str:
+    """The CPU's model name and its bf16 matrix units (the figures depend on both), from /proc/cpuinfo."""
+    from gpupoor.cpu import bf16_units, cpu_flags
+
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    return f"{name}, bf16 units: {bf16_units(cpu_flags(info)) or 'none'}"
+
+
 def render(rounds: int, results: dict, sides: dict, rows: int, steady: Steady, command: str,
-           versions: dict[str, str], threads: int | None) -> str:
+           versions: dict[str, str], threads: int | None, model_dir: Path) -> str:
     threads_said = (f"{threads} thread{'s' if threads > 1 else ''} per side" if threads
                     else "each side's default threads")
-    lines = [f"### Real model: SmolLM2-135M-Instruct, gpupoor vs {peer_names(sides, versions)} (CPU, fp32, "
+    precisions = sorted({side.precision for side in sides.values()})
+    said = ", ".join(precisions) if precisions != ["fp32"] else "fp32"
+    cpu = cpu_model()
+    lines = [f"### Real model: SmolLM2-135M-Instruct, gpupoor vs {peer_names(sides, versions)} (CPU, {said}, "
              f"{threads_said})", "",
              f"`{command}` on {usable_cores()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}, "
              f"{threads_said}" + (" (OMP_NUM_THREADS, MKL_NUM_THREADS, gpupoor's training.cpu_threads)"
@@ -94,10 +109,46 @@ def render(rounds: int, results: dict, sides: dict, rows: int, steady: Steady, c
              "`make fetch-real`'s GGUF, dequantized once to an fp32 directory that every side loads; one epoch of "
              f"the real demo's {rows} training rows as prompt/completion text (the same text on every side); "
              f"micro batch {SETTINGS['batch']}, max_length {SETTINGS['seq']}, packed, LoRA r{SETTINGS['rank']} on "
-             "all linear layers, fp32; gradient checkpointing only where the row says so. Median (min-max) of "
+             f"all linear layers, {said} (the row says which: auto is bf16 on a CPU with bf16 matrix units); CPU "
+             f"{cpu}; gradient checkpointing only where the row says so. Median (min-max) of "
              f"{rounds} alternating rounds; columns as in the fixture tables above. "
              + (LF_NOTE if any(side.tool == "lf" for side in sides.values()) else "") + steady.summary(), ""]
-    return "\n".join(lines + result_sections(results, sides, steady)) + "\n"
+    return "\n".join(lines + result_sections(results, sides, steady)
+                     + matmul_peak_lines(results, sides, threads, model_dir)) + "\n"
+
+
+def matmul_flops_per_token(model_dir: Path, checkpointing: bool) -> float:
+    """The matmul work of a LoRA step per token on a frozen base: forward 2 x the linear and head parameters, the
+    backward's input gradients as much again (frozen weights need no weight gradient), and with checkpointing a
+    second forward. (Attention's own products and LoRA's rank-16 ones are left out: a few % here.)"""
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    linear = layers * (2 * hidden * heads * head_dim + 2 * hidden * kv + 3 * hidden * inter)
+    params = linear + config["vocab_size"] * hidden
+    return 2 * params * (3 if checkpointing else 2)
+
+
+def matmul_peak_lines(results: dict, sides: dict, threads: int | None, model_dir: Path) -> list[str]:
+    """How much of this CPU's matmul rate each side reaches: its tokens/s times the step's matmul work per token,
+    over a 2048^2 matmul's GFLOP/s in the dtype the side multiplies in (bf16 for gpupoor's bf16 or auto on a CPU
+    with units and LF's bf16: true; fp32 otherwise)."""
+    from gpupoor.cpu import this_cpus_bf16_units
+
+    peaks = {dtype: gflops(threads, dtype) for dtype in ("float32", "bfloat16")}
+    lines = ["", f"Matmul rate reached (2048^2 matmul probe: fp32 {peaks['float32']:.0f} GFLOP/s, bf16 "
+             f"{peaks['bfloat16']:.0f} GFLOP/s; work per token: forward and input-gradient matmuls of every linear "
+             "layer and the head, a second forward with checkpointing):", "",
+             "| run | matmul GFLOP/s reached | of the peak in its dtype |", "|---|---:|---:|"]
+    units = bool(this_cpus_bf16_units())
+    for label, side in sides.items():
+        bf16 = side.precision == "bf16" or (side.precision == "auto" and units)
+        dtype = "bfloat16" if bf16 else "float32"
+        reached = med(results[label], "tokens_per_s") * matmul_flops_per_token(model_dir, side.checkpointing) / 1e9
+        lines.append(f"| {label} | {reached:.0f} | {reached / peaks[dtype]:.0%} of {dtype} |")
+    return lines
 
 
 def main() -> None:
@@ -130,8 +181,10 @@ def main() -> None:
     results = run_rounds(sides, args.rounds, kit, fixture, extra, steady)
     command = shown_command("bench/compare_trl_real.py", sys.argv[1:])
     rows = json.loads((fixture / "fixture.json").read_text())["rows"]
-    body = render(args.rounds, results, sides, rows, steady, command, versions, args.threads)
-    key = "trl-real-smollm2" + (f"-t{args.threads}" if args.threads else "") + ("" if args.rows is None else "-partial")
+    body = render(args.rounds, results, sides, rows, steady, command, versions, args.threads, fixture / "model")
+    half = "-bf16" if any(side.precision != "fp32" for side in parsed) else ""  # its own section: fp32's stays
+    key = ("trl-real-smollm2" + half + (f"-t{args.threads}" if args.threads else "")
+           + ("" if args.rows is None else "-partial"))
     write_section(Path(args.doc), key, body)
     print(body)
 

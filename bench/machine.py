@@ -35,7 +35,8 @@ PROBE = f"""
 import sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
 n = {PROBE_SIZE}
-a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+dtype = getattr(torch, sys.argv[2] if len(sys.argv) > 2 else "float32")
+a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
 for _ in range(2):  # warm-up: the thread pool starts, the pages are touched
     torch.mm(a, b, out=c)
 started = time.perf_counter(); torch.mm(a, b, out=c); one = time.perf_counter() - started
@@ -52,9 +53,10 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def gflops(threads: int | None = None) -> float:
-    """fp32 matmul GFLOP/s of this machine right now, measured in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", PROBE, str(threads or usable_cores())], capture_output=True,
+def gflops(threads: int | None = None, dtype: str = "float32") -> float:
+    """Matmul GFLOP/s of this machine right now in `dtype` (fp32 unless said: bfloat16 for a CPU's bf16 units),
+    measured in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", PROBE, str(threads or usable_cores()), dtype], capture_output=True,
                          text=True, check=True)
     return float(out.stdout.strip())
 

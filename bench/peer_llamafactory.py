@@ -105,9 +105,10 @@ def write_dataset(fixture: Path) -> int:
                for row in alpaca for key in ("instruction", "output"))
 
 
-def write_config(fixture: Path, run_dir: Path, settings: dict, neat: bool, checkpointing: bool) -> Path:
+def write_config(fixture: Path, run_dir: Path, settings: dict, neat: bool, checkpointing: bool,
+                 bf16: bool = False) -> Path:
     """LF's training YAML (JSON is YAML) for one epoch of the fixture under the benchmark's settings; `neat`: the
-    block-diagonal packing."""
+    block-diagonal packing; `bf16`: LF's `bf16: true` (the base loaded in bf16, LoRA in fp32, autocast)."""
     config = {
         "model_name_or_path": str(fixture / "model"),
         "stage": "sft", "do_train": True, "finetuning_type": "lora",
@@ -116,26 +117,27 @@ def write_config(fixture: Path, run_dir: Path, settings: dict, neat: bool, check
         "cutoff_len": settings["seq"], "packing": True, "neat_packing": neat,
         "overwrite_cache": True, "dataloader_num_workers": 0,
         "per_device_train_batch_size": settings["batch"], "gradient_accumulation_steps": 1,
-        "learning_rate": 2.0e-4, "num_train_epochs": 1.0, "seed": 0, "bf16": False, "fp16": False,
+        "learning_rate": 2.0e-4, "num_train_epochs": 1.0, "seed": 0, "bf16": bf16, "fp16": False,
         "disable_gradient_checkpointing": not checkpointing,
         "output_dir": str(run_dir), "overwrite_output_dir": True, "save_strategy": "no", "logging_steps": 1,
         "report_to": "none",
     }
-    path = fixture / f"{run_name(neat, checkpointing)}.yaml"
+    path = fixture / f"{run_name(neat, checkpointing, bf16)}.yaml"
     path.write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 
-def run_name(neat: bool, checkpointing: bool) -> str:
-    return f"llamafactory{'-neat' if neat else ''}{'-gc' if checkpointing else ''}"
+def run_name(neat: bool, checkpointing: bool, bf16: bool = False) -> str:
+    return f"llamafactory{'-neat' if neat else ''}{'-gc' if checkpointing else ''}{'-bf16' if bf16 else ''}"
 
 
-def prepare(fixture: Path, settings: dict, neat: bool, checkpointing: bool) -> tuple[list[str], Path, int]:
+def prepare(fixture: Path, settings: dict, neat: bool, checkpointing: bool,
+            bf16: bool = False) -> tuple[list[str], Path, int]:
     """(the command to measure, its output directory, the epoch's tokens) for one LF run of the fixture."""
-    run_dir = fixture / f"run-{run_name(neat, checkpointing)}"
+    run_dir = fixture / f"run-{run_name(neat, checkpointing, bf16)}"
     shutil.rmtree(run_dir, ignore_errors=True)
     tokens = write_dataset(fixture)
-    config = write_config(fixture, run_dir, settings, neat, checkpointing)
+    config = write_config(fixture, run_dir, settings, neat, checkpointing, bf16)
     cli = Path(default_python()).parent / "llamafactory-cli"
     return [str(cli), "train", str(config)], run_dir, tokens
 
