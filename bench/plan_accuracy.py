@@ -11,12 +11,16 @@ repeated like everywhere else, and each row shows its probes.
     python bench/plan_accuracy.py [--only NAME,...] [--rounds 3] [--no-write] [--calibrate]
     python bench/plan_accuracy.py --calibrate-retention [--only NAME,...] [--at-once 3]
     python bench/plan_accuracy.py --real [--only NAME,...] [--no-write] [--at-once 3] [--reuse]
+    python bench/plan_accuracy.py --held-out [--only NAME,...] [--no-write] [--at-once 1] [--reuse]
+    python bench/plan_accuracy.py --calibrate-tokenizers
 
 About 10 minutes for the 8 recipes x 3 rounds on a 2-core machine (the first run also builds the models).
 `--real` plans and trains the real model instead (SmolLM2-135M-Instruct, `make fetch-real`; the demo's ISO-dates
 rows): one round, its recipes `--at-once` at a time (3), no probes. A peak is memory, not time, so runs side by side measure
 what they would alone, and one at a time they would take most of an hour on 2 cores (the GGUF alone loads in
-half a minute). Its own section of docs/benchmarks.md.
+half a minute). Its own section of docs/benchmarks.md. `--held-out` does the same for an architecture no constant
+was fitted on (Gemma 3 270M's shape, random weights; about 3 minutes a recipe, 5 GiB each), `--calibrate-tokenizers`
+measures what a loaded tokenizer keeps resident (gpupoor.plan.terms.TOKENIZER_BYTES; a minute or two).
 """
 
 from __future__ import annotations
@@ -112,6 +116,172 @@ DEEP_CALIBRATION = {f"calib-{model}-{knob}": (model, keys) for model in DEEP_MOD
 RETENTION_CALIBRATION = [*DEEP_CALIBRATION, *(name for name in CALIBRATION if "nf4" not in name)]
 
 
+# A held-out architecture (issue #42): a random-weight model of Gemma 3 270M's exact shape, its file in bf16 as the
+# real one is, with a synthetic tokenizer of the real one's size (262,144 ids, ~0.5M merges, loaded as a
+# GemmaTokenizer), trained on the demo's chat rows at 4 x 512 tokens, LoRA r16 on every linear, fp32. The control
+# has the same shape with SmolLM2's 49,152-id tokenizer (which transformers reads as it is): what the tokenizer adds.
+GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                   layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3, query_pre_attn_scalar=256,
+                   tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                   max_position_embeddings=32768, rope_theta=1e6, rope_local_base_freq=10000,
+                   final_logit_softcapping=None, attn_logit_softcapping=None)
+HELD_OUT_MODELS = {"gemma3-270m": "synthetic", "gemma3-270m-smollm2-tokenizer": "smollm2"}  # name: its tokenizer
+HELD_OUT = {  # name: (model, what it is, recipe keys)
+    "gemma3-270m-chat": ("gemma3-270m", "Gemma 3 270M's shape; a 262,144-id tokenizer that transformers rebuilds", {}),
+    "gemma3-270m-smollm2-tokenizer": ("gemma3-270m-smollm2-tokenizer",
+                                      "the same shape with SmolLM2's 49,152-id tokenizer, read as it is", {}),
+}
+GEMMA_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+                       "else m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# TOKENIZER_BYTES' calibration: (ids, layout) of synthetic tokenizers, each loaded as its model's own class
+# (rebuilt from Python copies) and as TokenizersBackend (tokenizer.json read as it is).
+TOKENIZER_CALIBRATION = {"bytelevel-49k": (49152, "bytelevel"), "bytelevel-152k": (151665, "bytelevel"),
+                         "sentencepiece-66k": (65536, "sentencepiece"), "sentencepiece-131k": (131072, "sentencepiece"),
+                         "sentencepiece-262k": (262144, "sentencepiece")}
+OWN_CLASS = {"bytelevel": "Qwen2Tokenizer", "sentencepiece": "GemmaTokenizer"}
+
+
+def synthetic_tokenizer(folder: Path, ids: int, layout: str, tokenizer_class: str) -> Path:
+    """A BPE tokenizer.json of `ids` ids at `folder`, saved to load as `tokenizer_class`. `sentencepiece`: laid out as
+    Gemma's (byte fallback, ▁ for spaces, its specials, ~1.9 merges per id: every piece x+y+z is made where x+y and
+    y+z are pieces too, and every split into two pieces is a merge, as transformers' SentencePiece converter lists
+    them; 262,144 ids give ~491k merges, Gemma 3's has 514,906). `bytelevel`: GPT-2's and Qwen's layout, one merge
+    per piece. Pieces are grown one character at a time from a ~150-character alphabet (6 characters on average)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    sentencepiece = layout == "sentencepiece"
+    rng = random.Random(0)
+    if sentencepiece:
+        specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>",
+                    *(f"<unused{i}>" for i in range(ids * 6242 // 262144))]
+        alphabet = ["▁", *map(chr, range(0x21, 0x7F)), *(chr(0x4E00 + k) for k in range(60))]
+        vocab = {token: i for i, token in enumerate(specials + [f"<0x{byte:02X}>" for byte in range(256)])}
+    else:
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        vocab = {token: i for i, token in enumerate(specials)}
+    vocab.update({char: len(vocab) + n for n, char in enumerate(alphabet)})
+    pieces, made_of = list(alphabet), {}
+
+    def add(piece: str, left: str, right: str) -> None:
+        if piece not in vocab and len(vocab) < ids:
+            vocab[piece] = len(vocab)
+            pieces.append(piece)
+            made_of[piece] = (left, right)
+
+    while len(vocab) < ids:  # longer pieces grow more often; common characters are added more often
+        grown = pieces[int(len(pieces) * rng.random() ** 0.5)]
+        char = alphabet[int(len(alphabet) * rng.random() ** 2)]
+        if grown in made_of:
+            add(made_of[grown][1] + char, made_of[grown][1], char)
+        add(grown + char, grown, char)
+    if sentencepiece:
+        merges = [(p[:i], p[i:]) for p in pieces for i in range(1, len(p)) if p[:i] in vocab and p[i:] in vocab]
+    else:
+        merges = [made_of[p] for p in pieces if p in made_of]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>" if sentencepiece else None,
+                                   byte_fallback=sentencepiece, fuse_unk=sentencepiece))
+    if sentencepiece:
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        tokens = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        tokens = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    backend.add_special_tokens(specials)
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": tokenizer_class, **tokens}))
+    if sentencepiece:
+        (folder / "chat_template.jinja").write_text(GEMMA_CHAT_TEMPLATE)
+    return folder
+
+
+def build_held_out_models() -> None:
+    """HELD_OUT_MODELS under WORK: random weights of GEMMA3_270M's shape (seed 0) in bf16, with their tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
+
+    for name, tokenizer_kind in HELD_OUT_MODELS.items():
+        target = WORK / name
+        if (target / "config.json").is_file():
+            continue
+        print(f"building {target} ...", flush=True)
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if tokenizer_kind == "synthetic":
+            source = synthetic_tokenizer(WORK / "tokenizers" / "gemma3-like", 262144, "sentencepiece", "GemmaTokenizer")
+        else:
+            from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+
+            source = dequantized_copy(real_model_path())
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        config = Gemma3TextConfig(**GEMMA3_270M, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+
+
+TOKENIZER_RESIDENT = """
+import ctypes, gc, sys
+import torch, transformers, peft, accelerate
+from transformers import AutoTokenizer
+libc = ctypes.CDLL("libc.so.6")
+def resident():
+    gc.collect(); libc.malloc_trim(0)  # what stays: freed memory back to the system first
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+before = resident()
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+print(resident() - before, type(tokenizer).__name__)
+"""
+
+
+def calibrate_tokenizers() -> None:
+    """What a loaded tokenizer keeps resident (TOKENIZER_BYTES): TOKENIZER_CALIBRATION's tokenizers loaded both ways,
+    and SmolLM2's where the real model is in the cache, each in a fresh process (gc and malloc_trim before and after
+    AutoTokenizer.from_pretrained); least squares over (ids, merges) per way."""
+    import os
+
+    import numpy
+
+    from gpupoor.plan.shape import tokenizer_size
+
+    folders = []
+    for name, (ids, layout) in TOKENIZER_CALIBRATION.items():
+        for tokenizer_class in (OWN_CLASS[layout], "TokenizersBackend"):
+            folder = WORK / "tokenizers" / f"{name}-{tokenizer_class}"
+            if not (folder / "tokenizer.json").is_file():
+                synthetic_tokenizer(folder, ids, layout, tokenizer_class)
+            folders.append(folder)
+    from gpupoor.commands.fetch_real import real_model_path
+
+    if real_model_path().is_file():
+        from gpupoor.commands.fetch_real import dequantized_copy
+
+        folders.append(dequantized_copy(real_model_path()))
+    points: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
+    for folder in folders:
+        out = subprocess.run([sys.executable, "-c", TOKENIZER_RESIDENT, str(folder)], capture_output=True, text=True,
+                             check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        resident, loaded_as = out.stdout.split()[-2:]
+        size = tokenizer_size(str(folder), folder)
+        points[size.rebuilt].append((size.rows, size.merges, int(resident)))
+        print(f"{folder.name:40s} {loaded_as:18s} {size.rows:7d} ids {size.merges:7d} merges: "
+              f"{int(resident) / 2**20:6.1f} MiB", flush=True)
+    for rebuilt, rows in points.items():
+        fit = numpy.linalg.lstsq(numpy.array([(ids, merges) for ids, merges, _ in rows], dtype=float),
+                                 numpy.array([resident for *_, resident in rows], dtype=float), rcond=None)[0]
+        worst = max(abs(ids * fit[0] + merges * fit[1] - resident) for ids, merges, resident in rows) / 2**20
+        print(f"{'rebuilt' if rebuilt else 'read as it is'}: {fit[0]:.0f} bytes per id + {fit[1]:.0f} per merge "
+              f"({len(rows)} tokenizers, worst {worst:.1f} MiB off)")
+
+
 def build_deep_models() -> None:
     """DEEP_MODELS under WORK, with the real model's tokenizer (its dequantized directory)."""
     from transformers import AutoTokenizer
@@ -172,6 +342,12 @@ def build_fixtures() -> None:
 def recipe_file(name: str) -> Path:
     if name in REAL_RECIPES:
         settings = real_settings(name)
+    elif name in HELD_OUT:
+        model, _, keys = HELD_OUT[name]
+        settings = {"model.name_or_path": str(WORK / model), "data.format": "chat", "data.max_length": 512,
+                    "data.path": str(ROOT / "recipes" / "data" / "iso-dates-train.jsonl"), "peft.rank": 16,
+                    "precision": "fp32", "training.micro_batch_size": 4, "training.max_steps": STEPS,
+                    "training.learning_rate": 1.0e-4, "logging.progress": "none", **keys}
     elif name in DEEP_CALIBRATION:
         model, keys = DEEP_CALIBRATION[name]
         settings = {"extends": str(ROOT / "recipes" / "smollm2-iso-dates.yaml"), "model.name_or_path": str(WORK / model),
@@ -341,6 +517,20 @@ def calibrate_retention(names: list[str], at_once: int, reuse: bool = False) -> 
 def real_accuracy(names: list[str], write: bool, at_once: int, reuse: bool = False) -> None:
     """The real model's rows: each recipe trained in its own fresh process, `at_once` side by side (one round, no
     probes), then planned; the table goes to its own section."""
+    side_by_side_accuracy(names, REAL_RECIPES, "what changes from the demo's recipe", "plan-accuracy-real", "--real",
+                          write, at_once, reuse)
+
+
+def held_out_accuracy(names: list[str], write: bool, at_once: int, reuse: bool = False) -> None:
+    """The held-out architecture's rows (HELD_OUT), like the real model's."""
+    build_held_out_models()
+    side_by_side_accuracy(names, HELD_OUT, "model", "plan-accuracy-held-out", "--held-out", write, at_once, reuse)
+
+
+def side_by_side_accuracy(names: list[str], table: dict[str, tuple], what: str, section: str, flag: str, write: bool,
+                          at_once: int, reuse: bool) -> None:
+    """Each recipe of `table` trained in its own fresh process, `at_once` side by side (one round, no probes), then
+    planned; the table goes to docs/benchmarks.md's `section`, its second column headed `what`."""
     import os
 
     rows = []
@@ -351,20 +541,20 @@ def real_accuracy(names: list[str], write: bool, at_once: int, reuse: bool = Fal
               f"error {predicted / max(steps) - 1:+.1%}  (after each step: {steps})", flush=True)
     if not write:
         return
-    command = f"python bench/plan_accuracy.py --real --at-once {at_once}" + (" --reuse" if reuse else "")
+    command = f"python bench/plan_accuracy.py {flag} --at-once {at_once}" + (" --reuse" if reuse else "")
     reused = " (--reuse: the recipes' latest runs planned again, nothing trained)" if reuse else ""
     lines = [f"Command: `{command}`{reused} ({platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} cores, torch CPU wheel; each recipe trains {STEPS} steps in a fresh process, the "
              f"recipes {at_once} at a time side by side, one round; measured = peak RSS of that `gpupoor train` process "
              "as metrics.jsonl records it: imports, loading and training).", "",
-             "| recipe | what changes from the demo's recipe | predicted MiB | measured MiB | error | "
-             "peak after each step MiB |", "|---|---|---:|---:|---:|---|"]
+             f"| recipe | {what} | predicted MiB | measured MiB | error | peak after each step MiB |",
+             "|---|---|---:|---:|---:|---|"]
     for name, predicted, measured, steps in rows:
-        lines.append(f"| {name} | {REAL_RECIPES[name][1]} | {predicted:.0f} | {measured:.0f} | "
+        lines.append(f"| {name} | {table[name][1]} | {predicted:.0f} | {measured:.0f} | "
                      f"{predicted / measured - 1:+.1%} | {', '.join(f'{p:.0f}' for p in steps)} |")
     worst = max(abs(p / m - 1) for _, p, m, _ in rows)
     lines += ["", f"Largest error {worst:.1%} over {len(rows)} recipes."]
-    write_section(ROOT / "docs" / "benchmarks.md", "plan-accuracy-real", "\n".join(lines))
+    write_section(ROOT / "docs" / "benchmarks.md", section, "\n".join(lines))
 
 
 def main() -> None:
@@ -380,7 +570,17 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="--calibrate-retention and --real: the peaks of the "
                         "runs already in build/plan-bench/runs, nothing trained (a refit, or a replan after a change)")
     parser.add_argument("--real", action="store_true", help="the real model's recipes (REAL_RECIPES) instead")
+    parser.add_argument("--held-out", action="store_true", help="the held-out architecture's recipes (HELD_OUT)")
+    parser.add_argument("--calibrate-tokenizers", action="store_true", help="measure what loaded tokenizers keep "
+                        "resident and print the fit (TOKENIZER_BYTES) they imply")
     args = parser.parse_args()
+    if args.calibrate_tokenizers:
+        calibrate_tokenizers()
+        return
+    if args.held_out:
+        held_out_accuracy([n for n in args.only.split(",") if n] or list(HELD_OUT), not args.no_write, args.at_once,
+                          args.reuse)
+        return
     if args.calibrate_retention:
         calibrate_retention([n for n in args.only.split(",") if n] or RETENTION_CALIBRATION, args.at_once, args.reuse)
         return

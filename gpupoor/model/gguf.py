@@ -55,6 +55,7 @@ class GGUFFacts:
     config: dict  # a config.json equivalent (transformers' key names), for plan and validate
     quantization: str  # the matrices' tensor types, most common first ("Q4_1, Q8_0")
     tokens: int  # entries of tokenizer.ggml.tokens (0: no tokenizer)
+    merges: int  # entries of tokenizer.ggml.merges (0: none, as in a SentencePiece unigram tokenizer)
     has_chat_template: bool
 
 
@@ -90,12 +91,13 @@ def _read(path: Path, size: int, mtime: int, ctime: int, key: str) -> GGUFFacts:
     tensor_names = {tensor.name for tensor in reader.tensors}
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    merges = len(reader.fields["tokenizer.ggml.merges"].data) if "tokenizer.ggml.merges" in reader.fields else 0
     if not isinstance(config.get("vocab_size"), int) and tokens:
         config["vocab_size"] = tokens  # llama.cpp leaves it out when it is the tokenizer's size
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors if len(tensor.shape) >= 2)
     return GGUFFacts(path=path, architecture=architecture, config=config,
                      quantization=", ".join(name for name, _ in types.most_common()) or "none",
-                     tokens=tokens, has_chat_template="tokenizer.chat_template" in reader.fields)
+                     tokens=tokens, merges=merges, has_chat_template="tokenizer.chat_template" in reader.fields)
 
 
 def _reader(path: Path, key: str):

@@ -9,8 +9,8 @@ from gpupoor.plan.distributed import distribute, distribution_notes
 from gpupoor.plan.result import Term
 from gpupoor.plan.settings import Settings, resolve_settings
 from gpupoor.plan.shape import Shape
-from gpupoor.plan.terms import (activation_bytes, heap_retention, loss_bytes, optimizer_bytes, reference_weight_bytes,
-                                teacher_weight_bytes, trainable_params, weight_bytes)
+from gpupoor.plan.terms import (DTYPE_BYTES, activation_bytes, heap_retention, loss_bytes, optimizer_bytes, reference_weight_bytes,
+                                teacher_weight_bytes, tokenizer_bytes, trainable_params, weight_bytes)
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import MiB, format_bytes
 
@@ -51,10 +51,12 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
         terms.insert(1, Term("reference_weights", *reference_weight_bytes(shape, s)))
     if s.device == "cpu":
         baseline = CPU_PROCESS_BASELINE + (CPU_BITSANDBYTES_BASELINE if uses_bitsandbytes else 0)
+        tokenizer, tokenizer_detail = tokenizer_bytes(shape)
         kept = heap_retention(shape, s, churn, shape.layer_linear_params * s.act_bytes if s.bits else 0)
-        terms.append(Term("overhead", baseline + kept,
-                          f"process baseline {baseline / MiB:.0f} MiB (Python, torch, libraries); freed "
-                          f"step memory the C heap keeps {kept / MiB:.0f} MiB"))
+        terms.append(Term("overhead", baseline + tokenizer + kept,
+                          f"process baseline {baseline / MiB:.0f} MiB (Python, torch, libraries); tokenizer "
+                          f"{tokenizer / MiB:.0f} MiB ({tokenizer_detail}); freed step memory the C heap keeps "
+                          f"{kept / MiB:.0f} MiB"))
     else:
         hopper = s.gpu_major is None or s.gpu_major >= 9
         workspace = 32 * MiB if hopper else 8 * MiB + 128 * 1024
@@ -73,7 +75,30 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
                            "each sequence's log-probability, so it adds nothing at the peak")
     if not s.fused_loss:
         assumptions.append(f"the plain loss: {s.loss_reason}")
-    return distribute(shape, s, terms), assumptions + distribution_notes(s)
+    terms = distribute(shape, s, terms)
+    loading = loading_term(shape, s, uses_bitsandbytes, terms)
+    return terms + ([loading] if loading else []), assumptions + distribution_notes(s)
+
+
+def loading_term(shape: Shape, s: Settings, uses_bitsandbytes: bool, terms: list[Term]) -> Term | None:
+    """On the CPU, a base whose file holds another dtype than the run's (an fp32 file trained in bf16) is read
+    from the memory-mapped file and converted tensor by tensor, and every page of the file it read stays resident
+    until the file is closed, beside the converted weights: the process's peak can be the load's, not a step's.
+    Measured on the real model's fp32 directory trained in bf16 with checkpointing: 1191 MiB at load against a
+    step's ~940 (the file 513 MiB + its bf16 copy 257 + the baseline). The excess over the step's terms, or None.
+    (A quantized base is loaded by bitsandbytes' own route; a GGUF's config names no file dtype.)"""
+    if s.device != "cpu" or s.bits is not None or shape.file_dtype in (None, s.precision):
+        return None
+    file_bytes = shape.total_params * DTYPE_BYTES[shape.file_dtype]
+    weights = next(t.bytes for t in terms if t.key == "base_weights")
+    baseline = (CPU_PROCESS_BASELINE + (CPU_BITSANDBYTES_BASELINE if uses_bitsandbytes else 0)
+                + tokenizer_bytes(shape)[0])  # the tokenizer is loaded before the model
+    excess = baseline + file_bytes + weights - sum(t.bytes for t in terms)
+    if excess <= 0:
+        return None
+    return Term("loading", excess, f"loading reads the {shape.file_dtype} file ({format_bytes(file_bytes)}) and "
+                f"converts it to {s.precision}: its pages stay resident beside the converted weights until it is "
+                "closed, a peak above the step's by this much")
 
 
 def uses_bitsandbytes(recipe: Recipe) -> bool:

@@ -19,7 +19,30 @@ BUNDLED_CONFIGS = Path(__file__).parent / "model_configs"
 # The linear modules of a Llama-family decoder layer: name -> (input features, output features) as a function
 # of the shape.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The RMSNorms of a decoder layer. Every family has the first two; in Llama's layout the second normalizes the
+# MLP's input. Gemma 2 and 3 wrap attention and MLP each in a pre- and a post-norm ("sandwich" norms): there the
+# second normalizes the attention's output and pre_feedforward_layernorm the MLP's input.
 NORMS = ("input_layernorm", "post_attention_layernorm")
+SANDWICH_NORMS = (*NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
+SANDWICH_NORM_MODELS = ("gemma2", "gemma3", "gemma3_text")
+# Qwen3 and Gemma 3 normalize every head's query and key (q_norm, k_norm: one head_dim-wide weight each, shared by
+# the heads) before the rotation.
+QK_NORMS = ("q_norm", "k_norm")
+QK_NORM_MODELS = ("qwen3", "gemma3", "gemma3_text")
+
+# The tokenizer classes transformers loads by handing tokenizer.json to the `tokenizers` library as it is; every
+# other class (GemmaTokenizer, Qwen2Tokenizer, LlamaTokenizer ...) is rebuilt from the vocabulary and merges
+# that transformers first reads into Python, and keeps those copies (transformers 5: TokenizersBackend).
+READ_AS_IS_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+@dataclass(frozen=True)
+class TokenizerSize:
+    """What decides a tokenizer's resident size: its ids, its BPE merges, and how transformers builds it."""
+
+    rows: int  # ids it can produce (vocabulary and added tokens)
+    merges: int  # BPE merges (none in a unigram model)
+    rebuilt: bool  # from Python copies of the vocabulary and merges (kept), rather than tokenizer.json as it is
 
 
 @dataclass(frozen=True)
@@ -38,7 +61,34 @@ class Shape:
     qkv_bias: bool
     file_dtype: str | None = None  # dtype of the weights on disk (config's dtype), fp32 | bf16 | fp16
     logit_postprocessing: str | None = None  # the config key that soft-caps or scales the logits (Gemma 2, Cohere)
-    tokenizer_rows: int | None = None  # ids the tokenizer can produce, when its files are at hand
+    tokenizer: TokenizerSize | None = None  # the tokenizer's size, when its files are at hand
+
+    @property
+    def tokenizer_rows(self) -> int | None:
+        """Ids the tokenizer can produce, when its files are at hand."""
+        return self.tokenizer.rows if self.tokenizer else None
+
+    @property
+    def norms(self) -> tuple[str, ...]:
+        """The layer's RMSNorms, q_norm and k_norm included where the family has them."""
+        return ((SANDWICH_NORMS if self.model_type in SANDWICH_NORM_MODELS else NORMS)
+                + (QK_NORMS if self.model_type in QK_NORM_MODELS else ()))
+
+    @property
+    def mlp_input_norm(self) -> str:
+        """The norm whose output the MLP's gate and up projections read."""
+        return "pre_feedforward_layernorm" if "pre_feedforward_layernorm" in self.norms else "post_attention_layernorm"
+
+    def norm_width(self, name: str) -> int:
+        """Values one norm normalizes per token: its input's width (q_norm and k_norm: every head's query or key)."""
+        return {"q_norm": self.q, "k_norm": self.kv}.get(name, self.hidden)
+
+    def norm_rows(self, name: str) -> int:
+        """Rows one norm normalizes per token, each with its own 1/rms: one, or every query or key head."""
+        return {"q_norm": self.heads, "k_norm": self.kv_heads}.get(name, 1)
+
+    def norm_params(self, name: str) -> int:
+        return self.head_dim if name in QK_NORMS else self.hidden
 
     @property
     def q(self) -> int:
@@ -64,7 +114,7 @@ class Shape:
 
     @property
     def layer_other_params(self) -> int:
-        return 2 * self.hidden + ((self.q + 2 * self.kv) if self.qkv_bias else 0)  # norms, biases
+        return sum(map(self.norm_params, self.norms)) + ((self.q + 2 * self.kv) if self.qkv_bias else 0)  # + biases
 
     @property
     def embedding_params(self) -> int:
@@ -80,11 +130,14 @@ class Shape:
 FILE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def tokenizer_rows(name_or_path: str, base_dir: Path) -> int | None:
-    """How many ids a local model's tokenizer can produce (tokenizer.json), or None when unknown."""
+def tokenizer_size(name_or_path: str, base_dir: Path) -> TokenizerSize | None:
+    """A local model's tokenizer's size (tokenizer.json, tokenizer_config.json), or None when unknown."""
     local = resolve_model_path(name_or_path, base_dir)
     if local is not None and gguf.is_gguf(str(local)):
-        return gguf.read_gguf(local).tokens or None
+        facts = gguf.read_gguf(local)
+        # transformers converts a GGUF's tokenizer into a TokenizersBackend, which keeps no Python copies
+        # (measured: SmolLM2's, 20 MiB)
+        return TokenizerSize(facts.tokens, facts.merges, rebuilt=False) if facts.tokens else None
     path = local / "tokenizer.json" if local is not None else None
     if path is None or not path.is_file():
         return None
@@ -93,8 +146,17 @@ def tokenizer_rows(name_or_path: str, base_dir: Path) -> int | None:
         vocab = data["model"]["vocab"]
         ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))
         ids |= {token["id"] for token in data.get("added_tokens", [])}
-        return len(ids)
-    except (ValueError, KeyError, TypeError):
+        merges = len(data["model"].get("merges") or [])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return TokenizerSize(len(ids), merges, _tokenizer_class(local) not in READ_AS_IS_TOKENIZERS)
+
+
+def _tokenizer_class(local: Path) -> str | None:
+    """tokenizer_config.json's tokenizer_class (None without one: transformers then picks the model type's own)."""
+    try:
+        return json.loads((local / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
         return None
 
 
@@ -103,7 +165,7 @@ TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def shape_from_config(config: dict, where: str, tokenizer_rows: int | None = None) -> Shape:
+def shape_from_config(config: dict, where: str, tokenizer: TokenizerSize | None = None) -> Shape:
     file_dtype = FILE_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
     config = config.get("text_config") or config  # multimodal wrappers keep the language model here
     moe = [key for key in MOE_KEYS if config.get(key)]
@@ -119,7 +181,7 @@ def shape_from_config(config: dict, where: str, tokenizer_rows: int | None = Non
             head_dim=config.get("head_dim") or hidden // heads, vocab=config["vocab_size"],
             tied=bool(config.get("tie_word_embeddings", config.get("model_type") in TIED_BY_DEFAULT)),
             qkv_bias=bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2",
-            file_dtype=file_dtype, tokenizer_rows=tokenizer_rows, logit_postprocessing=logit_postprocessing(config.get))
+            file_dtype=file_dtype, tokenizer=tokenizer, logit_postprocessing=logit_postprocessing(config.get))
     except KeyError as exc:
         raise UserError(f"{where}: the model config has no {exc.args[0]!r}: gpupoor plan models decoder-only "
                         "transformers of the Llama family (Llama, Qwen2/3, Mistral, Gemma ...)") from None
@@ -211,4 +273,4 @@ def load_shape(loaded: LoadedRecipe) -> tuple[Shape, str]:
     model = loaded.recipe.model
     named = gguf.joined(model.name_or_path, model.gguf_file)
     config, source = find_config(named, loaded.base_dir, model.revision)
-    return shape_from_config(config, source, tokenizer_rows(named, loaded.base_dir)), source
+    return shape_from_config(config, source, tokenizer_size(named, loaded.base_dir)), source

@@ -17,7 +17,7 @@ from dataclasses import replace
 from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.optimizers import state_per_parameter
 from gpupoor.plan.settings import Settings, what_trains
-from gpupoor.plan.shape import LINEARS, Shape
+from gpupoor.plan.shape import LINEARS, NORMS, Shape, TokenizerSize
 from gpupoor.plan.training import LayerTraining
 from gpupoor.units import MiB
 
@@ -53,11 +53,41 @@ TEACHER_FORWARD_VALUES = (4, 3.1)  # per token: (x hidden, x intermediate)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-# The inputs of a layer's linears: consumers of one tensor (the attention norm's output, the MLP norm's, the
-# MLP product), which in fp32 keep it once between them. o_proj's input is the attention output, counted apart.
-INPUT_GROUPS = ((("q_proj", "k_proj", "v_proj"), "input_layernorm"),
-                (("gate_proj", "up_proj"), "post_attention_layernorm"),
-                (("down_proj",), None))
+# What a loaded tokenizer keeps resident on the CPU, in bytes (per id, per BPE merge), by how transformers builds
+# it (gpupoor.plan.shape.TokenizerSize.rebuilt): a class of its own (GemmaTokenizer, Qwen2Tokenizer ...) rebuilds
+# it from Python copies of the vocabulary and merges and keeps them; TokenizersBackend hands tokenizer.json to
+# the `tokenizers` library as it is. Least squares over the resident size a tokenizer adds after gc and
+# malloc_trim in a process that imported torch and transformers, for synthetic byte-level (49k and 152k ids, a
+# merge each) and SentencePiece-style tokenizers (66k, 131k and 262k ids, ~1.9 merges each: Gemma 3's has 262,144
+# ids and 514,906 merges) loaded both ways, and SmolLM2's (49,152 ids): each within 3 MiB of the fit
+# (`python bench/plan_accuracy.py --calibrate-tokenizers`, docs/benchmarks.md). Gemma 3's: 266 MiB. The process
+# baseline (gpupoor.plan.peak) was measured with the test fixture's tokenizer (a few thousand ids: under 2 MiB).
+TOKENIZER_BYTES = {True: (204, 438), False: (246, 105)}  # rebuilt -> (per id, per merge)
+
+
+def input_groups(shape: Shape) -> tuple[tuple[tuple[str, ...], str | None], ...]:
+    """The inputs of a layer's linears: consumers of one tensor (the attention norm's output, the MLP norm's, the
+    MLP product), which in fp32 keep it once between them. o_proj's input is the attention output, counted apart."""
+    return ((("q_proj", "k_proj", "v_proj"), "input_layernorm"),
+            (("gate_proj", "up_proj"), shape.mlp_input_norm),
+            (("down_proj",), None))
+
+
+def norms_saved_per_token(shape: Shape, s: Settings) -> float:
+    """What a layer's RMSNorms keep for backward, per token: each its input and 1/rms per row. Under autocast the
+    input kept is the fp32 copy the norm computes in (Llama's, Qwen's and Gemma's norms all upcast)."""
+    width = 4 if s.half else s.act_bytes
+    return sum(shape.norm_width(name) * width + shape.norm_rows(name) * 4 for name in shape.norms)
+
+
+def tokenizer_bytes(shape: Shape) -> tuple[int, str]:
+    """What the tokenizer keeps resident (TOKENIZER_BYTES). One whose files are not at hand is taken as the model's
+    vocabulary with a merge per id, rebuilt (the model type's own class)."""
+    size = shape.tokenizer or TokenizerSize(shape.vocab, shape.vocab, rebuilt=True)
+    per_id, per_merge = TOKENIZER_BYTES[size.rebuilt]
+    how = "rebuilt by transformers" if size.rebuilt else "read as it is"
+    return (size.rows * per_id + size.merges * per_merge,
+            f"{size.rows:,} ids and {size.merges:,} merges, {how}" + ("" if shape.tokenizer else " (assumed)"))
 
 
 def weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
@@ -111,14 +141,16 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
     """Bytes autograd keeps for the backward pass of one decoder layer, per token of the micro-batch, for a
     layer that trains `layer` (default: the last layer, which every method trains) with gradients flowing in.
 
-    Counted from transformers' Llama-family layer (tests check it against saved-tensor hooks for each method):
-    RMSNorm keeps its input and 1/rms (a trained norm weight also its normalized input), attention keeps
-    rotated q, k, v, the output and the log-sum-exp (flash/SDPA) or the probabilities (eager), the gated MLP
+    Counted from transformers' Llama-family layer (tests check it against saved-tensor hooks for each method, and
+    on Gemma 3's layer): each RMSNorm keeps its input and 1/rms (a trained norm weight also its normalized input;
+    two norms a layer, four in Gemma 2 and 3, and q_norm and k_norm over every query and key head in Qwen3 and
+    Gemma 3), attention keeps rotated q, k, v, the output and the log-sum-exp (flash/SDPA) or the probabilities
+    (eager), the gated MLP
     keeps gate, up and act(gate). A linear keeps its input when its weight trains or it carries a LoRA/DoRA
     adapter (which also keeps its rank-r projection; DoRA also the base and LoRA outputs for the magnitude's
     gradient); IA3 keeps the unscaled output of an output-scaled module, the input of an input-scaled one.
     """
-    h, q, kv, i, heads = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
+    q, kv, heads = shape.q, shape.kv, shape.heads
     half, b = s.half, s.act_bytes
     method = s.method
     layer = layer if layer is not None else what_trains(shape, s).layers[-1]
@@ -126,14 +158,12 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
     feedforward = tuple(n for n in layer.adapters if n in s.training.feedforward) if method == "ia3" else ()
     out_scaled = tuple(n for n in layer.adapters if n not in feedforward) if method == "ia3" else ()
     lora_inputs = {name: shape.linear(name)[0] for name in lora}
-    total = 0.0
-    if half:
-        total += 2 * (4 * h + 4)  # RMSNorm upcasts its input to fp32 and keeps that copy, and 1/rms
+    total = norms_saved_per_token(shape, s)
     if half and not s.fused_mlp:
         # peft casts each LoRA input to the adapter's fp32 and autocast casts it back: every adapted module keeps
         # its own half-precision copy. (The fused functions compute in the base's half dtype: the fp32 count.)
         total += sum(lora_inputs.values()) * b
-        for members, norm in INPUT_GROUPS:
+        for members, norm in input_groups(shape):
             size = shape.linear(members[0])[0]
             trained = [n for n in members if n in layer.weights]
             # autocast casts a trained weight's input to half: an fp32 input (a norm's output when its fp32
@@ -143,18 +173,17 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
             if any(n in feedforward for n in members):  # IA3 scales it in its vector's fp32
                 total += size * 4
     else:
-        if not half:
-            total += 2 * (h * b + 4)  # each norm's input (the residual stream) and 1/rms
         if s.dropout:  # each adapter keeps its own dropped input instead of the shared one
             total += sum(lora_inputs.values()) * b
-        for members, _ in INPUT_GROUPS:
+        for members, _ in input_groups(shape):
             users = [n for n in members if (n in lora and not s.dropout) or n in layer.weights or n in feedforward]
             if s.fused_mlp and "gate_proj" in members:
                 users = members  # the fused MLP keeps its input for backward, adapters or not
             elif s.fused_mlp and "down_proj" in members:
                 users = []  # ... and recomputes the product down_proj reads
             total += min(len(users), 1) * shape.linear(members[0])[0] * b
-    total += len(layer.norms) * h * s.residual_bytes  # a trained norm weight's gradient needs its normalized input
+    # a trained norm weight's gradient needs its normalized input
+    total += sum(map(shape.norm_width, layer.norms)) * s.residual_bytes
     if s.dropout:  # the dropout mask: bool on CUDA, the scaled noise in the input's dtype on the CPU
         total += sum(lora_inputs.values()) * (1 if s.device == "cuda" else (4 if not half else b))
     total += len(lora_inputs) * s.rank * b  # x @ A, kept for the gradient of B
@@ -198,8 +227,13 @@ def layer_transient_bytes_per_token(shape: Shape, s: Settings) -> float:
 def layer_forward_temporaries_per_token(shape: Shape, s: Settings) -> float:
     """Bytes one layer's forward allocates and frees again (projections before rotation and before the
     LoRA sum, norm intermediates ...): counted with a dispatch-mode tally of every op output of transformers'
-    Llama layer with LoRA on every linear, minus what autograd keeps."""
-    return (9.75 * (shape.hidden + shape.q) + 10.5 * shape.kv + 6 * shape.intermediate) * s.act_bytes
+    Llama layer with LoRA on every linear, minus what autograd keeps. A norm beyond Llama's two (Gemma's sandwich
+    norms, q_norm and k_norm) adds its square and its normalized input per value and two steps of 1/rms per row
+    (tallied the same way on Gemma 3's layer: within 3% of the sum)."""
+    llama = 9.75 * (shape.hidden + shape.q) + 10.5 * shape.kv + 6 * shape.intermediate
+    extra_norms = sum(2 * (shape.norm_width(name) + shape.norm_rows(name))
+                      for name in shape.norms if name not in NORMS)
+    return (llama + extra_norms) * s.act_bytes
 
 
 def dora_weight_norm_bytes(shape: Shape, s: Settings, targets: tuple[str, ...]) -> int:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpupoor.decisions import ia3_modules, trained_layer_indices
-from gpupoor.plan.shape import LINEARS, NORMS, Shape
+from gpupoor.plan.shape import LINEARS, QK_NORMS, SANDWICH_NORMS, Shape
 
 # Where each sits in transformers' module tree, under model.layers.N.
-MODULE_PATHS = {**{name: f"self_attn.{name}" for name in LINEARS[:4]}, **{name: f"mlp.{name}" for name in LINEARS[4:]},
-                **{name: name for name in NORMS}}
+MODULE_PATHS = {**{name: f"self_attn.{name}" for name in LINEARS[:4] + QK_NORMS},
+                **{name: f"mlp.{name}" for name in LINEARS[4:]}, **{name: name for name in SANDWICH_NORMS}}
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ def module_table(shape: Shape) -> list[tuple[str, int, str]]:
     for j in range(shape.layers):
         table += [(f"model.layers.{j}.{MODULE_PATHS[name]}", shape.linear_params(name), f"{j}.{name}")
                   for name in LINEARS]
-        table += [(f"model.layers.{j}.{name}", shape.hidden, f"{j}.{name}") for name in NORMS]
+        table += [(f"model.layers.{j}.{MODULE_PATHS[name]}", shape.norm_params(name), f"{j}.{name}")
+                  for name in shape.norms]
     table += [("model.norm", shape.hidden, "norm"),
               ("lm_head", shape.embedding_params, "embedding" if shape.tied else "head")]
     return table
@@ -81,7 +82,7 @@ def resolve_training(shape: Shape, peft) -> Training:
         trained = {tensor: params for module, params, tensor in table
                    if everything or module.startswith(prefixes) or (module, params, tensor) in saved}
         layers = tuple(LayerTraining(weights=tuple(n for n in LINEARS if f"{j}.{n}" in trained),
-                                     norms=tuple(n for n in NORMS if f"{j}.{n}" in trained))
+                                     norms=tuple(n for n in shape.norms if f"{j}.{n}" in trained))
                        for j in range(shape.layers))
         return Training("full", layers, sum(trained.values()), "embedding" in trained,
                         ("embedding" if shape.tied else "head") in trained,
@@ -101,7 +102,7 @@ def resolve_training(shape: Shape, peft) -> Training:
                 if module.startswith("model.layers.")}
     layers = tuple(LayerTraining(adapters=targets if j in indices else (),
                                  weights=tuple(n for n in LINEARS if f"{j}.{n}" in in_layer),
-                                 norms=tuple(n for n in NORMS if f"{j}.{n}" in in_layer))
+                                 norms=tuple(n for n in shape.norms if f"{j}.{n}" in in_layer))
                    for j in range(shape.layers))
     params = len(indices) * sum(per_module.values()) + sum(params for _, params, _ in saved)  # peft's copies
     names = {module for module, _, _ in saved}

@@ -230,8 +230,8 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
 
     from gpupoor import faults
     from gpupoor.data.build import build_data
-    from gpupoor.decisions import Choice, choose_resumed_precision, choose_strategy, launch_layout
-    from gpupoor.hardware import resolve_attention, resolve_device, resolve_precision, resolve_sampler
+    from gpupoor.decisions import choose_strategy, launch_layout
+    from gpupoor.hardware import resolve_attention, resolve_device, resolve_sampler
     from gpupoor.model.build import build_model, summarize
     from gpupoor.model.fast_paths import apply_fast_paths
     from gpupoor.model.load import load_tokenizer, model_location
@@ -242,12 +242,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     clock.mark("libraries")
     device = resolve_device(recipe.training.device)
     processes, nodes = launch_layout(os.environ)
-    # Several processes decide on the CPU's flags alone: each measuring for itself could disagree.
-    requested = choose_resumed_precision(recipe.precision, device.value, trained_in)
-    precision, _ = resolve_precision(requested.value, device.value, measure=processes == 1,
-                                            dims=lambda: _probe_dims(recipe))
-    if requested.value != recipe.precision:
-        precision = Choice(precision.value, requested.reason, precision.warning)
+    precision = _decide_precision(recipe, device.value, processes, trained_in)
     attention = resolve_attention(recipe.model.attention, device.value)
     strategy = choose_strategy(recipe.distributed.strategy, processes)
     # The Accelerator first: under `accelerate launch` it says which GPU this process owns.
@@ -303,6 +298,20 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
                    unwrapped=accelerator.unwrap_model(prepared_model), raw_optimizer=raw_optimizer,
                    optimizer=optimizer, steps=steps, warmup=warmup_steps(recipe.training, steps), summary=summary,
                    nodes=nodes, teacher=teacher, reference=reference, startup=clock)
+
+
+def _decide_precision(recipe: Recipe, device: str, processes: int, trained_in: str | None):
+    """The precision Choice: what the recipe asks, or for a resume on the CPU what its checkpoint was written in
+    (gpupoor.decisions.choose_resumed_precision). Several processes decide on the CPU's flags alone: each
+    measuring for itself could disagree."""
+    from gpupoor.decisions import Choice, choose_resumed_precision
+    from gpupoor.hardware import resolve_precision
+
+    requested = choose_resumed_precision(recipe.precision, device, trained_in)
+    precision, _ = resolve_precision(requested.value, device, measure=processes == 1, dims=lambda: _probe_dims(recipe))
+    if requested.value != recipe.precision:
+        return Choice(precision.value, requested.reason, precision.warning)
+    return precision
 
 
 def _probe_dims(recipe: Recipe) -> tuple[int, int]:
