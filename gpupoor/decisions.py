@@ -118,11 +118,13 @@ def _cpu_precision(requested: str, cpu: CpuBf16) -> Choice:
     if requested == "fp32":
         return Choice("fp32", "precision: fp32")
     if requested == "bf16":
-        if cpu.units or cpu.speedup is None or cpu.speedup >= 1:
+        if cpu.units or (cpu.speedup is not None and cpu.speedup >= 1):
             return Choice("bf16", "precision: bf16" + (f"; CPU has {cpu.units}{measured}" if cpu.units else ""))
+        cost = (f"bf16 matmuls measured {1 / cpu.speedup:.1f}x slower than fp32 here" if cpu.speedup is not None
+                else "bf16 matmuls are emulated there (6-84x slower than fp32 where measured)")
         return Choice("bf16", "precision: bf16 on a CPU without bf16 matrix units",
-                      warning=f"precision: bf16 on a CPU without bf16 matrix units: bf16 matmuls measured "
-                              f"{1 / cpu.speedup:.0f}x slower than fp32 here; precision: auto trains in fp32")
+                      warning=f"precision: bf16 on a CPU without bf16 matrix units: {cost}; precision: fp32 (or "
+                              "auto, for a new run) trains in fp32")
     if not cpu.units:
         return Choice("fp32", "CPU has no bf16 matrix units: fp32")
     if cpu.speedup is None:
@@ -132,12 +134,14 @@ def _cpu_precision(requested: str, cpu: CpuBf16) -> Choice:
     return Choice("bf16", f"CPU has {cpu.units}{measured}")
 
 
-def choose_resumed_precision(requested: str, device: str, trained_in: str | None) -> Choice:
-    """What a resumed run asks for: on a CPU, `auto` keeps the precision its checkpoint was written in (auto
-    decided it at the run's start, on that machine's CPU), so that a run preempted on a CPU with bf16 units and
-    resumed on one without (or the other way round) goes on as it started instead of changing its trajectory.
-    (On a GPU, `auto` decides again: a run moved from an A100 to a T4 must go on in fp16.)"""
-    if requested == "auto" and device == "cpu" and trained_in in ("fp32", "bf16"):
+def choose_resumed_precision(requested: str, device: str, trained_in: str | None,
+                             trained_on: str | None) -> Choice:
+    """What a resumed run asks for: on a CPU, `auto` keeps the precision its checkpoint was written in on a CPU
+    (`trained_on`: the checkpoint's device; auto decided it at the run's start, on that machine's CPU), so that
+    a run preempted on a CPU with bf16 units and resumed on one without (or the other way round) goes on as it
+    started instead of changing its trajectory. A checkpoint from a GPU moved to a CPU, and any run on a GPU,
+    decides again (an A100's bf16 run on a T4 must go on in fp16)."""
+    if requested == "auto" and device == "cpu" and trained_on == "cpu" and trained_in in ("fp32", "bf16"):
         return Choice(trained_in, f"precision auto chose {trained_in} at the run's start: a resume keeps it; "
                                   "--set precision=... --force changes it")
     return Choice(requested, "")
@@ -256,7 +260,7 @@ class FusedPaths:
 
 
 def choose_fused_paths(enabled: bool, family: str | None, method: str, dropout: float, bits: int | None,
-                       precision: str, attention: str, device: str = "cpu") -> FusedPaths:
+                       precision: str, attention: str, device: str) -> FusedPaths:
     """The fused LoRA linears and gated MLP compute in the frozen base's dtype: fp32, or on a CPU bf16 (its
     fp32 adapters cast to bf16 for the matmuls, their gradients back to fp32). On a GPU a half-precision base keeps
     peft's modules: the fused functions in half precision are measured on CPUs only so far."""
@@ -268,7 +272,8 @@ def choose_fused_paths(enabled: bool, family: str | None, method: str, dropout: 
     dtype_fits = precision == "fp32" or (precision == "bf16" and device == "cpu")
     why_not_mlp = ("" if method == "lora" and not dropout and bits is None and dtype_fits else
                    f"peft.method {method}" if method != "lora" else "peft.dropout > 0" if dropout else
-                   "a quantized base" if bits is not None else f"{precision} weights under fp32 adapters on a GPU")
+                   "a quantized base" if bits is not None else
+                   f"{precision} weights under fp32 adapters" + (" on a GPU" if device != "cpu" else ""))
     reasons = [f"LoRA linears and MLP as loaded ({why_not_mlp})" if why_not_mlp else "",
                "" if attention == "sdpa" else f"attention {attention} as loaded"]
     return FusedPaths(not why_not_mlp, attention == "sdpa", "; ".join(filter(None, reasons)))

@@ -47,11 +47,11 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
     weights = locate_weights(path, checkpoint)
 
     def compute_in(trained: str | None):
-        """(the Choice, the dtype to load in): the precision the run trained in where this device has it; on a
-        CPU, bf16 where its matrix units multiply faster (gpupoor.decisions.choose_inference_precision). A model
-        directory on a GPU keeps its file's dtype."""
+        """(the Choice, the dtype to load a model in): on a CPU, bf16 where its matrix units multiply faster, else
+        fp32 (gpupoor.decisions.choose_inference_precision); on a GPU a model keeps its file's dtype (a full run's
+        fp32 masters too) and an adapter's base loads in the precision the run trained in."""
         choice = resolve_inference_precision(target, trained)
-        return choice, dtype_of(choice.value) if target == "cpu" or trained else "auto"
+        return choice, dtype_of(choice.value) if target == "cpu" else "auto"
 
     if weights.run_dir is not None and not weights.is_adapter:  # a full fine-tune: a model
         weights.verify()

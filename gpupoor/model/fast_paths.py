@@ -11,11 +11,12 @@ from gpupoor.model.packed_attention import use_packed_attention
 
 
 def apply_fast_paths(model, enabled: bool, *, method: str = "lora", dropout: float = 0.0, bits: int | None = None,
-                     precision: str = "fp32", device: str = "cpu") -> Choice:
+                     precision: str = "fp32") -> Choice:
     """Install on `model` (peft-wrapped or not) the fast paths the recipe's settings allow; the choice and why,
     for the summary. Each installed module still checks per call and hands over to the plain one where its
     arithmetic is not plain LoRA on a frozen dense base (a DPO reference pass with the adapter off, say)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    device = next(base.parameters()).device.type  # where the model computes (it is on its device by now)
     paths = choose_fused_paths(enabled, getattr(base.config, "model_type", None), method, dropout, bits, precision,
                                base.config._attn_implementation, device)
     if not (paths.mlp or paths.attention):

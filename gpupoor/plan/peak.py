@@ -14,9 +14,10 @@ from gpupoor.plan.terms import (DTYPE_BYTES, activation_bytes, heap_retention, l
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import MiB, format_bytes
 
-# What a CPU process holds before the first tensor: Python, torch, transformers, peft, accelerate, the
-# tokenizer and gpupoor, as resident memory. Measured on the CI machine (torch 2.13 CPU wheel): 387 MiB after
-# the imports, 416 MiB once the tokenizer and a small dataset are loaded. bitsandbytes adds its own.
+# What a CPU process holds before the first tensor: Python, torch, transformers, peft, accelerate and gpupoor,
+# as resident memory. Measured on the CI machine (torch 2.13 CPU wheel): 387 MiB after the imports, 416 MiB once
+# the test fixture's tokenizer (a few thousand ids: under 2 MiB) and a small dataset are loaded. A real
+# tokenizer is its own term (gpupoor.plan.terms.tokenizer_bytes). bitsandbytes adds its own.
 CPU_PROCESS_BASELINE = 416 * MiB
 CPU_BITSANDBYTES_BASELINE = 60 * MiB
 # Fraction of the live tensors that torch's CUDA caching allocator holds on top as reserved-but-free
@@ -86,11 +87,17 @@ def loading_term(shape: Shape, s: Settings, uses_bitsandbytes: bool, terms: list
     until the file is closed, beside the converted weights: the process's peak can be the load's, not a step's.
     Measured on the real model's fp32 directory trained in bf16 with checkpointing: 1191 MiB at load against a
     step's ~940 (the file 513 MiB + its bf16 copy 257 + the baseline). The excess over the step's terms, or None.
-    (A quantized base is loaded by bitsandbytes' own route; a GGUF's config names no file dtype.)"""
-    if s.device != "cpu" or s.bits is not None or shape.file_dtype in (None, s.precision):
+    (A quantized base is loaded by bitsandbytes' own route; a GGUF's config names no file dtype.) Counted only
+    where it was measured: a file wider than the run's dtype. The other way (a bf16 file trained in fp32) a
+    270M Gemma's load peaked at 1,984 MiB where this sum says 2,280, and its steps far above either. The pages
+    are clean file cache: the kernel can drop them under pressure, so this is the peak RSS, not a hard need.
+    Every process loads the whole base before FSDP shards it: the whole weights count."""
+    if s.device != "cpu" or s.bits is not None or shape.file_dtype is None:
+        return None
+    if DTYPE_BYTES[shape.file_dtype] <= DTYPE_BYTES[s.precision]:
         return None
     file_bytes = shape.total_params * DTYPE_BYTES[shape.file_dtype]
-    weights = next(t.bytes for t in terms if t.key == "base_weights")
+    weights, _ = weight_bytes(shape, s)
     baseline = (CPU_PROCESS_BASELINE + (CPU_BITSANDBYTES_BASELINE if uses_bitsandbytes else 0)
                 + tokenizer_bytes(shape)[0])  # the tokenizer is loaded before the model
     excess = baseline + file_bytes + weights - sum(t.bytes for t in terms)

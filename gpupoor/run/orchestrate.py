@@ -207,7 +207,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
     from gpupoor.train.state import restore_rng
 
     session = build_session(recipe, run_dir, smoke=smoke, say=say, resuming=checkpoint is not None, clock=clock,
-                            trained_in=checkpoint.manifest.get("precision") if checkpoint is not None else None)
+                            trained_in=checkpoint.manifest if checkpoint is not None else None)
     session.recipe_to_store = recipe_to_store
     if not session.main:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports

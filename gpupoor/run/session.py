@@ -97,9 +97,11 @@ def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> i
     return max(1, math.ceil(epochs * batches_per_epoch / per_step))
 
 
-def make_accelerator(device: str, precision: str, strategy: str = "single"):
+def make_accelerator(device: str, precision: str, strategy: str = "single", threads=None):
     """The Accelerator: one process, or several under torchrun / accelerate launch. It prepares DDP itself;
-    FSDP is applied by gpupoor.train.distributed.shard_model (accelerate builds FSDP on accelerators only)."""
+    FSDP is applied by gpupoor.train.distributed.shard_model (accelerate builds FSDP on accelerators only).
+    `threads`: the CPU threads Choice, set again after accelerate's start-up (which sets its own for several
+    CPU processes when OMP_NUM_THREADS is unset)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -116,6 +118,10 @@ def make_accelerator(device: str, precision: str, strategy: str = "single"):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         accelerator.scaler = ShardedGradScaler()
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(int(threads.value))
     return accelerator
 
 
@@ -219,10 +225,10 @@ def _config_dtype_holds_every_weight(directory: Path, model) -> None:
 
 
 def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: bool = False,
-                  clock=None, trained_in: str | None = None) -> Session:
+                  clock=None, trained_in: dict | None = None) -> Session:
     """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed.
-    `resuming`: a checkpoint's weights will replace the starting ones. `clock`: a gpupoor.run.startup.StartupClock
-    already running (a new one otherwise). `trained_in`: the precision the checkpoint was written in."""
+    `resuming`: a checkpoint's weights will replace the starting ones (`trained_in`: its manifest). `clock`: a
+    gpupoor.run.startup.StartupClock already running (a new one otherwise)."""
     from gpupoor.run.startup import StartupClock
 
     clock = clock or StartupClock()
@@ -242,16 +248,15 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     clock.mark("libraries")
     device = resolve_device(recipe.training.device)
     processes, nodes = launch_layout(os.environ)
+    # The threads before the precision: the CPU's matmul probe must run at the thread count training will.
+    threads = _use_cpu_cores(recipe.training.cpu_threads) if device.value == "cpu" else None
     precision = _decide_precision(recipe, device.value, processes, trained_in)
     attention = resolve_attention(recipe.model.attention, device.value)
     strategy = choose_strategy(recipe.distributed.strategy, processes)
     # The Accelerator first: under `accelerate launch` it says which GPU this process owns.
-    accelerator = make_accelerator(device.value, precision.value, strategy.value)
+    accelerator = make_accelerator(device.value, precision.value, strategy.value, threads)
     if not accelerator.is_main_process:
         say = lambda *args, **kwargs: None  # noqa: E731 -- one process reports
-    if precision.warning:
-        say(f"warning: {precision.warning}")
-    threads = _use_cpu_cores(recipe.training.cpu_threads) if device.value == "cpu" else None
     torch.manual_seed(recipe.seed)
 
     location = model_location(recipe.model, Path.cwd())  # a local directory (built-ins built) or a hub id
@@ -261,14 +266,15 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     data = build_data(recipe.data, tokenizer, micro_batch_size=recipe.training.micro_batch_size, seed=recipe.seed,
                       base_dir=Path.cwd(), sampler=sampler.value, resuming=resuming)
     clock.mark("data")
-    for warning in data.warnings:
-        say(f"warning: {warning}")
+    for warning in [precision.warning, *data.warnings]:
+        if warning:
+            say(f"warning: {warning}")
     _keep_chat_template(recipe, tokenizer)
     model = build_model(location, recipe.model, recipe.peft, quant=recipe.quantization, memory=recipe.memory,
                         precision=precision.value, attention=attention.value, device=str(accelerator.device),
                         seed=recipe.seed, smoke=smoke, resuming=resuming)
     fused = apply_fast_paths(model, recipe.model.fused_layers, method=recipe.peft.method, dropout=recipe.peft.dropout,
-                             bits=recipe.quantization.bits, precision=precision.value, device=device.value)
+                             bits=recipe.quantization.bits, precision=precision.value)
     summary = summarize(model)
     built_on = {"precision": precision.value, "attention": attention.value, "device": str(accelerator.device),
                 "smoke": smoke}
@@ -300,14 +306,15 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
                    nodes=nodes, teacher=teacher, reference=reference, startup=clock)
 
 
-def _decide_precision(recipe: Recipe, device: str, processes: int, trained_in: str | None):
+def _decide_precision(recipe: Recipe, device: str, processes: int, trained_in: dict | None):
     """The precision Choice: what the recipe asks, or for a resume on the CPU what its checkpoint was written in
     (gpupoor.decisions.choose_resumed_precision). Several processes decide on the CPU's flags alone: each
     measuring for itself could disagree."""
     from gpupoor.decisions import Choice, choose_resumed_precision
     from gpupoor.hardware import resolve_precision
 
-    requested = choose_resumed_precision(recipe.precision, device, trained_in)
+    trained = trained_in or {}
+    requested = choose_resumed_precision(recipe.precision, device, trained.get("precision"), trained.get("device"))
     precision, _ = resolve_precision(requested.value, device, measure=processes == 1, dims=lambda: _probe_dims(recipe))
     if requested.value != recipe.precision:
         return Choice(precision.value, requested.reason, precision.warning)

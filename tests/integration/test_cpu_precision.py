@@ -44,7 +44,7 @@ def test_auto_keeps_fp32_where_the_units_measure_too_little(make_recipe, tmp_pat
 
 def test_bf16_on_a_cpu_without_units_trains_with_one_warning(make_recipe, tmp_path, monkeypatch):
     run, output = train(make_recipe, tmp_path, monkeypatch, "none:0.02", precision="bf16")
-    assert output.count("warning: precision: bf16 on a CPU without bf16 matrix units: bf16 matmuls measured 50x "
+    assert output.count("warning: precision: bf16 on a CPU without bf16 matrix units: bf16 matmuls measured 50.0x "
                         "slower than fp32 here") == 1
     assert "precision bf16 (precision: bf16 on a CPU without bf16 matrix units)" in output
     assert json.loads((run / "final" / "manifest.json").read_text())["precision"] == "bf16"
@@ -72,8 +72,24 @@ def test_a_resume_keeps_the_precision_auto_chose_at_the_start(make_recipe, tmp_p
     resumed = invoke("resume", run)
     assert resumed.exit_code == 0, resumed.output
     assert "precision bf16 (precision auto chose bf16 at the run's start: a resume keeps it" in resumed.output
-    assert resumed.output.count("measured 20x slower than fp32") == 1
+    assert resumed.output.count("measured 20.0x slower than fp32") == 1
     assert json.loads((run / "final" / "manifest.json").read_text())["precision"] == "bf16"
     planned = json.loads(invoke("plan", make_recipe(precision="bf16"), "--json").output)["peak_bytes"]
     predicted = [r["predicted_peak_mb"] for r in read_metrics(run) if "predicted_peak_mb" in r]
     assert predicted and all(mb == round(planned / 2**20, 1) for mb in predicted)
+
+
+def test_exports_perplexity_follows_the_rule_and_says_so(make_recipe, tmp_path, monkeypatch):
+    """On a CPU with units the quality table is computed in bf16 (the reference and each file alike, so the f32
+    file still reads exactly the merged model's perplexity), and quality.json records it."""
+    run = tmp_path / "run"
+    result = invoke("train", make_recipe(data={"eval_rows": 8}, training={"max_steps": 2}), "--output-dir", run)
+    assert result.exit_code == 0, result.output
+    monkeypatch.setenv(PIN_VARIABLE, "AMX bf16:7.6")
+    exported = invoke("export", run, "-q", "f32", "-q", "q8_0")
+    assert exported.exit_code == 0, exported.output
+    assert "computing in bf16 (CPU has AMX bf16: bf16 matmuls 7.6x fp32)" in exported.output
+    report = json.loads((run / "gguf" / "run.quality.json").read_text())
+    assert report["eval"]["computed_in"] == "bf16"
+    rows = {row["type"]: row["perplexity"] for row in report["rows"]}
+    assert rows["f32"] == rows["full precision"] and all(value > 1 for value in rows.values())

@@ -31,7 +31,7 @@ def test_explicit_precisions_stand_and_bf16_without_units_warns_with_the_measure
     assert with_units.value == "bf16" and not with_units.warning
     emulated = decisions.choose_precision("bf16", "cpu", None, CpuBf16("", 0.02))
     assert emulated.value == "bf16"
-    assert "measured 50x slower than fp32" in emulated.warning and "auto trains in fp32" in emulated.warning
+    assert "measured 50.0x slower than fp32" in emulated.warning and "precision: fp32" in emulated.warning
     with pytest.raises(UserError, match="precision = 'fp16' needs a CUDA GPU") as fp16:
         decisions.choose_precision("fp16", "cpu", None, AMX)
     assert "bf16" in fp16.value.hint
@@ -108,8 +108,24 @@ def test_the_probe_measures_this_cpu(monkeypatch):
 
 
 def test_a_resume_on_the_cpu_keeps_the_precision_auto_chose_at_the_start():
-    kept = decisions.choose_resumed_precision("auto", "cpu", "bf16")
+    kept = decisions.choose_resumed_precision("auto", "cpu", "bf16", "cpu")
     assert kept.value == "bf16" and "a resume keeps it" in kept.reason
-    assert decisions.choose_resumed_precision("fp32", "cpu", "bf16").value == "fp32"  # an explicit change stands
-    assert decisions.choose_resumed_precision("auto", "cuda", "bf16").value == "auto"  # a GPU decides again
-    assert decisions.choose_resumed_precision("auto", "cpu", None).value == "auto"  # a new run
+    assert decisions.choose_resumed_precision("fp32", "cpu", "bf16", "cpu").value == "fp32"  # an explicit change stands
+    assert decisions.choose_resumed_precision("auto", "cuda", "bf16", "cuda").value == "auto"  # a GPU decides again
+    assert decisions.choose_resumed_precision("auto", "cpu", None, None).value == "auto"  # a new run
+
+
+def test_the_fused_layers_compute_in_bf16_on_a_cpu_only():
+    on_cpu = decisions.choose_fused_paths(True, "llama", "lora", 0.0, None, "bf16", "sdpa", "cpu")
+    on_gpu = decisions.choose_fused_paths(True, "llama", "lora", 0.0, None, "bf16", "sdpa", "cuda")
+    assert on_cpu.mlp and not on_gpu.mlp and "bf16 weights under fp32 adapters on a GPU" in on_gpu.reason
+    assert on_gpu.attention  # the per-example attention runs in any dtype
+
+
+def test_a_resume_decides_again_where_the_checkpoint_came_from_a_gpu():
+    assert decisions.choose_resumed_precision("auto", "cpu", "bf16", trained_on="cuda").value == "auto"
+
+
+def test_multiple_processes_warn_of_emulated_bf16_on_the_flags_alone():
+    unmeasured = decisions.choose_precision("bf16", "cpu", None, CpuBf16(""))
+    assert unmeasured.value == "bf16" and "emulated" in unmeasured.warning

@@ -174,7 +174,7 @@ def test_other_families_settings_that_change_the_arithmetic_and_the_switch_keep_
     choice = apply_fast_paths(gpt2, True)
     assert choice.value == "off" and "gpt2 is not one of llama, qwen2, mistral, gemma" in choice.reason
     assert "forward" not in vars(gpt2.get_base_model().transformer.h[0].mlp)
-    for settings, why in (({"dropout": 0.1}, "peft.dropout > 0"), ({"precision": "bf16", "device": "cuda"}, "bf16 weights"),
+    for settings, why in (({"dropout": 0.1}, "peft.dropout > 0"), ({"precision": "fp16"}, "fp16 weights"),
                           ({"bits": 4}, "a quantized base"), ({"method": "dora"}, "peft.method dora")):
         choice = apply_fast_paths(with_lora(tiny_family("llama")), True, **settings)
         assert why in choice.reason and "LoRA linears x" not in choice.reason, choice.reason
@@ -306,7 +306,7 @@ def test_fused_layers_in_bf16_keep_the_loss_within_bf16s_rounding_and_cast_less_
     batch = packed_batch()
     expected_loss, expected_grads = loss_and_grads(reference, batch)
     plain, fused = bf16_copy(reference), bf16_copy(reference)
-    choice = apply_fast_paths(fused, True, precision="bf16", device="cpu")
+    choice = apply_fast_paths(fused, True, precision="bf16")
     assert choice.value == "on" and "gated MLP x2" in choice.reason
     plain_casts, fused_casts = DtypeCasts(), DtypeCasts()
     plain_loss, plain_grads = bf16_loss_and_grads(plain, batch, plain_casts)
