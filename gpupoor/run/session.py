@@ -9,7 +9,6 @@ strategy is chosen in make_accelerator (its rules in decisions.py); a data sourc
 from __future__ import annotations
 
 import json
-
 import math
 import os
 from dataclasses import dataclass, field
