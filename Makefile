@@ -122,7 +122,7 @@ bench-real-lf: install fetch-real
 
 # Issue #42, on a CPU with bf16 matrix units (lscpu: amx_bf16 or avx512_bf16): gpupoor's precision auto (bf16 there)
 # and fp32 against LLaMA-Factory's bf16: true and false (neat packing), with and without gradient checkpointing,
-# at 1 and 2 threads; ROWS=64 for the issue's table. On a CPU without the units bf16 is emulated (6-84x slower
+# at 1 and 2 threads; ROWS=64 for the issue's table. On a CPU without the units bf16 is emulated (5-90x slower
 # matmuls): the sides run, but the table says nothing about bf16 there.
 BF16_SIDES ?= gpupoor-packed-auto,gpupoor-packed,lf-neat-bf16,lf-neat,gpupoor-packed-gc-auto,gpupoor-packed-gc,lf-neat-gc-bf16,lf-neat-gc
 .PHONY: bench-real-bf16

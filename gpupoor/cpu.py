@@ -4,12 +4,14 @@ its flags name. Training confirms them with a matmul probe (gpupoor.hardware.bf1
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 # Flags that name bf16 matrix units, best first, as the kernel lists them in /proc/cpuinfo: Intel's AMX tiles
 # (Sapphire Rapids and later), AVX-512 BF16 dot products (Cooper Lake, AMD Zen 4 and later), Arm's BFMMLA
 # (Neoverse V1 and later, Graviton 3, Apple M2: "bf16" among the Features). Without one of them torch computes a
-# bf16 matmul by converting to fp32 and back: 10-80x slower than fp32 (measured 84x on an AVX2 EPYC).
+# bf16 matmul by converting to fp32 and back: on an AVX2 EPYC 5-8x slower than fp32 through F.linear and
+# 40-90x through `a @ b` (bench/cpu_bf16_cost.py, docs/benchmarks.md).
 BF16_UNIT_FLAGS = (("amx_bf16", "AMX bf16"), ("avx512_bf16", "AVX-512 bf16"), ("bf16", "Arm bf16 (BFMMLA)"))
 
 
@@ -27,8 +29,10 @@ def bf16_units(flags: set[str]) -> str:
     return next((name for flag, name in BF16_UNIT_FLAGS if flag in flags), "")
 
 
+@functools.lru_cache(maxsize=4)
 def this_cpus_bf16_units(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """This machine's bf16 matrix units ("" for none, or where /proc/cpuinfo cannot be read: not Linux)."""
+    """This machine's bf16 matrix units ("" for none, or where /proc/cpuinfo cannot be read: not Linux); read once:
+    `plan --fit` resolves the recipe for every change it tries."""
     try:
         return bf16_units(cpu_flags(cpuinfo.read_text(errors="replace")))
     except OSError:

@@ -121,7 +121,7 @@ def _cpu_precision(requested: str, cpu: CpuBf16) -> Choice:
         if cpu.units or (cpu.speedup is not None and cpu.speedup >= 1):
             return Choice("bf16", "precision: bf16" + (f"; CPU has {cpu.units}{measured}" if cpu.units else ""))
         cost = (f"bf16 matmuls measured {1 / cpu.speedup:.1f}x slower than fp32 here" if cpu.speedup is not None
-                else "bf16 matmuls are emulated there (6-84x slower than fp32 where measured)")
+                else "bf16 matmuls are emulated there (5-90x slower than fp32 where measured)")
         return Choice("bf16", "precision: bf16 on a CPU without bf16 matrix units",
                       warning=f"precision: bf16 on a CPU without bf16 matrix units: {cost}; precision: fp32 (or "
                               "auto, for a new run) trains in fp32")

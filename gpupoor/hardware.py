@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from gpupoor.cpu import bf16_facts_from_flags, pinned_bf16
+from gpupoor import cpu as cpu_facts
+from gpupoor.cpu import pinned_bf16
 from gpupoor.decisions import (Choice, CpuBf16, choose_attention, choose_device, choose_inference_precision,
                                choose_precision, choose_sampler)
 
@@ -51,13 +52,15 @@ def cpu_bf16(requested: str, dims=None, measure: bool = True) -> CpuBf16:
     """What this CPU does with bf16 matrices, as far as `requested` needs to know: its units from its flags, and
     the measured speedup where a choice rests on it (`auto` on a CPU with units; `bf16` on one without, for its
     warning). GPUPOOR_CPU_BF16 pins both (gpupoor.cpu)."""
-    facts = bf16_facts_from_flags()
-    units = facts.units
+    pinned = pinned_bf16()
+    if pinned is not None:
+        return pinned
+    units = cpu_facts.this_cpus_bf16_units()  # (through the module: tests replace it)
     decides = (requested == "auto" and units) or (requested == "bf16" and not units)
-    if pinned_bf16() is not None or not measure or not decides:
-        return facts  # pinned; fp32 asked, auto without units, bf16 with units: nothing to measure
+    if not measure or not decides:
+        return CpuBf16(units)  # fp32 asked, auto without units, bf16 with units: nothing to measure
     hidden, intermediate = dims() if dims is not None else PROBE_DIMS
-    # Emulated bf16 (no units, only for the warning) runs ~100x slower: fewer rows keep the probe short there.
+    # Emulated bf16 (no units, only for the warning) runs 5-90x slower: fewer rows keep the probe short there.
     return CpuBf16(units, bf16_matmul_speedup(hidden, intermediate, rows=256 if units else 32))
 
 

@@ -106,14 +106,13 @@ class Settings:
 
 
 def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = GpuFacts(), *,
-                     teacher: Shape | None = None, processes: int = 1, cpu: CpuBf16 | None = None) -> Settings:
-    """The recipe on `device`, each `auto` decided as training decides it (gpupoor.decisions). `teacher`: the
-    distillation teacher's shape, when the recipe has one; `processes`: how many run it (one is described);
-    `cpu`: what the CPU does with bf16 matrices (default: what its flags say, unmeasured: gpupoor.cpu)."""
-    if cpu is None:
-        from gpupoor.cpu import bf16_facts_from_flags
+                     teacher: Shape | None = None, processes: int = 1) -> Settings:
+    """The recipe on `device`, each `auto` decided as training decides it (gpupoor.decisions; on a CPU the
+    precision on what its flags say of bf16 units, unmeasured: gpupoor.cpu). `teacher`: the distillation teacher's
+    shape, when the recipe has one; `processes`: how many run it (one is described)."""
+    from gpupoor.cpu import bf16_facts_from_flags
 
-        cpu = bf16_facts_from_flags() if device == "cpu" else CpuBf16()
+    cpu = bf16_facts_from_flags() if device == "cpu" else CpuBf16()
     dist = recipe.distributed
     distribution = Distribution(processes, strategy_of(recipe, processes), dist.shard_frozen,
                                 dist.reshard_after_forward, dist.cpu_offload and device == "cuda")
