@@ -45,7 +45,9 @@ ROWS = 48 if DRY else 1200
 SEQ, BATCH, RANK = (128 if DRY else 1024), 8, 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 ARCHS = {"smollm2-135m": None,  # --arch-dir's config.json
-         "qwen2.5-1.5b": ROOT / "gpupoor" / "plan" / "model_configs" / "Qwen--Qwen2.5-1.5B.json"}
+         "qwen2.5-1.5b": ROOT / "gpupoor" / "plan" / "model_configs" / "Qwen--Qwen2.5-1.5B.json",
+         "llama-3.1-8b": ROOT / "gpupoor" / "plan" / "model_configs" / "meta-llama--Llama-3.1-8B.json"}
+DEFAULT_ARCHS = ("smollm2-135m", "qwen2.5-1.5b")  # the flagship's 16 GB are built only for `flagship`
 PLAN_STEPS = 2 if DRY else 6  # the peak settles within the first few steps
 PLAN_RECIPES = {  # name: (arch, what changes, recipe keys)
     "135m-8x1024": ("smollm2-135m", "LoRA r16, packed 8 x 1024", {}),
@@ -68,32 +70,63 @@ SPEED_SIDES = {  # arch: sides, each (tool, gradient checkpointing)
     "smollm2-135m": [("gpupoor", False), ("trl", False)],
     "qwen2.5-1.5b": [("gpupoor", False), ("trl", False)],
 }
+# The timed rows (`mfu`, `times`, `flagship`): each trains alone, one process after another, and keeps every step's
+# time, so the MFU and the time plan (issue #43) read the same runs. name: (arch, what, recipe keys, environment)
+MFU_STEPS = 3 if DRY else 20
+MFU_ROWS = {  # each row changes one thing against gpupoor's default on a GPU (fused MLP, one masked sdpa call)
+    "1.5b-8x1024": ("qwen2.5-1.5b", "LoRA r16, packed 8 x 1024, as gpupoor chooses on a GPU", {}, {}),
+    "1.5b-8x1024-plain": ("qwen2.5-1.5b", "model.fused_layers: false (peft's LoRA linears, transformers' MLP)",
+                          {"model.fused_layers": False}, {}),
+    "1.5b-8x1024-liger": ("qwen2.5-1.5b", "model.kernels: liger (RMSNorm, RoPE; the MLP stays fused)",
+                          {"model.kernels": "liger"}, {}),
+    "1.5b-8x1024-compile": ("qwen2.5-1.5b", "model.compile: true (each decoder layer)", {"model.compile": True}, {}),
+}
+TIME_STEPS = 3 if DRY else 12
+TIME_ROWS = {
+    "1.5b-8x1024-ckpt": ("qwen2.5-1.5b", "LoRA r16, 8 x 1024, gradient checkpointing",
+                         {"memory.gradient_checkpointing": True}, {}),
+    "1.5b-nf4-8x1024-ckpt": ("qwen2.5-1.5b", "QLoRA nf4, 8 x 1024, gradient checkpointing",
+                             {"quantization.bits": 4, "memory.gradient_checkpointing": True}, {}),
+    "135m-8x1024": ("smollm2-135m", "LoRA r16, packed 8 x 1024", {}, {}),
+    "135m-full-4x1024": ("smollm2-135m", "full fine-tuning, micro-batch 4",
+                         {"peft.method": "full", "training.micro_batch_size": 4}, {}),
+}
+FLAGSHIP_STEPS = 2 if DRY else 5
+FLAGSHIP_ROWS = {
+    f"8b-nf4-{batch}x2048-ckpt": ("llama-3.1-8b", f"NF4 QLoRA r16, double quant, checkpointing, {batch} x 2048",
+                                  {"quantization.bits": 4, "memory.gradient_checkpointing": True,
+                                   "training.micro_batch_size": batch, "data.max_length": 2 * SEQ}, {})
+    for batch in (1, 2)}
+DRY_SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 64}
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def build(arch_dir: Path) -> None:
+def build(arch_dir: Path, archs=DEFAULT_ARCHS) -> None:
     """build/gpu-bench/ARCH/model (random bf16 weights, SmolLM2's tokenizer) and the data files beside them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for arch, config_path in ARCHS.items():
-        target = WORK / arch
+    for arch in archs:
+        config_path, target = ARCHS[arch], WORK / arch
         if (target / "ready").is_file():
             continue
         shutil.rmtree(target, ignore_errors=True)
         raw = json.loads((config_path or arch_dir / "config.json").read_text())
         raw = {k: v for k, v in raw.items() if not k.startswith("_")}
-        config = AutoConfig.for_model(**{**raw, "num_hidden_layers": 2} if DRY else raw)
+        config = AutoConfig.for_model(**{**raw, **DRY_SHAPE} if DRY else raw)
         torch.manual_seed(0)
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(target / "model")
+        del model
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
         for name in TOKENIZER_FILES:
             if (arch_dir / name).is_file():
                 shutil.copy(arch_dir / name, target / "model" / name)
         write_data(target)
         (target / "ready").write_text("")
-        print(f"built {target}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters", flush=True)
+        print(f"built {target}", flush=True)
 
 
 def write_data(target: Path) -> None:
@@ -161,6 +194,40 @@ def plan_rows(out: Path, only: list[str]) -> None:
             print(f"{name}: FAILED\n{row['error']}", flush=True)
         rows.append(row)
     (out / "gpu-plan.json").write_text(json.dumps({"device": device_name(), "rows": rows}, indent=1))
+
+
+def timed_rows(out: Path, rows: dict, steps: int, file: str) -> None:
+    """Each row trains `steps` steps alone, then `gpupoor plan --json` predicts it; every step's time kept. The
+    JSON is written after each row, so a row cut off by the lease keeps those before it."""
+    results = []
+    for name, (arch, what, keys, env) in rows.items():
+        run_dir = WORK / "runs" / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        path = recipe(arch, name, {**keys, "training.max_steps": steps})
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "gpupoor", "train", str(path), "--output-dir", str(run_dir)],
+                              capture_output=True, text=True, env={**os.environ, **ENV, **env})
+        row = {"name": name, "arch": arch, "what": what, "keys": keys, "env": env,
+               "wall_s": time.perf_counter() - started}
+        if done.returncode != 0:
+            row["error"] = (done.stdout + done.stderr)[-2500:]
+            print(f"{name}: FAILED\n{row['error']}", flush=True)
+        else:
+            start, metrics = read_metrics(run_dir)
+            plan = json.loads(gpupoor("plan", path, "--json").stdout)
+            step_s = [m["step_s"] for m in metrics]
+            settled = statistics.median(step_s[len(step_s) // 2:])
+            row.update(startup_s=start.get("startup_s"), step_s=step_s, tokens=[m["tokens"] for m in metrics],
+                       target_tokens=[m["target_tokens"] for m in metrics],
+                       peaks=[m["peak_mem_mb"] for m in metrics], settled_step_s=settled,
+                       predicted_mb=(plan["peak_bytes"] - plan["terms"]["overhead"]["bytes"]) / 2**20,
+                       summary=[line for line in done.stdout.splitlines() if line.startswith("  ")][:14])
+            tokens = statistics.median(row["tokens"])
+            print(f"{name:24s} step {settled:.3f} s (first {step_s[0]:.2f} s) {tokens / settled:9,.0f} tokens/s  "
+                  f"peak {max(row['peaks']):7.0f} MiB planned {row['predicted_mb']:7.0f}  wall {row['wall_s']:.0f} s",
+                  flush=True)
+        results.append(row)
+        (out / file).write_text(json.dumps({"device": device_name(), "steps": steps, "rows": results}, indent=1))
 
 
 def run_side(arch: str, tool: str, checkpointing: bool) -> dict:
@@ -280,7 +347,7 @@ def render(folder: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["build", "plan", "speed", "render"])
+    parser.add_argument("what", choices=["build", "plan", "speed", "mfu", "times", "flagship", "render"])
     parser.add_argument("folder", nargs="?", type=Path, help="render: the folder of the device's JSON files")
     parser.add_argument("--arch-dir", type=Path)
     parser.add_argument("--out", type=Path, default=WORK)
@@ -291,6 +358,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "build":
         build(args.arch_dir)
+    elif args.what == "mfu":
+        timed_rows(args.out, {k: v for k, v in MFU_ROWS.items() if not args.only or k in args.only.split(",")},
+                   MFU_STEPS, "gpu-mfu.json")
+    elif args.what == "times":
+        timed_rows(args.out, TIME_ROWS, TIME_STEPS, "gpu-times.json")
+    elif args.what == "flagship":
+        build(args.arch_dir, ["llama-3.1-8b"])
+        timed_rows(args.out, FLAGSHIP_ROWS, FLAGSHIP_STEPS, "gpu-flagship.json")
     elif args.what == "plan":
         plan_rows(args.out, [n for n in args.only.split(",") if n])
     elif args.what == "speed":

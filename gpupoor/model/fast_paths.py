@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from gpupoor.decisions import Choice, choose_fused_paths
 from gpupoor.model.fused_lora import fuse_lora_layers
+from gpupoor.model.kernels import apply_kernels  # noqa: F401 -- the run's other speed choice, where it installs both
 from gpupoor.model.packed_attention import use_packed_attention
 
 

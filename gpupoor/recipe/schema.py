@@ -73,10 +73,18 @@ class ModelSection(_Section):
     )
     fused_layers: bool = Field(True, description="On llama, qwen2, mistral and gemma: LoRA linears and the gated MLP "
         "as single autograd functions (the MLP keeps 2 intermediate-wide tensors per token fewer and recomputes its "
-        "activation) and sdpa attention per packed example (cost sum of len^2, not max_length^2); losses and "
-        "gradients equal the plain modules' to rounding. Other families, DoRA, IA3, `full`, dropout > 0, quantized "
-        "or non-fp32 bases run the plain modules (the startup summary says which). `false`: plain everywhere.",
+        "activation), in fp32 or bf16; on a CPU also sdpa attention per packed example (cost sum of len^2, not "
+        "max_length^2; on a GPU one masked call is faster). Losses and gradients equal the plain modules' to "
+        "rounding. Other families, DoRA, IA3, `full`, dropout > 0, quantized or fp16 bases run the plain modules "
+        "(the startup summary says which). `false`: plain everywhere.",
         **ADDED(False))
+    kernels: Literal["none", "liger"] = Field("none", description="`liger`: Liger-Kernel's Triton RMSNorm, RoPE and "
+        "SwiGLU in place of transformers' modules on llama, qwen2, qwen3, mistral and gemma, on CUDA only (`pip "
+        "install 'gpupoor[liger]'`); the loss stays gpupoor's fused one. Elsewhere the summary says it is off.",
+        **ADDED("none"))
+    compile: bool = Field(False, description="torch.compile each decoder layer. The first steps pay the compile "
+        "time (tens of seconds; metrics.jsonl's first step shows it); later steps may run faster. Measured on a GPU "
+        "in docs/benchmarks.md.", **ADDED(False))
 
     @model_validator(mode="after")
     def _rules(self) -> "ModelSection":

@@ -238,7 +238,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     from gpupoor.decisions import choose_strategy, launch_layout
     from gpupoor.hardware import resolve_attention, resolve_device, resolve_sampler
     from gpupoor.model.build import build_model, summarize
-    from gpupoor.model.fast_paths import apply_fast_paths
+    from gpupoor.model.fast_paths import apply_fast_paths, apply_kernels
     from gpupoor.model.load import load_tokenizer, model_location
     from gpupoor.train.optim import build_optimizer, warmup_steps
     from gpupoor.quiet import quiet_libraries
@@ -265,13 +265,13 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     data = build_data(recipe.data, tokenizer, micro_batch_size=recipe.training.micro_batch_size, seed=recipe.seed,
                       base_dir=Path.cwd(), sampler=sampler.value, resuming=resuming)
     clock.mark("data")
-    for warning in [precision.warning, *data.warnings]:
-        if warning:
-            say(f"warning: {warning}")
+    for warning in filter(None, [precision.warning, *data.warnings]):
+        say(f"warning: {warning}")
     _keep_chat_template(recipe, tokenizer)
     model = build_model(location, recipe.model, recipe.peft, quant=recipe.quantization, memory=recipe.memory,
                         precision=precision.value, attention=attention.value, device=str(accelerator.device),
                         seed=recipe.seed, smoke=smoke, resuming=resuming)
+    kernels = apply_kernels(model, recipe.model.kernels, recipe.model.compile)  # first: Liger patches the plain MLP
     fused = apply_fast_paths(model, recipe.model.fused_layers, method=recipe.peft.method, dropout=recipe.peft.dropout,
                              bits=recipe.quantization.bits, precision=precision.value)
     summary = summarize(model)
@@ -295,7 +295,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
         prepared_model, optimizer = accelerator.prepare(model, raw_optimizer)  # DDP-wrapped with several processes
     clock.mark("optimizer")
     choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler,
-               "strategy": strategy, "fused": fused}
+               "strategy": strategy, "fused": fused, "kernels": kernels}
     if threads is not None:
         choices["threads"] = threads
     return Session(recipe=recipe, run_dir=run_dir, smoke=smoke, accelerator=accelerator, choices=choices,

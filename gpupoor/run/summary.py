@@ -38,6 +38,8 @@ def print_summary(session: Session, *, say, checkpoint, loss_path: str) -> None:
     say(f"  loss: {loss_path}; gradient checkpointing: {checkpointing}")
     fused = choices["fused"]
     say(f"  fused layers: {fused.value} ({fused.reason})")
+    if choices["kernels"].value != "none":
+        say(f"  kernels: {choices['kernels'].reason}")
     peft = recipe.peft
     scope = [f"the last {peft.last_layers} decoder layers" if peft.last_layers else
              ("" if peft.method == "full" and peft.modules_to_save else "every decoder layer")] + peft.modules_to_save

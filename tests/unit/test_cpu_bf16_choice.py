@@ -115,11 +115,21 @@ def test_a_resume_on_the_cpu_keeps_the_precision_auto_chose_at_the_start():
     assert decisions.choose_resumed_precision("auto", "cpu", None, None).value == "auto"  # a new run
 
 
-def test_the_fused_layers_compute_in_bf16_on_a_cpu_only():
-    on_cpu = decisions.choose_fused_paths(True, "llama", "lora", 0.0, None, "bf16", "sdpa", "cpu")
-    on_gpu = decisions.choose_fused_paths(True, "llama", "lora", 0.0, None, "bf16", "sdpa", "cuda")
-    assert on_cpu.mlp and not on_gpu.mlp and "bf16 weights under fp32 adapters on a GPU" in on_gpu.reason
-    assert on_gpu.attention  # the per-example attention runs in any dtype
+def test_the_fused_layers_compute_in_bf16_on_any_device_and_not_in_fp16():
+    """On an H100 the bf16 fused MLP made a 1.5B LoRA step 0.289 s against 0.343 s, at 18.9 against 29.4 GiB."""
+    for device in ("cpu", "cuda"):
+        assert decisions.choose_fused_paths(True, "llama", "lora", 0.0, None, "bf16", "sdpa", device).mlp
+    fp16 = decisions.choose_fused_paths(True, "llama", "lora", 0.0, None, "fp16", "sdpa", "cuda")
+    assert not fp16.mlp and "fp16 weights under fp32 adapters" in fp16.reason
+
+
+def test_attention_per_packed_example_runs_on_a_cpu_only():
+    """On an H100 the per-example loop made a 1.5B LoRA step 1.29 s against 0.34 s for one masked sdpa call."""
+    for precision in ("fp32", "bf16"):
+        on_gpu = decisions.choose_fused_paths(True, "qwen2", "lora", 0.0, None, precision, "sdpa", "cuda")
+        assert not on_gpu.attention and "faster on a GPU" in on_gpu.reason
+    assert decisions.choose_fused_paths(True, "qwen2", "lora", 0.0, None, "fp32", "sdpa", "cuda").mlp
+    assert decisions.choose_fused_paths(True, "qwen2", "lora", 0.0, None, "fp32", "sdpa", "cpu").attention
 
 
 def test_a_resume_decides_again_where_the_checkpoint_came_from_a_gpu():
