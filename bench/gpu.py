@@ -345,9 +345,61 @@ def render(folder: Path) -> None:
     write_section(ROOT / "docs" / "benchmarks.md", "gpu", "\n".join(lines))
 
 
+TIMED_FILES = (("gpu-mfu.json", "MFU rows: Qwen2.5-1.5B's architecture, LoRA r16, bf16, packed 8 x 1024, "
+                 f"{MFU_STEPS} steps"),
+               ("gpu-flagship.json", f"The flagship: Llama-3.1-8B's architecture, NF4 QLoRA, {FLAGSHIP_STEPS} steps"),
+               ("gpu-times.json", f"More rows for the time plan, {TIME_STEPS} steps"))
+H100_PEAK = 989.4e12  # NVIDIA's H100 SXM5 datasheet: dense BF16 tensor-core TFLOP/s
+
+
+def render_timed(folder: Path) -> None:
+    """docs/benchmarks.md's gpu-timed section from the timed rows' JSON (`mfu`, `flagship`, `times`). MFU =
+    tokens/s x model FLOPs per token (gpupoor.plan.flops.model_flops_per_token: 4 x the base's linear and head
+    weights + 6 x LoRA's + causal attention at the data's mean example length) / the H100's 989.4 TFLOP/s."""
+    from gpupoor.plan.flops import model_flops_per_token
+    from gpupoor.plan.settings import resolve_settings
+    from gpupoor.plan.shape import load_shape
+    from gpupoor.recipe.loading import load_recipe
+
+    device = None
+    lines = []
+    for file, title in TIMED_FILES:
+        if not (folder / file).is_file():
+            continue
+        data = json.loads((folder / file).read_text())
+        device = data["device"]
+        lines += ["", f"#### {title}", "", "| row | what | step s (median, 2nd half) | first step s | tokens/s | MFU | "
+                  "peak allocated MiB | planned MiB | plan error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in data["rows"]:
+            if "error" in row:
+                lines.append(f"| {row['name']} | {row['what']} | failed: {row['error'].strip().splitlines()[-1][:100]} "
+                             "| | | | | | |")
+                continue
+            loaded = load_recipe(recipe(row["arch"], row["name"], {**row["keys"], "training.max_steps": 1}), [])
+            shape, _ = load_shape(loaded)
+            settings = resolve_settings(loaded.recipe, "cuda", shape)
+            examples = [json.loads(line) for line in (WORK / row["arch"] / "prompt-completion.jsonl").open()]
+            words = statistics.fmean(len((e["prompt"] + e["completion"]).split()) for e in examples)
+            tokens = statistics.median(row["tokens"]) / row["settled_step_s"]
+            mfu = tokens * model_flops_per_token(shape, settings, seq=1.3 * words) / H100_PEAK
+            peak = max(row["peaks"])
+            env = ", ".join(f"{k}={v}" for k, v in row["env"].items())
+            lines.append(f"| {row['name']} | {row['what']}{f' ({env})' if env else ''} | {row['settled_step_s']:.3f} | "
+                         f"{row['step_s'][0]:.2f} | {tokens:,.0f} | {mfu:.1%} | {peak:,.0f} | "
+                         f"{row['predicted_mb']:,.0f} | {row['predicted_mb'] / peak - 1:+.1%} |")
+    header = (f"Measured on the device machine a session was lent ({device}; 16 CPU cores), from "
+              f"`{folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder}`. Commands: `bash "
+              "bench/gpu_session.sh` (stages `python bench/gpu.py build|flagship|mfu|times`), then here `python "
+              "bench/gpu.py render-timed FOLDER`. Tokens: the data positions of a step (metrics' `tokens`); MFU: "
+              "tokens/s x (4 x the base's linear and head weights + 6 x LoRA's + causal attention at the data's "
+              "mean example length, ~1.3 tokens a word) / 989.4 TFLOP/s (H100 SXM5, dense bf16).")
+    write_section(ROOT / "docs" / "benchmarks.md", "gpu-timed", header + "\n" + "\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["build", "plan", "speed", "mfu", "times", "flagship", "render"])
+    parser.add_argument("what", choices=["build", "plan", "speed", "mfu", "times", "flagship", "render",
+                                         "render-timed"])
     parser.add_argument("folder", nargs="?", type=Path, help="render: the folder of the device's JSON files")
     parser.add_argument("--arch-dir", type=Path)
     parser.add_argument("--out", type=Path, default=WORK)
@@ -370,6 +422,8 @@ def main() -> None:
         plan_rows(args.out, [n for n in args.only.split(",") if n])
     elif args.what == "speed":
         speed(args.out, args.rounds, [a for a in args.archs.split(",") if a])
+    elif args.what == "render-timed":
+        render_timed(args.folder.resolve())
     else:
         render(args.folder)
 

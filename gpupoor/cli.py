@@ -553,10 +553,20 @@ def plan(
                                   "(default: $WORLD_SIZE, else 1)."),
     nodes: int = typer.Option(1, "--nodes", min=1, help="The machines the processes run on (for the text; on "
                               "the CPU a node's processes share its RAM)."),
+    time: bool = typer.Option(True, "--time/--no-time", help="Add the time plan: steps, a step's work term by "
+                              "term, predicted step and total time (the first plan of a machine or of new data "
+                              "measures them once, then reads its cache)."),
+    time_limit: Optional[str] = typer.Option(None, "--time-limit", help="A session's time limit, e.g. 12h "
+                                             "(default: checkpoint.time_limit): sessions needed, and --fit fits it."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="With --device cuda on a machine without it: plan the "
+                                      "time on paper for this GPU (H100, A100, L4, T4, RTX4090, ...)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads training will use (default: "
+                                          "training.cpu_threads, else this process's cores)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Predict the peak memory of a recipe, term by term, without loading weights; say whether it fits and
-    what to change when it does not. Exit 0 when it fits (or the memory is unknown), 3 when it does not."""
+    what to change when it does not; and how long it trains, against a time limit. Exit 0 when it fits (or the
+    memory is unknown), 3 when it does not."""
 
     def action() -> int:
         from gpupoor.commands.plan import plan_recipe
@@ -569,7 +579,9 @@ def plan(
             raise UserError(f"--memory {memory!r}: give the memory to fit in, e.g. 16GiB")
         if nodes > processes:
             raise UserError(f"--nodes {nodes} with --processes {processes}: every node runs at least one process")
-        return plan_recipe(recipe, set_ or [], device, limit, processes, nodes, as_json, fit, say=typer.echo)
+        timing = None if not time else {"threads": threads, "gpu": gpu, "time_limit": time_limit}
+        return plan_recipe(recipe, set_ or [], device, limit, processes, nodes, as_json, fit, say=typer.echo,
+                           timing=timing)
 
     _guarded(debug, action)
 

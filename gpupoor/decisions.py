@@ -23,6 +23,8 @@ builder and `plan` call it. Imports nothing of gpupoor's but its errors and the 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -281,6 +283,16 @@ def choose_fused_paths(enabled: bool, family: str | None, method: str, dropout: 
                "" if per_example else f"attention {attention} as loaded" + (
                    " (one masked call is faster on a GPU than a call per packed example)" if attention == "sdpa" else "")]
     return FusedPaths(not why_not_mlp, per_example, "; ".join(filter(None, reasons)))
+
+
+def count_steps(max_steps: int | None, epochs: float | None, accumulation: int, batches_per_epoch: int,
+                processes: int = 1) -> int:
+    """Optimizer steps in a run: training.max_steps, else its epochs (1 when unset) of micro-batches, each step
+    taking `accumulation` of them on each of `processes`."""
+    if max_steps is not None:
+        return max_steps
+    per_step = accumulation * processes
+    return max(1, math.ceil((epochs if epochs is not None else 1.0) * batches_per_epoch / per_step))
 
 
 def loss_chunk_tokens(vocab: int) -> int:

@@ -115,6 +115,17 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _no_time_plan_unless_asked(request, monkeypatch):
+    """The time plan's first measurement imports torch and tokenizes in a child process (seconds): in-process plans
+    skip it, and say so in the plan's `time_error`, unless the test asks for it (`@pytest.mark.time_plan`)."""
+    if request.node.get_closest_marker("time_plan") is None:
+        def skipped(*args, **kwargs):
+            raise RuntimeError("skipped in tests not marked time_plan")
+
+        monkeypatch.setattr("gpupoor.plan.timing.time_plan", skipped)
+
+
+@pytest.fixture(autouse=True)
 def _no_report_at_the_end(request, monkeypatch):
     """A finished run draws report.html (~2 s of matplotlib): in-process runs of the tests skip it, except where a
     test asks for it (`@pytest.mark.report_at_the_end`)."""

@@ -11,17 +11,23 @@ from gpupoor.errors import EXIT_DOES_NOT_FIT
 
 
 def plan_recipe(recipe: Path, overrides: list[str], device: str | None, limit: int | None, processes: int, nodes: int,
-                as_json: bool, fit: bool, say: Callable[..., None]) -> int:
+                as_json: bool, fit: bool, say: Callable[..., None], timing: dict | None = None) -> int:
     """Say the plan (`say(text, err=...)`); with `fit`, write RECIPE.fit.yaml when the recipe does not fit and
-    changes can make it. The exit code: 3 when it does not fit (and nothing was written), else 0."""
+    changes can make it. `timing`: the time plan's options (threads, gpu, time_limit), None for none. The exit
+    code: 3 when it does not fit (and nothing was written), else 0."""
     from gpupoor.plan.fit import write_fit
     from gpupoor.plan.make import make_plan
     from gpupoor.plan.render import render
     from gpupoor.recipe.loading import load_recipe
 
     loaded = load_recipe(recipe, overrides)
-    result = make_plan(loaded, device, memory=limit, processes=processes, nodes=nodes)
+    if timing is not None:  # JSON's readers get the JSON alone: what was measured is in its time notes
+        timing = _timing_options(loaded.recipe, timing, (lambda text: None) if as_json else
+                                 (lambda text: say(text, err=True)))
+    result = make_plan(loaded, device, memory=limit, processes=processes, nodes=nodes, timing=timing)
     say(json.dumps(result.to_json(), indent=2) if as_json else render(result, str(recipe)))
+    if fit and result.fits is not False and _over_time(result):
+        return _fit_time(loaded, result, device, processes, nodes, timing, as_json, say)
     if fit and result.fits is False:
         if not result.fit_changes:
             return EXIT_DOES_NOT_FIT
@@ -31,3 +37,50 @@ def plan_recipe(recipe: Path, overrides: list[str], device: str | None, limit: i
     if fit and not as_json:
         say("fits as it is: nothing to write" if result.fits else "memory unknown: pass --memory")
     return EXIT_DOES_NOT_FIT if result.fits is False else 0
+
+
+def _timing_options(recipe, options: dict, say) -> dict:
+    """gpupoor.plan.timing.time_plan's options: --time-limit (else checkpoint.time_limit) in seconds."""
+    from gpupoor.errors import UserError
+    from gpupoor.units import parse_duration
+
+    limit = options.get("time_limit")
+    if limit is not None:
+        try:
+            seconds = parse_duration(limit)
+        except ValueError as error:
+            raise UserError(f"--time-limit {limit!r}: {error}", hint="give a duration, e.g. 12h, 11h30m or 45m") \
+                from error
+        if not seconds > 0:
+            raise UserError(f"--time-limit {limit!r}: must be positive", hint="give a duration, e.g. 12h")
+    else:
+        seconds = recipe.checkpoint.time_limit_s
+    return {"threads": options.get("threads"), "gpu": options.get("gpu"), "time_limit_s": seconds, "say": say}
+
+
+def _over_time(result) -> bool:
+    from gpupoor.plan.fit import TIME_FIT_SHARE
+
+    t = result.time
+    return t is not None and t.time_limit_s is not None and t.total_s > TIME_FIT_SHARE * t.time_limit_s
+
+
+def _fit_time(loaded, result, device, processes: int, nodes: int, timing: dict, as_json: bool, say) -> int:
+    """plan --fit for a run longer than its time limit: RECIPE.fit.yaml with the changes fit_time finds."""
+    from gpupoor.plan.advice import apply_changes
+    from gpupoor.plan.fit import fit_time, write_fit
+    from gpupoor.plan.make import make_plan
+    from gpupoor.recipe.loading import LoadedRecipe
+
+    def replan(changes: dict):
+        changed = LoadedRecipe(apply_changes(loaded.recipe, changes), loaded.source, loaded.overridden)
+        return make_plan(changed, device, memory=result.memory if result.memory_source == "--memory" else None,
+                         processes=processes, nodes=nodes, timing=timing)
+
+    lines, changes = fit_time(loaded, result, replan)
+    say("\n".join(["to finish inside the time limit (cheapest first):", *(f"  {line}" for line in lines)]),
+        err=as_json)
+    if not changes:
+        return 0
+    say(f"wrote {write_fit(loaded, changes, plan=result)}", err=as_json)
+    return 0

@@ -25,9 +25,10 @@ from gpupoor.units import format_bytes
 
 
 def make_plan(loaded: LoadedRecipe, device: str | None = None, *, memory: int | None = None, processes: int = 1,
-              nodes: int = 1) -> Plan:
+              nodes: int = 1, timing: dict | None = None) -> Plan:
     """The plan of one process out of `processes` (on `nodes`), each `auto` decided as training decides it (on a
-    CPU, the precision on its flags alone: training's probe may still choose fp32, and plans again if it does)."""
+    CPU, the precision on its flags alone: training's probe may still choose fp32, and plans again if it does).
+    `timing`: gpupoor.plan.timing.time_plan's options, to add the time plan (which may measure: plan only)."""
     recipe = loaded.recipe
     device = device or default_device(recipe)
     gpu = gpu_facts(device)
@@ -66,6 +67,8 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, *, memory: int | 
                                f"{distill.weight:g}" + (f", {distill.bits}-bit" if distill.bits else "") + ")")
     if recipe.training.objective != "sft":
         plan.method_detail += "; " + describe_preference(recipe, settings)
+    if timing is not None:
+        _add_time_plan(plan, loaded, shape, settings, processes, timing)
     if plan.fits is False:
         plan.suggestions, plan.fit_changes = suggest(shape, recipe, device=device, memory=memory // share, gpu=gpu,
                                                      teacher=teacher, processes=processes)
@@ -73,6 +76,18 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, *, memory: int | 
             plan.fit_peak = peak_bytes(shape, apply_changes(recipe, plan.fit_changes), device, gpu, teacher=teacher,
                                        processes=processes)
     return plan
+
+
+def _add_time_plan(plan: Plan, loaded: LoadedRecipe, shape, settings, processes: int, timing: dict) -> None:
+    """The time plan, or why there is none: the memory plan stands either way."""
+    from gpupoor.plan.timing import time_plan
+
+    try:
+        plan.time = time_plan(loaded, plan, shape, settings, processes=processes, **timing)
+    except UserError:
+        raise  # a bad --gpu or --time-limit is the user's to fix
+    except Exception as exc:  # noqa: BLE001 -- the data or a probe failing must not take the memory plan down
+        plan.time_error = str(exc) or type(exc).__name__
 
 
 def _launched() -> dict:

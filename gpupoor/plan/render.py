@@ -59,7 +59,53 @@ def render(plan: Plan, recipe_name: str) -> str:
     for note in plan.assumptions:
         lines.append(f"  assumes {note}")
     advice = render_suggestions(plan)
-    return "\n".join(lines + ([advice] if advice else []))
+    timing = render_time(plan)
+    return "\n".join(lines + ([advice] if advice else []) + ([timing] if timing else []))
+
+
+AMOUNT_UNITS = {"matmul": "FLOP", "attention": "FLOP", "lora": "FLOP"}
+
+
+def render_time(plan: Plan) -> str:
+    """The time plan: the run's steps and tokens, a step's work term by term, the predicted times and, with a time
+    limit, the sessions it needs."""
+    if plan.time_error:
+        return f"time plan: none ({plan.time_error})"
+    t = plan.time
+    if t is None:
+        return ""
+    from gpupoor.plan.flops import total_flops
+    from gpupoor.units import format_duration
+
+    def _age(seconds: float) -> str:
+        return format_duration(seconds, style="age")
+
+    b = t.batch
+    lines = [f"time plan{' on paper' if t.on_paper else ''}: {t.steps:,} optimizer steps of {t.accumulation} x "
+             f"{b.tokens:,.0f} tokens ({b.real_tokens / max(b.tokens, 1):.0%} data, {b.targets:,.0f} targets a "
+             f"micro-batch; {b.micro_batches:,} micro-batches an epoch)",
+             f"  work of a step: {total_flops(t.work) / 1e12:,.3g} TFLOP"]
+    width = max(len(w.key) for w in t.work)
+    for w in t.work:
+        amount = (f"{w.amount / 1e9:>10,.1f} GFLOP" if w.kind in AMOUNT_UNITS else f"{w.amount / 1e6:>8,.1f}M values")
+        lines.append(f"  {w.key:<{width}}  {amount}  {w.detail}")
+    measured = f" (measured by train here: {t.measured_step_s:.3g} s)" if t.measured_step_s else ""
+    lines.append(f"  step {t.step_s:.3g} s{measured}; start-up {t.startup_s:.3g} s; {t.saves} saves of "
+                 f"{t.save_s:.2g} s; total {_age(t.total_s)}")
+    lines.append(f"  from {t.source}")
+    if t.time_limit_s is not None:
+        sessions, per = t.sessions(), t.steps_per_session()
+        limit = _age(t.time_limit_s)
+        if not per:
+            lines.append(f"  time limit {limit}: too short for one step after start-up and the save reserve")
+        elif sessions == 1:
+            lines.append(f"  time limit {limit}: finishes in one session ({_age(t.total_s)})")
+        else:
+            lines.append(f"  time limit {limit}: NEEDS {sessions} sessions: each saves a checkpoint after about "
+                         f"{per:,} steps and stops; `gpupoor resume` goes on from there")
+    for note in t.notes:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
 
 
 def _changes_text(changes: dict) -> str:

@@ -50,6 +50,9 @@ class Plan:
     share: int = 1  # processes whose peaks the memory must hold together: a CPU node's processes share its RAM
     strategies: dict[str, StrategyFit] | None = None  # several processes: the peak under each strategy
     offloaded: list[Term] = field(default_factory=list)  # fsdp's cpu_offload: in CPU memory, not in the peak
+    time: object | None = None  # gpupoor.plan.time.TimePlan, when asked for (plan does; validate never)
+    time_error: str | None = None  # why there is no time plan, when one was asked for
+    time_keys: tuple[str, str] | None = None  # (machine, step key) in the time facts cache (gpupoor.plan.facts)
 
     @property
     def peak(self) -> int:
@@ -75,7 +78,9 @@ class Plan:
                 "suggestions": [{"changes": s.changes, "saving_bytes": s.saving, "peak_bytes": s.peak,
                                  "cost": s.cost} for s in self.suggestions],
                 "fit_changes": self.fit_changes, "method": self.method, "trainable_params": self.trainable_params,
-                "method_detail": self.method_detail, **self._distributed_json()}
+                "method_detail": self.method_detail, **self._distributed_json(),
+                **({"time": self.time.to_json()} if self.time is not None else {}),
+                **({"time_error": self.time_error} if self.time_error else {})}
 
     def _distributed_json(self) -> dict:
         if self.processes == 1:

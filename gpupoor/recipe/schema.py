@@ -83,8 +83,9 @@ class ModelSection(_Section):
         "install 'gpupoor[liger]'`); the loss stays gpupoor's fused one. Elsewhere the summary says it is off.",
         **ADDED("none"))
     compile: bool = Field(False, description="torch.compile each decoder layer. The first steps pay the compile "
-        "time (tens of seconds; metrics.jsonl's first step shows it); later steps may run faster. Measured on a GPU "
-        "in docs/benchmarks.md.", **ADDED(False))
+        "time (tens of seconds; metrics.jsonl's first step shows it). Experimental: slower on the CPUs measured "
+        "(varying packed shapes recompile; docs/benchmarks.md, torch.compile), not yet measured on a GPU.",
+        **ADDED(False))
 
     @model_validator(mode="after")
     def _rules(self) -> "ModelSection":

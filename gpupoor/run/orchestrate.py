@@ -157,17 +157,24 @@ def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
     return checkpoint.manifest.get("total_steps", math.inf)
 
 
-def _plan_quietly(loaded: LoadedRecipe, device: str | None = None):
+def _plan_quietly(loaded: LoadedRecipe, device: str | None = None, timing: dict | None = None):
     """The memory plan for the startup summary (one of the processes launched), or None when the model is not
-    one it can describe."""
+    one it can describe. `timing`: with the time plan too (gpupoor.plan.timing.time_plan's options)."""
     from gpupoor.decisions import launch_layout
     from gpupoor.plan.make import make_plan
 
     try:
         processes, nodes = launch_layout(os.environ)
-        return make_plan(loaded, device, processes=processes, nodes=nodes)
+        return make_plan(loaded, device, processes=processes, nodes=nodes, timing=timing)
     except Exception:  # advisory: never let the plan stop a run
         return None
+
+
+def _cached_timing(session) -> dict:
+    """The time plan's options in training: this run's threads, and only what the facts cache holds."""
+    threads = session.choices.get("threads")
+    return {"threads": int(threads.value) if threads is not None else None, "gpu": None,
+            "time_limit_s": session.recipe.checkpoint.time_limit_s, "say": lambda text: None, "cached_only": True}
 
 
 @contextlib.contextmanager
@@ -226,6 +233,9 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
     chosen = session.choices["precision"].value
     if plan is not None and (plan.device, plan.precision) != (session.device, chosen):
         plan = _plan_quietly(LoadedRecipe(recipe.model_copy(update={"precision": chosen}), None), session.device)
+    if plan is not None:  # the time plan from the facts a `gpupoor plan` cached (training never probes for it)
+        plan = _plan_quietly(LoadedRecipe(recipe.model_copy(update={"precision": chosen}), None), session.device,
+                             timing=_cached_timing(session)) or plan
     session.memory_plan = plan
     print_summary(session, say=say, checkpoint=checkpoint, loss_path=loss_path)
     owned_lock = open_run_dir(session, lock=lock, started=started, say=say)

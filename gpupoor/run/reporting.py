@@ -4,10 +4,14 @@ profiler's step. The first process writes; the others keep the same state (the l
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from gpupoor.recipe.schema import Recipe
 from gpupoor.run.session import Session
+
+
+TIME_CHECK_STEPS = 5  # steps before the step time is compared with the plan's: the first one warms up
 
 
 class Reporter:
@@ -20,6 +24,7 @@ class Reporter:
         self.first_step = session.state.step  # the step this process started from
         self.last_loss: float | None = None
         self.warned_nonfinite = False
+        self.step_times: list[float] = []  # this session's step_s, for the time line and the facts cache
         self.predicted_mb = (round(session.memory_plan.comparable_peak / 2**20, 1)
                              if session.memory_plan is not None else None)
         main = session.main
@@ -47,11 +52,16 @@ class Reporter:
         self.progress.message(text, always=always)
 
     def step(self, record: dict, state) -> None:
-        """An optimizer step's record, with the memory plan's prediction (and after steps 1 and 3 the memory line)."""
+        """An optimizer step's record, with the memory plan's prediction (and after steps 1 and 3 the memory line,
+        after TIME_CHECK_STEPS the step time against the time plan's)."""
         if self.predicted_mb is not None:
             record["predicted_peak_mb"] = self.predicted_mb
         if state.step - self.first_step in (1, 3) and self.session.main:
             self._memory_line(record, state.step)
+        if "step_s" in record:
+            self.step_times.append(record["step_s"])
+        if state.step - self.first_step == TIME_CHECK_STEPS and self.session.main:
+            self._time_line(record)
         self.last_loss = record["loss"]
         self.write(record)
         if record.get("nonfinite") and not self.warned_nonfinite:  # once per session; the end repeats the count
@@ -77,7 +87,33 @@ class Reporter:
         self.progress.message(f"  {state_text}peak memory after step {step}: {record['peak_mem_mb']:.0f} MiB{versus}",
                               always=True)
 
+    def _time_line(self, record: dict) -> None:
+        """The measured step time (median after the first step) against the plan's, and into the time facts
+        cache, so the next `gpupoor plan` of this recipe on this machine uses it."""
+        measured = statistics.median(self.step_times[1:])
+        plan = self.session.memory_plan
+        timing = getattr(plan, "time", None)
+        if timing is not None:
+            record["predicted_step_s"] = round(timing.step_s, 4)
+            versus = f" vs {timing.step_s:.3g} s planned ({measured / timing.step_s - 1:+.0%})"
+        else:
+            versus = " (no time plan: `gpupoor plan RECIPE` first measures what it needs)"
+        self.progress.message(f"  step time {measured:.3g} s (median of steps {self.first_step + 2}-"
+                              f"{self.first_step + TIME_CHECK_STEPS}){versus}", always=True)
+        self._record_step_time()
+
+    def _record_step_time(self) -> None:
+        keys = getattr(self.session.memory_plan, "time_keys", None)
+        if keys is None or len(self.step_times) < 2:
+            return
+        from gpupoor.plan.facts import record_step_time
+
+        timing = getattr(self.session.memory_plan, "time", None)
+        record_step_time(*keys, statistics.median(self.step_times[1:]), timing.step_s if timing else None)
+
     def close(self) -> None:
+        if self.session.main and len(self.step_times) > TIME_CHECK_STEPS:
+            self._record_step_time()  # the whole session's median: the figure the next plan uses
         self.progress.close()
         if self.trackers is not None:
             self.trackers.close()

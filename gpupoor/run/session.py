@@ -9,7 +9,6 @@ strategy is chosen in make_accelerator (its rules in decisions.py); a data sourc
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,11 +88,11 @@ def smoke_recipe(recipe: Recipe) -> Recipe:
 
 
 def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> int:
-    if recipe.training.max_steps is not None:
-        return recipe.training.max_steps
-    epochs = recipe.training.epochs if recipe.training.epochs is not None else 1.0
-    per_step = recipe.training.gradient_accumulation_steps * processes  # micro-batches one optimizer step uses
-    return max(1, math.ceil(epochs * batches_per_epoch / per_step))
+    from gpupoor.decisions import count_steps
+
+    training = recipe.training
+    return count_steps(training.max_steps, training.epochs, training.gradient_accumulation_steps, batches_per_epoch,
+                       processes)
 
 
 def make_accelerator(device: str, precision: str, strategy: str = "single", threads=None):

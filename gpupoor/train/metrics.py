@@ -40,7 +40,8 @@ class NullWriter:
 
 # Keys whose values the readers (status, report, the trackers) compute with: a number, or null for a non-finite one.
 NUMBERS = ("loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s", "peak_mem_mb", "step_s", "elapsed_s",
-           "epoch", "eval_loss", "eval_accuracy", "save_s", "predicted_peak_mb", "optimizer_state_mb", "best_eval_loss")
+           "epoch", "eval_loss", "eval_accuracy", "save_s", "predicted_peak_mb", "optimizer_state_mb", "best_eval_loss",
+           "predicted_step_s")
 BY_SOURCE = ("examples_by_source", "eval_loss_by_source", "eval_accuracy_by_source")  # {source name: number}
 
 

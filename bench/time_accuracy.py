@@ -1,0 +1,289 @@
+"""The time plan (issue #43) against measured runs on this CPU: fit its coefficients on the calibration recipes,
+then check the accuracy recipes (none of them calibration ones) end to end.
+
+    python bench/time_accuracy.py --calibrate [--threads 1,2]   # runs CALIBRATION, prints COEFFICIENTS to paste
+    python bench/time_accuracy.py --accuracy [--threads 1,2] [--write]   # runs ACCURACY, the table (docs)
+
+Each run is `gpupoor train RECIPE --set training.cpu_threads=N` in a fresh process, one at a time, with nothing
+else running; measured: the step times metrics.jsonl records (median of the steps after the first) and the whole
+process's wall time; predicted: `gpupoor plan RECIPE --threads N --json`'s time plan, made before the run (the
+plan's facts cache is cleared first, so the plan probes as a first plan would, and no measured step time is
+used). The matmul probe (bench/machine.py) runs around each run; a run where it fell more than 25% below the
+session's best is run again (once).
+
+Models: random-weight Llamas with the real SmolLM2's tokenizer (bench/plan_accuracy.py's deep models), the real
+SmolLM2-135M (dequantized from its GGUF: `make fetch-real`), and the built-in demo model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_trl import read_metrics  # noqa: E402
+from machine import ROOT, write_recipe, write_section  # noqa: E402
+
+import plan_accuracy  # noqa: E402
+
+WORK = ROOT / "build" / "time-bench"
+DATA = ROOT / "recipes" / "data"
+REAL_RECIPE = ROOT / "recipes" / "smollm2-iso-dates.yaml"
+
+
+def deep(model: str, steps: int, **keys) -> dict:
+    """The real demo's recipe (chat, packed 8 x 128, LoRA r16 on every linear, fp32) on a deep random model."""
+    return {"extends": str(REAL_RECIPE), "model.name_or_path": str(plan_accuracy.WORK / model),
+            "data.path": str(DATA / "iso-dates-train.jsonl"), "data.eval_path": None, "precision": "fp32",
+            "training.max_steps": steps, "training.epochs": None, "logging.progress": "none", **keys}
+
+
+def real(steps: int | None, **keys) -> dict:
+    from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+
+    return {"extends": str(REAL_RECIPE), "model.name_or_path": str(dequantized_copy(real_model_path())),
+            "data.path": str(DATA / "iso-dates-train.jsonl"), "data.eval_path": None, "precision": "fp32",
+            "training.max_steps": steps, "logging.progress": "none", **keys}
+
+
+def demo(**keys) -> dict:
+    return {"extends": str(ROOT / "recipes" / "demo.yaml"), "data.path": str(DATA / "reverse-train.jsonl"),
+            "data.eval_path": None, "training.eval_every_steps": None, "logging.progress": "none", **keys}
+
+
+PAIRS = {"data.path": str(DATA / "iso-dates-pairs.jsonl"), "data.format": "preference", "training.objective": "dpo"}
+# Fit: 6 steps each, short; shapes, methods and samplers varied.
+CALIBRATION = {
+    "c-24x384-8x128": deep("deep-24x384", 6),
+    "c-24x384-8x256-ckpt": deep("deep-24x384", 6, **{"data.max_length": 256, "memory.gradient_checkpointing": True}),
+    "c-12x576-4x256-random": deep("deep-12x576", 6, **{"data.max_length": 256, "training.micro_batch_size": 4,
+                                                       "data.sampler": "random"}),
+    "c-12x576-8x128-full": deep("deep-12x576", 6, **{"peft.method": "full"}),
+    "c-24x384-8x128-dora": deep("deep-24x384", 6, **{"peft.method": "dora"}),
+    "c-12x576-8x128-nf4": deep("deep-12x576", 6, **{"quantization.bits": 4}),
+    "c-24x384-4x128-dpo": deep("deep-24x384", 6, **PAIRS, **{"training.micro_batch_size": 4}),
+    "c-24x384-8x128-distill": deep("deep-24x384", 6, **{"distill.teacher": str(plan_accuracy.WORK / "deep-12x576")}),
+    "c-12x576-2x128-accum4": deep("deep-12x576", 6, **{"training.micro_batch_size": 2,
+                                                       "training.gradient_accumulation_steps": 4}),
+    "c-24x384-1x128": deep("deep-24x384", 10, **{"training.micro_batch_size": 1}),
+    "c-demo-4x64": demo(**{"training.micro_batch_size": 4, "data.max_length": 64, "training.max_steps": 60,
+                           "training.epochs": None}),
+}
+# Accuracy: whole runs, end to end (start-up, every step, the saves, final/).
+ACCURACY = {
+    "real-lora-8x128": ("the real SmolLM2-135M, the demo's recipe (packed 8 x 128, LoRA r16)", real(16)),
+    "real-qlora-8x128": ("real SmolLM2-135M, NF4 base (QLoRA)", real(10, **{"quantization.bits": 4})),
+    "real-lora-ckpt-padded": ("real SmolLM2-135M, checkpointing, padded batches (random sampler)",
+                              real(10, **{"memory.gradient_checkpointing": True, "data.sampler": "random"})),
+    "real-full-4x128": ("real SmolLM2-135M, full fine-tuning, micro-batch 4",
+                        real(8, **{"peft.method": "full", "training.micro_batch_size": 4})),
+    "real-dora-ckpt": ("real SmolLM2-135M, DoRA with checkpointing",
+                       real(8, **{"peft.method": "dora", "memory.gradient_checkpointing": True})),
+    "16x768-distill": ("a 16 x 768 student distilled from the 24 x 384 teacher",
+                       deep("deep-16x768", 10, **{"distill.teacher": str(plan_accuracy.WORK / "deep-24x384")})),
+    "16x768-dpo": ("DPO on iso-date pairs, a 16 x 768 model, 4 pairs a micro-batch",
+                   deep("deep-16x768", 10, **PAIRS, **{"training.micro_batch_size": 4})),
+    "demo": ("the tiny built-in demo (recipes/demo.yaml, 3 epochs, padded batches of 16)", demo()),
+}
+
+
+def recipe(name: str, settings: dict) -> Path:
+    return write_recipe(WORK / "recipes" / f"{name}.yaml", settings)
+
+
+def run(name: str, settings: dict, threads: int) -> dict:
+    from machine import gflops
+
+    path = recipe(name, settings)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPUPOOR_CACHE": str(WORK / "cache")}
+    facts = WORK / "cache" / "time-facts.json"
+    if facts.is_file():  # the plan must use no step time a train measured: it predicts
+        cached = json.loads(facts.read_text())
+        for machine in cached.get("machines", {}).values():
+            machine.pop("steps", None)
+        facts.write_text(json.dumps(cached))
+    planned = subprocess.run([sys.executable, "-m", "gpupoor", "plan", str(path), "--json", "--threads",
+                              str(threads)], capture_output=True, text=True, env=env)
+    plan = json.loads(planned.stdout)
+    if "time" not in plan:
+        raise SystemExit(f"{name}: no time plan: {plan.get('time_error')}\n{planned.stderr}")
+    before = gflops(threads)
+    run_dir = WORK / "runs" / f"{name}-t{threads}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "gpupoor", "train", str(path), "--output-dir", str(run_dir),
+                           "--set", f"training.cpu_threads={threads}"], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - started
+    after = gflops(threads)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: train failed\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    start, steps = read_metrics(run_dir)
+    step_s = [s["step_s"] for s in steps]
+    return {"name": name, "threads": threads, "wall_s": wall, "step_s": step_s,
+            "measured_step_s": statistics.median(step_s[1:]) if len(step_s) > 1 else step_s[0],
+            "startup_s": start.get("startup_s"), "plan": plan["time"], "gflops": [before, after]}
+
+
+def run_all(table: dict, threads: list[int], out: Path, only: list[str]) -> list[dict]:
+    plan_accuracy.build_deep_models()
+    best: dict = {}
+    # earlier results of other recipes or thread counts stay; a row run again replaces its old one
+    results = [r for r in (json.loads(out.read_text()) if out.is_file() else [])
+               if not ((not only or r["name"] in only) and r["threads"] in threads and r["name"] in table)]
+    for name, entry in table.items():
+        if only and name not in only:
+            continue
+        settings = entry[1] if isinstance(entry, tuple) else entry
+        for n in threads:
+            for attempt in range(2):
+                row = run(name, settings, n)
+                best[n] = max(best.get(n, 0), *row["gflops"])
+                if min(row["gflops"]) >= 0.75 * best[n] or attempt == 1:
+                    break
+                print(f"  {name} t{n}: probe fell to {min(row['gflops']):.0f} of {best[n]:.0f} GFLOP/s: again")
+            results.append(row)
+            t = row["plan"]
+            print(f"{name:26s} t{n} step {row['measured_step_s']:.3f} s (plan {t['step_s']:.3f}, "
+                  f"{t['step_s'] / row['measured_step_s'] - 1:+.0%})  total {row['wall_s']:.1f} s (plan "
+                  f"{t['total_s']:.1f}, {t['total_s'] / row['wall_s'] - 1:+.0%})", flush=True)
+            out.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def replanned(r: dict) -> dict:
+    """The run's time plan made again with the code as it is now (the facts are cached: no probe), so a change to
+    the work terms is fitted without training again."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPUPOOR_CACHE": str(WORK / "cache")}
+    done = subprocess.run([sys.executable, "-m", "gpupoor", "plan", str(WORK / "recipes" / f"{r['name']}.yaml"),
+                           "--json", "--threads", str(r["threads"])], capture_output=True, text=True, env=env)
+    return json.loads(done.stdout)["time"]
+
+
+def fit(results: list[dict]) -> dict:
+    """Least squares of the relative step-time error: step = sum_k c_k amount_k / rate (seconds kinds: not over the
+    rate) + c_mb * micro-batches + c_step."""
+    import numpy as np
+
+    from gpupoor.plan.flops import KINDS, SECONDS_KINDS
+
+    rows, target = [], []
+    for r in results:
+        plan = r["plan"] = replanned(r)
+        amounts = {k: 0.0 for k in KINDS}
+        for w in plan["work"]:
+            amounts[w["kind"]] += w["amount"]
+        features = [amounts[k] / (1 if k in SECONDS_KINDS else plan["rate_flops"]) for k in KINDS] + \
+            [plan["accumulation"], 1.0]
+        scale = 1 / r["measured_step_s"]
+        rows.append([f * scale for f in features])
+        target.append(1.0)
+    a, b = np.array(rows), np.array(target)
+    names = [*KINDS, "micro_batch_s", "step_s"]
+    keep = list(range(len(names)))
+    while True:  # non-negative: drop what fits negative, solve again
+        coef, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
+        if (coef >= 0).all():
+            break
+        keep = [k for k, c in zip(keep, coef) if c >= 0]
+    fitted = dict.fromkeys(names, 0.0)
+    fitted.update({names[k]: float(c) for k, c in zip(keep, coef)})
+    return fitted
+
+
+GPU_FREE = ("matmul", "dequantize", "step_s")  # what the few GPU rows can fit; the rest keep CPU_TO_GPU ratios
+
+
+def calibrate_gpu(folder: Path) -> dict:
+    """The cuda coefficients from the timed rows a lent GPU measured (bench/gpu.py mfu|times|flagship): each row's
+    recipe planned here on paper for that GPU (`--device cuda --gpu H100`: its published peak x
+    PAPER_PROBE_FRACTION), its settled step time measured there; the coefficients in GPU_FREE fitted by least
+    squares of the relative error, the others at the CPU's (whose ratios the few GPU rows cannot pin down)."""
+    import numpy as np
+
+    import gpu as gpu_bench
+    from gpupoor.plan.flops import KINDS, SECONDS_KINDS
+    from gpupoor.plan.time import COEFFICIENTS
+
+    cpu = COEFFICIENTS["cpu"]
+    rows, fixed_part, measured, names = [], [], [], []
+    for file in ("gpu-mfu.json", "gpu-times.json", "gpu-flagship.json"):
+        for row in json.loads((folder / file).read_text())["rows"]:
+            if "error" in row or row["env"]:
+                continue
+            path = gpu_bench.recipe(row["arch"], row["name"], {**row["keys"], "training.max_steps": 12})
+            done = subprocess.run([sys.executable, "-m", "gpupoor", "plan", str(path), "--json", "--device", "cuda",
+                                   "--gpu", "H100"], capture_output=True, text=True,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1", "GPUPOOR_CACHE": str(WORK / "cache")})
+            plan = json.loads(done.stdout)["time"]
+            amounts = dict.fromkeys([*KINDS, "micro_batch_s", "step_s"], 0.0)
+            for w in plan["work"]:
+                amounts[w["kind"]] += w["amount"] / (1 if w["kind"] in SECONDS_KINDS else plan["rate_flops"])
+            amounts["micro_batch_s"], amounts["step_s"] = plan["accumulation"], 1.0
+            rows.append([amounts[k] for k in GPU_FREE])
+            fixed_part.append(sum(cpu[k] * v for k, v in amounts.items() if k not in GPU_FREE))
+            measured.append(row["settled_step_s"])
+            names.append(row["name"])
+    a = np.array(rows) / np.array(measured)[:, None]
+    b = 1 - np.array(fixed_part) / np.array(measured)
+    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    fitted = {**cpu, **{k: float(max(c, 0.0)) for k, c in zip(GPU_FREE, coef)}}
+    for name, features, rest, step in zip(names, rows, fixed_part, measured):
+        predicted = rest + sum(fitted[k] * f for k, f in zip(GPU_FREE, features))
+        print(f"{name:24s} measured {step:.3f} s  fitted {predicted:.3f} s ({predicted / step - 1:+.0%})")
+    return fitted
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| recipe | what | threads | step s measured | step s planned | error | total s measured | "
+             "total s planned | error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        t = r["plan"]
+        what = ACCURACY[r["name"]][0] if r["name"] in ACCURACY else "calibration"
+        lines.append(f"| {r['name']} | {what} | {r['threads']} | {r['measured_step_s']:.3f} | {t['step_s']:.3f} | "
+                     f"{t['step_s'] / r['measured_step_s'] - 1:+.1%} | {r['wall_s']:.1f} | {t['total_s']:.1f} | "
+                     f"{t['total_s'] / r['wall_s'] - 1:+.1%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--calibrate-gpu", type=Path, help="a folder of bench/gpu.py's timed JSON from a GPU")
+    parser.add_argument("--accuracy", action="store_true")
+    parser.add_argument("--threads", default="2,1")
+    parser.add_argument("--only", default="")
+    parser.add_argument("--reuse", action="store_true", help="fit or tabulate the last results, run nothing")
+    parser.add_argument("--write", action="store_true", help="--accuracy: the table into docs/benchmarks.md")
+    args = parser.parse_args()
+    threads = [int(n) for n in args.threads.split(",")]
+    only = [n for n in args.only.split(",") if n]
+    WORK.mkdir(parents=True, exist_ok=True)
+    if args.calibrate_gpu:
+        print(json.dumps(calibrate_gpu(args.calibrate_gpu.resolve()), indent=1))
+    if args.calibrate:
+        out = WORK / "calibration.json"
+        results = json.loads(out.read_text()) if args.reuse else run_all(CALIBRATION, threads, out, only)
+        print(json.dumps(fit(results), indent=1))
+        print(table(results))
+    if args.accuracy:
+        out = WORK / "accuracy.json"
+        results = json.loads(out.read_text()) if args.reuse else run_all(ACCURACY, threads, out, only)
+        text = table(results)
+        print(text)
+        if args.write:
+            lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+            model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                          if line.startswith("Model name")), "unknown CPU")
+            write_section(ROOT / "docs" / "benchmarks.md", "time-accuracy",
+                          f"Measured {time.strftime('%Y-%m-%d')} on {model} ({os.cpu_count()} cores), torch CPU "
+                          f"wheel. Command: `python bench/time_accuracy.py --accuracy --write`.\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()

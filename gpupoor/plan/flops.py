@@ -1,0 +1,139 @@
+"""The work one optimizer step does, term by term, from the model's config, the recipe and the data as the loop
+collates it (gpupoor.plan.data_facts): the FLOPs of each kind of matmul, and the elementwise and optimizer work
+counted in values touched. gpupoor.plan.time turns them into seconds. Torch is not imported.
+
+A matmul of an (m x k) input by a (k x n) weight is 2mkn FLOPs forward, as much again for the input's gradient
+and again for the weight's. A frozen weight has no weight gradient; layers below the lowest trained one run no
+backward at all; checkpointing runs each layer's forward once more in backward. Attention is 2 matmuls of
+head_dim per query-key pair, forward: the pairs of each example when it is attended alone (causal: half the
+square), of each whole row under one masked call. The output head runs on target tokens only under the fused
+loss. LoRA's matmuls are small and slow for their FLOPs: their own term."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpupoor.plan.settings import Settings, what_trains
+from gpupoor.plan.shape import LINEARS, Shape
+
+
+@dataclass(frozen=True)
+class BatchFacts:
+    """One micro-batch of the run's data, averaged over an epoch as the loop collates it."""
+
+    micro_batches: int  # per epoch, as the loop counts them
+    tokens: float  # positions the model computes, padding included
+    real_tokens: float  # positions holding data
+    targets: float  # positions the loss trains on
+    example_pairs: float  # sum over examples of length^2 (attention per example)
+    row_pairs: float  # sum over rows of width^2 (one masked call per row)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One term of a step's work: `amount` FLOPs (kind matmul, attention, lora) or values (elementwise,
+    dequantize, optimizer)."""
+
+    key: str
+    kind: str
+    amount: float
+    detail: str
+
+
+KINDS = ("matmul", "attention", "lora", "elementwise", "dequantize", "optimizer", "calls")
+SECONDS_KINDS = ("calls",)  # their coefficient is seconds per unit, not scaled by the matmul rate
+
+
+def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -> list[Work]:
+    """The work of one optimizer step: `accumulation` micro-batches like `batch`, then the optimizer."""
+    training = what_trains(shape, s)
+    layers = shape.layers
+    active = layers - training.first_active_layer  # layers that run a backward
+    recompute = active if s.checkpointing else 0
+    passes = f"{layers} forward, {active} backward" + (f", {recompute} recomputed" if recompute else "")
+    t, y = batch.tokens * accumulation, batch.targets * accumulation
+    linear = shape.layer_linear_params
+    weight_grads = sum(shape.linear_params(name) for layer in training.layers for name in layer.weights)
+    # The lowest layer that runs a backward gets an input that needs no gradient: q, k and v skip theirs.
+    first_inputs = (sum(shape.linear_params(name) for name in ("q_proj", "k_proj", "v_proj"))
+                    if active and not training.embedding else 0)
+    work = [Work("linears", "matmul", 2 * linear * t * (layers + active + recompute) + 2 * weight_grads * t
+                 - 2 * first_inputs * t,
+                 f"{linear / 1e6:.1f}M weights a layer x {t:,.0f} tokens: {passes}"
+                 + (f"; weight gradients of {weight_grads / 1e6:.1f}M trained weights" if weight_grads else ""))]
+    per_example = s.attention_per_example
+    pairs = (batch.example_pairs / 2 if per_example else batch.row_pairs) * accumulation
+    work.append(Work("attention", "attention", 4 * shape.q * pairs * (layers + 2 * active + recompute),
+                     f"{pairs:,.0f} query-key pairs a layer ("
+                     + ("each example causal, alone" if per_example else "whole rows, one masked call") + ")"))
+    head_tokens = y if s.fused_loss else t
+    head_passes = 2 + (1 if training.head else 0)
+    work.append(Work("head", "matmul", 2 * shape.embedding_params * head_tokens * head_passes,
+                     f"{shape.vocab:,} x {shape.hidden} on {head_tokens:,.0f} "
+                     + ("target tokens (fused loss)" if s.fused_loss else "tokens")))
+    adapters = sum(s.rank * sum(shape.linear(name)) for layer in training.layers for name in layer.adapters)
+    if adapters and training.method in ("lora", "dora"):
+        lora = 2 * adapters * t * 3 + 2 * adapters * t * (1 if recompute else 0)
+        detail = f"rank {s.rank}: {adapters / 1e6:.2f}M adapter weights x {t:,.0f} tokens"
+        work.append(Work("lora", "lora", lora, detail))
+        if training.method == "dora":
+            work += _dora_work(shape, s, training, t, accumulation, layers + 2 * active + recompute)
+    # Norms, rotary embeddings, the activation, residual adds: values touched per token and layer.
+    per_token = 6 * shape.hidden + 3 * shape.intermediate + shape.q + 2 * shape.kv
+    work.append(Work("elementwise", "elementwise", per_token * t * (layers + 2 * active + recompute),
+                     f"norms, rotary, activation and residuals: {per_token:,} values a token and layer"))
+    if s.bits is not None:
+        dequantized = linear * accumulation * (layers + active + recompute)
+        work.append(Work("dequantize", "dequantize", dequantized,
+                         f"{s.bits}-bit weights expanded for each matmul pass"))
+    work += _extra_forwards(shape, s, batch, accumulation)
+    work.append(Work("optimizer", "optimizer", training.params, f"{s.optimizer} on {training.params:,} parameters"))
+    # Each module call costs the same dispatch overhead whatever its size: it is most of a tiny model's step.
+    per_layer = len(LINEARS) + 2 * max((len(layer.adapters) for layer in training.layers), default=0) + 6
+    calls = per_layer * (layers + active + recompute) * accumulation
+    work.append(Work("calls", "calls", calls, f"{per_layer} module calls a layer and pass"))
+    return work
+
+
+def _dora_work(shape: Shape, s: Settings, training, tokens: float, accumulation: int, passes: int) -> list[Work]:
+    """peft's DoRA, each forward: W + BA rebuilt through an identity matrix for its column norms (matmuls), and
+    the output rescaled by magnitude / norm, elementwise over every adapted output (and again in backward)."""
+    adapted = [shape.linear(name) for layer in training.layers for name in layer.adapters]
+    rebuild = sum(2 * a * a * s.rank + 2 * a * s.rank * b + 3 * a * b for a, b in adapted) * accumulation
+    outputs = sum(b for _, b in adapted)
+    return [Work("dora_norms", "lora", rebuild * (1 + (passes > 0)), "DoRA: W + BA rebuilt for its column norms"),
+            Work("dora_scale", "elementwise", 6 * outputs * tokens * passes / max(shape.layers, 1),
+                 f"DoRA: {outputs:,} adapted outputs a token rescaled")]
+
+
+def _extra_forwards(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -> list[Work]:
+    """A distillation teacher's forward, or DPO's reference forward, on the same tokens (no backward)."""
+    t, y = batch.tokens * accumulation, batch.targets * accumulation
+    if s.teacher is not None:
+        teacher = s.teacher
+        flops = 2 * teacher.layer_linear_params * teacher.layers * t + 2 * teacher.embedding_params * y
+        return [Work("teacher", "matmul", flops, f"the teacher's forward ({teacher.layers} layers x "
+                     f"{teacher.hidden}) and head on {y:,.0f} target tokens"),
+                Work("distill_loss", "elementwise", 4 * teacher.vocab * y, "KL over the vocabulary per target")]
+    if s.reference != "none":
+        flops = 2 * shape.layer_linear_params * shape.layers * t + 2 * shape.embedding_params * y
+        return [Work("reference", "matmul", flops, f"DPO's reference forward ({s.reference})")]
+    return []
+
+
+def total_flops(work: list[Work]) -> float:
+    return sum(w.amount for w in work if w.kind in ("matmul", "attention", "lora"))
+
+
+def model_flops_per_token(shape: Shape, s: Settings, seq: float) -> float:
+    """The usual MFU numerator per trained token: 6 x weights for full fine-tuning, 4 x weights (no weight
+    gradients) plus LoRA's 6 x adapters for a frozen base, the head on every token and causal attention of a
+    `seq`-token example (forward + backward: 3 x 2 matmuls of head_dim per pair) included; recomputation not."""
+    training = what_trains(shape, s)
+    weights = shape.layer_linear_params * shape.layers + shape.embedding_params
+    factor = 6 if training.method == "full" else 4
+    adapters = sum(s.rank * sum(shape.linear(name)) for layer in training.layers for name in layer.adapters)
+    attention = 3 * 4 * shape.q * shape.layers * seq / 2
+    return factor * weights + 6 * adapters + attention
+
+

@@ -1,0 +1,150 @@
+"""The time plan: how long a run takes on this machine (or on a named GPU, on paper), and whether it finishes
+inside a time limit. Torch is not imported: the measured facts (the data as the loop collates it, the matmul
+rate at the run's precision and shapes) come from gpupoor.plan.facts, which measures them once in a child process
+and caches them per machine.
+
+A step's time is its work (gpupoor.plan.flops) over the matmul rate, each kind of work weighed by a coefficient
+fitted on measured runs (COEFFICIENTS: the inverse of that kind's efficiency; bench/time_accuracy.py
+--calibrate), plus a fixed cost per micro-batch and per step. The whole run adds start-up (imports, loading the
+weights, the data), the first step's warm-up and each checkpoint save (its bytes at the disk's write rate)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from gpupoor.decisions import count_steps
+from gpupoor.plan.flops import SECONDS_KINDS, BatchFacts, Work, step_work, total_flops
+
+# Per kind of work: seconds = coefficient x amount / (matmul rate in FLOP/s), and seconds per micro-batch and per
+# step. Fitted by least squares of the relative error over the calibration runs in bench/time_accuracy.py (none
+# of them in its accuracy table); see docs/benchmarks.md, "Time plan accuracy".
+COEFFICIENTS = {
+    "cpu": {"matmul": 1.11, "attention": 0.0, "lora": 0.0, "elementwise": 157.0, "dequantize": 672.0,
+            "optimizer": 544.0, "calls": 2.26e-4, "micro_batch_s": 0.0, "step_s": 0.0, "first_step_s": 0.5},
+    "cuda": {"matmul": 1.25, "attention": 3.0, "lora": 6.0, "elementwise": 60.0, "dequantize": 60.0,
+             "optimizer": 100.0, "calls": 1e-5, "micro_batch_s": 0.004, "step_s": 0.004, "first_step_s": 1.0},
+}
+# Loading: seconds per GiB of weight file read (and converted or quantized), beyond a fixed part.
+LOAD_S_PER_GIB = {"cpu": 1.5, "cuda": 1.5}
+LOAD_FIXED_S = 0.5
+SAVE_FIXED_S = 0.3  # a checkpoint's fsyncs, manifest and rename, beyond its bytes
+DEFAULT_SAVE_MINUTES = 30  # a recipe with no cadence saves at least this often (gpupoor.run.saving)
+
+# Published dense (no sparsity) tensor-core peaks in TFLOP/s for bf16 (fp16 on GPUs without bf16) from each
+# vendor's datasheet: H100 SXM5, H200, A100 SXM4, A10G, L4, L40S, T4, V100 SXM2, RTX 4090, RTX 3090 (its
+# fp16 tensor rate with fp32 accumulate), and what each is called in nvidia-smi.
+GPU_PEAKS = {
+    "H100": (989.4, "NVIDIA H100 SXM5 datasheet, BF16 tensor core, dense"),
+    "H200": (989.4, "NVIDIA H200 datasheet, BF16 tensor core, dense"),
+    "A100": (312.0, "NVIDIA A100 datasheet, BF16 tensor core, dense"),
+    "A10G": (70.0, "NVIDIA A10G (AWS) figures, BF16 tensor core, dense"),
+    "L4": (121.0, "NVIDIA L4 datasheet, BF16 tensor core, dense"),
+    "L40S": (362.05, "NVIDIA L40S datasheet, BF16 tensor core, dense"),
+    "T4": (65.0, "NVIDIA T4 datasheet, FP16 tensor core (no bf16)"),
+    "V100": (125.0, "NVIDIA V100 SXM2 datasheet, FP16 tensor core (no bf16)"),
+    "RTX4090": (165.2, "NVIDIA Ada whitepaper, RTX 4090, BF16 tensor with FP32 accumulate, dense"),
+    "RTX3090": (71.0, "NVIDIA Ampere GA102 whitepaper, RTX 3090, FP16 tensor with FP32 accumulate, dense"),
+}
+# The share of the published peak a bf16 F.linear at training's shapes reached on the GPU lent here (an H100:
+# 697-788 of 989 TFLOP/s at 8192 rows, bench/results/gpu-2026-11-28/gpu.txt): what an on-paper plan takes as
+# its probe.
+PAPER_PROBE_FRACTION = 0.75
+
+
+@dataclass
+class TimePlan:
+    """How long a run takes: its steps, a step's work and time, start-up, saves, and against a time limit."""
+
+    steps: int
+    accumulation: int
+    batch: BatchFacts
+    work: list[Work]
+    rate: float  # matmul FLOP/s the step time is scaled by
+    step_s: float
+    startup_s: float
+    first_step_s: float  # the first step's extra (warm-up, allocation)
+    saves: int
+    save_s: float  # one save
+    source: str  # where the figures come from, in one line
+    on_paper: bool = False
+    measured_step_s: float | None = None  # a train of this very recipe on this machine measured it
+    time_limit_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.batch.tokens * self.accumulation
+
+    @property
+    def used_step_s(self) -> float:
+        """The step time the totals use: a measured one where a train of this recipe here left it."""
+        return self.measured_step_s or self.step_s
+
+    @property
+    def train_s(self) -> float:
+        return self.steps * self.used_step_s + self.first_step_s
+
+    @property
+    def total_s(self) -> float:
+        return self.startup_s + self.train_s + self.saves * self.save_s
+
+    def sessions(self) -> int | None:
+        """Sessions of time_limit_s the run needs, resuming from the checkpoint each one saves before its end."""
+        per_session = self.steps_per_session()
+        if per_session is None:
+            return None
+        return max(1, math.ceil(self.steps / per_session)) if per_session > 0 else None
+
+    def steps_per_session(self) -> int | None:
+        """Optimizer steps one session of time_limit_s completes: after start-up (a resume loads the same), with
+        the reserve training keeps (two saves and a step, gpupoor.run.saving) and its own periodic saves."""
+        if self.time_limit_s is None:
+            return None
+        usable = self.time_limit_s - self.startup_s - self.first_step_s - 2 * self.save_s - self.used_step_s
+        per_step = self.used_step_s + self.saves * self.save_s / max(self.steps, 1)
+        return max(0, int(usable / per_step))
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "accumulation": self.accumulation, "tokens_per_step": self.tokens_per_step, "micro_batches_per_epoch":
+                self.batch.micro_batches, "flops_per_step": total_flops(self.work),
+                "work": [{"key": w.key, "kind": w.kind, "amount": w.amount, "detail": w.detail} for w in self.work],
+                "rate_flops": self.rate, "step_s": self.step_s, "measured_step_s": self.measured_step_s,
+                "startup_s": self.startup_s, "first_step_s": self.first_step_s, "saves": self.saves,
+                "save_s": self.save_s, "total_s": self.total_s, "source": self.source, "on_paper": self.on_paper,
+                "time_limit_s": self.time_limit_s, "sessions": self.sessions(),
+                "steps_per_session": self.steps_per_session(), "notes": self.notes}
+
+
+def predict_step_s(work: list[Work], rate: float, accumulation: int, device: str) -> float:
+    c = COEFFICIENTS["cuda" if device == "cuda" else "cpu"]
+    return (sum(c[w.kind] * w.amount / (1 if w.kind in SECONDS_KINDS else rate) for w in work)
+            + c["micro_batch_s"] * accumulation + c["step_s"])
+
+
+def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rate: float, source: str, processes: int,
+                   import_s: float, weight_file_bytes: int, checkpoint_bytes: int, write_rate: float,
+                   on_paper: bool = False, measured_step_s: float | None = None,
+                   time_limit_s: float | None = None) -> TimePlan:
+    """The time plan of `recipe` on `settings.device` from the measured (or on-paper) facts."""
+    training = recipe.training
+    accumulation = training.gradient_accumulation_steps
+    steps = count_steps(training.max_steps, training.epochs, accumulation, batch.micro_batches, processes)
+    work = step_work(shape, settings, batch, accumulation)
+    step_s = predict_step_s(work, rate, accumulation, settings.device)
+    device = "cuda" if settings.device == "cuda" else "cpu"
+    startup_s = import_s + LOAD_FIXED_S + LOAD_S_PER_GIB[device] * weight_file_bytes / 2**30
+    save_s = SAVE_FIXED_S + checkpoint_bytes / write_rate
+    plan = TimePlan(steps, accumulation, batch, work, rate, step_s, startup_s, COEFFICIENTS[device]["first_step_s"],
+                    0, save_s, source, on_paper, measured_step_s, time_limit_s)
+    plan.saves = count_saves(recipe, steps, plan.used_step_s) + 1  # and final/
+    return plan
+
+
+def count_saves(recipe, steps: int, step_s: float) -> int:
+    """Periodic checkpoints in a run of `steps` (the last step's save is final/'s, counted by the caller)."""
+    cadence = recipe.checkpoint
+    by_steps = (steps - 1) // cadence.every_steps if cadence.every_steps else 0
+    minutes = cadence.every_minutes or (None if cadence.every_steps else DEFAULT_SAVE_MINUTES)
+    by_time = int(steps * step_s / (60 * minutes)) if minutes else 0
+    return max(by_steps, by_time)

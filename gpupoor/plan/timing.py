@@ -1,0 +1,118 @@
+"""The time plan of a recipe, put together: the cached facts (gpupoor.plan.facts) measured where they are missing,
+or a named GPU's published peak on paper, then gpupoor.plan.time's arithmetic. `gpupoor plan` calls this;
+`validate` and training's preflight never do (they must not probe)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gpupoor.errors import UserError
+from gpupoor.plan import facts as cache
+from gpupoor.plan.measure import probe_rows
+from gpupoor.plan.time import GPU_PEAKS, PAPER_PROBE_FRACTION, TimePlan, make_time_plan
+
+FILE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def plan_threads(recipe, requested: int | None) -> int:
+    """The threads training would use on a CPU: --threads, training.cpu_threads, else the cores this process may
+    run on (training also leaves out cores busy at its start; the plan assumes none are)."""
+    if requested:
+        return requested
+    if recipe.training.cpu_threads:
+        return recipe.training.cpu_threads
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def gpu_on_paper(name: str) -> tuple[float, str]:
+    key = name.upper().replace(" ", "").replace("-", "")
+    if key not in GPU_PEAKS:
+        raise UserError(f"--gpu {name}: not a GPU the time plan knows", hint=f"one of {', '.join(GPU_PEAKS)}")
+    return GPU_PEAKS[key]
+
+
+def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | None, gpu: str | None,
+              time_limit_s: float | None, say, cached_only: bool = False) -> TimePlan | None:
+    """The time plan; `say` tells the user when this plan measures (a first plan of this machine or data).
+    `cached_only` (training's comparison): None rather than measure what the cache lacks. Either way the plan
+    keeps `time_keys` (the machine, the recipe's step key), where training records the step time it measured."""
+    from gpupoor.storage.rundir import portable_recipe
+
+    recipe = portable_recipe(loaded)  # paths absolute, as the run dir stores them: the child resolves the same files
+    device = settings.device
+    if gpu and device != "cuda":
+        raise UserError("--gpu names a GPU to plan on paper: it needs --device cuda", hint="add --device cuda")
+    on_paper = device == "cuda" and (gpu is not None or settings.gpu_major is None)
+    if on_paper and gpu is None:
+        raise UserError("the time plan on cuda needs a GPU here, or one named to plan on paper",
+                        hint=f"pass --gpu NAME (one of {', '.join(GPU_PEAKS)})")
+    threads = plan_threads(recipe, threads) if device == "cpu" else None
+    gpu_name = gpu if on_paper else _visible_gpu_name() if device == "cuda" else None
+    machine = cache.machine_key(device, threads, gpu_name if device == "cuda" else None)
+    facts = cache.read_facts()
+    here = facts["machines"].setdefault(machine, {})
+    data_key = cache.data_key(recipe, Path.cwd(), settings.sampler)
+    tokens = recipe.data.max_length * recipe.training.micro_batch_size
+    m = probe_rows(device, shape.hidden, shape.intermediate, tokens)
+    rate_key = cache.rate_key(settings.precision, m, shape.hidden, shape.intermediate)
+    step_key = cache.step_key(recipe, data_key, device, settings.precision)
+    plan.time_keys = (machine, step_key)
+    request: dict = {}
+    if data_key not in facts["data"]:
+        request["data"] = {"recipe": recipe.model_dump(mode="json"), "sampler": settings.sampler}
+    if not on_paper and rate_key not in here.get("rates", {}):
+        request["rate"] = {"device": device, "precision": settings.precision, "threads": threads, "m": m,
+                           "k": shape.hidden, "n": shape.intermediate}
+    if "write_rate" not in here or "import_s" not in here:
+        request["write_to"] = str(cache.facts_path().parent)
+    if request and cached_only:
+        return None
+    if request:
+        what = [w for w, k in (("the data as training will see it", "data"), ("this machine's matmul rate", "rate"),
+                               ("the disk's write rate", "write_to")) if k in request]
+        say(f"time plan: measuring {' and '.join(what)} (once; cached in {cache.facts_path()})")
+        answer = cache.measure(request)
+        here["import_s"] = answer["import_s"]
+        if "rate" in answer:
+            here.setdefault("rates", {})[rate_key] = answer["rate"]
+        if "write_rate" in answer:
+            here["write_rate"] = answer["write_rate"]
+        if "data" in answer:
+            facts["data"][data_key] = answer["data"]
+        cache.write_facts(facts)
+    batch = cache.batch_facts(facts["data"][data_key])
+    if on_paper:
+        peak, source_of_peak = gpu_on_paper(gpu)
+        rate = peak * 1e12 * PAPER_PROBE_FRACTION
+        source = (f"on paper: {gpu}'s published peak {peak:g} TFLOP/s ({source_of_peak}) x {PAPER_PROBE_FRACTION:g} "
+                  "(the share a training-shaped matmul reached on the H100 lent here) x per-term efficiencies "
+                  "fitted on that H100's runs (docs/benchmarks.md)")
+    else:
+        rate = here["rates"][rate_key]
+        where = f"{threads} threads" if device == "cpu" else gpu_name
+        source = (f"this machine's {settings.precision} matmul rate {rate / 1e9:,.0f} GFLOP/s ({m}x{shape.hidden}x"
+                  f"{shape.intermediate}, {where}; probed once, cached) x per-term efficiencies fitted on measured "
+                  f"{'CPU' if device == 'cpu' else 'GPU'} runs (docs/benchmarks.md, Time plan accuracy)")
+    measured = here.get("steps", {}).get(step_key, {}).get("step_s") if not on_paper else None
+    weight_bytes = shape.total_params * FILE_BYTES.get(shape.file_dtype or "fp32", 4)
+    checkpoint_bytes = sum(t.bytes for t in plan.terms if t.key in ("trainable", "optimizer"))
+    result = make_time_plan(shape, settings, recipe, batch, rate=rate, source=source, processes=processes,
+                            import_s=here["import_s"], weight_file_bytes=weight_bytes,
+                            checkpoint_bytes=checkpoint_bytes, write_rate=here["write_rate"], on_paper=on_paper,
+                            measured_step_s=measured, time_limit_s=time_limit_s)
+    if request:
+        result.notes.append(f"measured now: {', '.join(request)} (cached for the next plan)")
+    if measured:
+        result.notes.append(f"the totals use the step time `train` measured for this recipe here ({measured:.3g} s)")
+    return result
+
+
+def _visible_gpu_name() -> str | None:
+    from gpupoor.plan.device import _nvidia_smi
+
+    answer = _nvidia_smi("name")
+    return answer[0] if answer else None

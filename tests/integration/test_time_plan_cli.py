@@ -1,0 +1,97 @@
+"""The time plan end to end on the tiny fixture: the first plan measures (in a child process) and caches, a
+repeated one reads the cache without torch, validate never measures, training compares its step time with the
+plan's and records it, a time limit says how many sessions, and --fit's recipe trains inside the limit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import invoke, read_metrics
+from gpupoor.plan.facts import FACTS_FILE
+
+pytestmark = pytest.mark.time_plan
+
+
+def plan_json(recipe, *args) -> dict:
+    result = invoke("plan", recipe, "--json", "--threads", "1", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_the_first_plan_measures_and_a_repeated_one_reads_the_cache_without_torch(make_recipe, tmp_path):
+    recipe = make_recipe(training={"max_steps": None, "epochs": 2})
+    first = invoke("plan", recipe, "--threads", "1")
+    assert first.exit_code == 0, first.output
+    assert "time plan: measuring the data as training will see it and this machine's matmul rate" in first.output
+    facts = json.loads((tmp_path / "cache" / FACTS_FILE).read_text())
+    assert len(facts["data"]) == 1 and len(facts["machines"]) == 1
+    # 48 rows, batches of 4, 2 epochs: the steps the loop will take
+    plan = plan_json(recipe)["time"]
+    assert plan["steps"] == 24 and plan["micro_batches_per_epoch"] == 12
+    assert plan["total_s"] > plan["steps"] * plan["step_s"] > 0 and not plan["notes"]
+    code = ("import sys\nfrom gpupoor.cli import app\ntry:\n    app(['plan', sys.argv[1], '--threads', '1'])\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    again = subprocess.run([sys.executable, "-c", code, str(recipe)], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "GPUPOOR_CACHE": str(tmp_path / "cache")})
+    assert "measuring" not in again.stdout + again.stderr
+    assert "optimizer steps" in again.stdout and again.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_validate_never_measures(make_recipe, tmp_path):
+    assert invoke("validate", make_recipe()).exit_code == 0
+    assert not (tmp_path / "cache" / FACTS_FILE).exists()
+
+
+def test_a_run_longer_than_the_limit_needs_sessions(make_recipe):
+    recipe = make_recipe(training={"max_steps": 4000})
+    plan = plan_json(recipe, "--time-limit", "2m")["time"]
+    assert plan["time_limit_s"] == 120 and plan["sessions"] > 1
+    text = invoke("plan", recipe, "--threads", "1", "--time-limit", "2m").output
+    assert f"time limit 2m: NEEDS {plan['sessions']} sessions" in text
+    assert "finishes in one session" in invoke("plan", make_recipe(), "--threads", "1", "--time-limit", "2h").output
+
+
+def test_training_compares_its_step_time_and_the_next_plan_uses_it(make_recipe, tmp_path):
+    recipe = make_recipe(training={"max_steps": 8})
+    predicted = plan_json(recipe)["time"]["step_s"]
+    run = tmp_path / "run"
+    trained = invoke("train", recipe, "--output-dir", run)
+    assert trained.exit_code == 0, trained.output
+    assert "step time" in trained.output and "s planned (" in trained.output
+    records = [r for r in read_metrics(run) if "predicted_step_s" in r]
+    assert len(records) == 1 and records[0]["step"] == 5 and records[0]["predicted_step_s"] == round(predicted, 4)
+    after = plan_json(recipe)["time"]
+    assert after["measured_step_s"] is not None and after["step_s"] == pytest.approx(predicted)
+    assert any("measured by train" in note or "the step time `train` measured" in note for note in after["notes"])
+
+
+def test_fit_for_a_time_limit_writes_a_recipe_that_trains_inside_it(make_recipe, tmp_path):
+    recipe = make_recipe(training={"max_steps": 20000}, checkpoint={"time_limit": "30s"})
+    fitted = invoke("plan", recipe, "--threads", "1", "--fit")
+    assert fitted.exit_code == 0, fitted.output
+    assert "training.max_steps:" in fitted.output and "tokens trained on" in fitted.output
+    written = yaml.safe_load((tmp_path / "recipe.fit.yaml").read_text())
+    steps = written["training"]["max_steps"]
+    assert 0 < steps < 20000
+    run = tmp_path / "fit-run"
+    trained = invoke("train", tmp_path / "recipe.fit.yaml", "--output-dir", run)
+    # exit 0: every step trained, the time limit never stopped it (it would exit 75)
+    assert trained.exit_code == 0, trained.output
+    assert max(r["step"] for r in read_metrics(run) if "loss" in r) == steps
+
+
+def test_a_gpu_on_paper_needs_cuda_and_a_known_name(make_recipe):
+    recipe = make_recipe()
+    wrong = invoke("plan", recipe, "--gpu", "H100")
+    assert wrong.exit_code == 2 and "--device cuda" in wrong.output
+    unknown = invoke("plan", recipe, "--device", "cuda", "--gpu", "B9000")
+    assert unknown.exit_code == 2 and "RTX4090" in unknown.output
+    paper = plan_json(recipe, "--device", "cuda", "--gpu", "A100")["time"]
+    assert paper["on_paper"] and "A100's published peak 312" in paper["source"]
+    t4 = plan_json(recipe, "--device", "cuda", "--gpu", "T4")["time"]
+    assert t4["step_s"] > paper["step_s"]
