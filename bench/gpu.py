@@ -392,7 +392,10 @@ def render_timed(folder: Path) -> None:
               "bench/gpu_session.sh` (stages `python bench/gpu.py build|flagship|mfu|times`), then here `python "
               "bench/gpu.py render-timed FOLDER`. Tokens: the data positions of a step (metrics' `tokens`); MFU: "
               "tokens/s x (4 x the base's linear and head weights + 6 x LoRA's + causal attention at the data's "
-              "mean example length, ~1.3 tokens a word) / 989.4 TFLOP/s (H100 SXM5, dense bf16).")
+              "mean example length, ~1.3 tokens a word) / 989.4 TFLOP/s (H100 SXM5, dense bf16). Planned MiB: the "
+              "plan made on the device then, which knew neither the fused MLP in bf16 on CUDA (behind a benchmark "
+              "switch in that call, the default since: today's plan of that row is 17,915 MiB, -5.0%) nor Liger's "
+              "kernels.")
     write_section(ROOT / "docs" / "benchmarks.md", "gpu-timed", header + "\n" + "\n".join(lines))
 
 

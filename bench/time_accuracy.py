@@ -72,6 +72,9 @@ CALIBRATION = {
     "c-12x576-2x128-accum4": deep("deep-12x576", 6, **{"training.micro_batch_size": 2,
                                                        "training.gradient_accumulation_steps": 4}),
     "c-24x384-1x128": deep("deep-24x384", 10, **{"training.micro_batch_size": 1}),
+    "c-12x576-8x128-dora-ckpt": deep("deep-12x576", 6, **{"peft.method": "dora", "memory.gradient_checkpointing": True}),
+    "c-12x576-2x128-dpo": deep("deep-12x576", 6, **PAIRS, **{"training.micro_batch_size": 2}),
+    "c-demo-8x128": demo(**{"training.micro_batch_size": 8, "training.max_steps": 60, "training.epochs": None}),
     "c-demo-4x64": demo(**{"training.micro_batch_size": 4, "data.max_length": 64, "training.max_steps": 60,
                            "training.epochs": None}),
 }
@@ -97,17 +100,22 @@ def recipe(name: str, settings: dict) -> Path:
     return write_recipe(WORK / "recipes" / f"{name}.yaml", settings)
 
 
+def forget_measured_steps() -> None:
+    """The plan must use no step time a train measured (training records them in the cache): it predicts."""
+    facts = WORK / "cache" / "time-facts.json"
+    if facts.is_file():
+        cached = json.loads(facts.read_text())
+        for machine in cached.get("machines", {}).values():
+            machine.pop("steps", None)
+        facts.write_text(json.dumps(cached))
+
+
 def run(name: str, settings: dict, threads: int) -> dict:
     from machine import gflops
 
     path = recipe(name, settings)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPUPOOR_CACHE": str(WORK / "cache")}
-    facts = WORK / "cache" / "time-facts.json"
-    if facts.is_file():  # the plan must use no step time a train measured: it predicts
-        cached = json.loads(facts.read_text())
-        for machine in cached.get("machines", {}).values():
-            machine.pop("steps", None)
-        facts.write_text(json.dumps(cached))
+    forget_measured_steps()
     planned = subprocess.run([sys.executable, "-m", "gpupoor", "plan", str(path), "--json", "--threads",
                               str(threads)], capture_output=True, text=True, env=env)
     plan = json.loads(planned.stdout)
@@ -160,6 +168,7 @@ def replanned(r: dict) -> dict:
     """The run's time plan made again with the code as it is now (the facts are cached: no probe), so a change to
     the work terms is fitted without training again."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPUPOOR_CACHE": str(WORK / "cache")}
+    forget_measured_steps()
     done = subprocess.run([sys.executable, "-m", "gpupoor", "plan", str(WORK / "recipes" / f"{r['name']}.yaml"),
                            "--json", "--threads", str(r["threads"])], capture_output=True, text=True, env=env)
     return json.loads(done.stdout)["time"]
@@ -196,21 +205,27 @@ def fit(results: list[dict]) -> dict:
     return fitted
 
 
-GPU_FREE = ("matmul", "dequantize", "step_s")  # what the few GPU rows can fit; the rest keep CPU_TO_GPU ratios
+GPU_FREE = ("matmul", "dequantize")  # what the few GPU rows can fit
+# The rest: the CPU's coefficients, but a module call costs a kernel launch on a GPU (~10 us, not the CPU's
+# dispatch and compute), no fixed part the few rows could tell from the matmuls', and elementwise work at the
+# H100's memory bandwidth: 3.35 TB/s moves ~0.84e12 bf16 values in and out a second, about three kernels a value,
+# against the on-paper matmul rate of 742 TFLOP/s (0.75 x 989.4): 742 / 0.84 x 3 = 2650 (the rows cannot tell
+# it from the matmuls: both grow with tokens x layers).
+GPU_FIXED = {"calls": 1e-5, "step_s": 0.0, "micro_batch_s": 0.0, "elementwise": 2650.0}
 
 
 def calibrate_gpu(folder: Path) -> dict:
     """The cuda coefficients from the timed rows a lent GPU measured (bench/gpu.py mfu|times|flagship): each row's
     recipe planned here on paper for that GPU (`--device cuda --gpu H100`: its published peak x
     PAPER_PROBE_FRACTION), its settled step time measured there; the coefficients in GPU_FREE fitted by least
-    squares of the relative error, the others at the CPU's (whose ratios the few GPU rows cannot pin down)."""
+    squares of the relative error, the others at GPU_FIXED or the CPU's (the few GPU rows cannot pin them down)."""
     import numpy as np
 
     import gpu as gpu_bench
     from gpupoor.plan.flops import KINDS, SECONDS_KINDS
     from gpupoor.plan.time import COEFFICIENTS
 
-    cpu = COEFFICIENTS["cpu"]
+    cpu = {**COEFFICIENTS["cpu"], **GPU_FIXED}
     rows, fixed_part, measured, names = [], [], [], []
     for file in ("gpu-mfu.json", "gpu-times.json", "gpu-flagship.json"):
         for row in json.loads((folder / file).read_text())["rows"]:
@@ -231,8 +246,13 @@ def calibrate_gpu(folder: Path) -> dict:
             names.append(row["name"])
     a = np.array(rows) / np.array(measured)[:, None]
     b = 1 - np.array(fixed_part) / np.array(measured)
-    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
-    fitted = {**cpu, **{k: float(max(c, 0.0)) for k, c in zip(GPU_FREE, coef)}}
+    keep = list(range(len(GPU_FREE)))
+    while True:  # non-negative: drop what fits negative (at 0), solve again
+        coef, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
+        if (coef >= 0).all():
+            break
+        keep = [k for k, c in zip(keep, coef) if c >= 0]
+    fitted = {**cpu, **dict.fromkeys(GPU_FREE, 0.0), **{GPU_FREE[k]: float(c) for k, c in zip(keep, coef)}}
     for name, features, rest, step in zip(names, rows, fixed_part, measured):
         predicted = rest + sum(fitted[k] * f for k, f in zip(GPU_FREE, features))
         print(f"{name:24s} measured {step:.3f} s  fitted {predicted:.3f} s ({predicted / step - 1:+.0%})")
@@ -273,7 +293,12 @@ def main() -> None:
         print(table(results))
     if args.accuracy:
         out = WORK / "accuracy.json"
-        results = json.loads(out.read_text()) if args.reuse else run_all(ACCURACY, threads, out, only)
+        if args.reuse:  # predicted again with the code and coefficients as they are now; the measurements stay
+            results = json.loads(out.read_text())
+            for r in results:
+                r["plan"] = replanned(r)
+        else:
+            results = run_all(ACCURACY, threads, out, only)
         text = table(results)
         print(text)
         if args.write:
@@ -282,7 +307,8 @@ def main() -> None:
                           if line.startswith("Model name")), "unknown CPU")
             write_section(ROOT / "docs" / "benchmarks.md", "time-accuracy",
                           f"Measured {time.strftime('%Y-%m-%d')} on {model} ({os.cpu_count()} cores), torch CPU "
-                          f"wheel. Command: `python bench/time_accuracy.py --accuracy --write`.\n\n{text}")
+                          f"wheel. Command: `python bench/time_accuracy.py --accuracy --write` (`--reuse`: predicted again, the "
+                          f"measurements kept).\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ class Work:
     detail: str
 
 
-KINDS = ("matmul", "attention", "lora", "elementwise", "dequantize", "optimizer", "calls")
+KINDS = ("matmul", "attention", "lora", "elementwise", "dora", "dequantize", "optimizer", "calls")
 SECONDS_KINDS = ("calls",)  # their coefficient is seconds per unit, not scaled by the matmul rate
 
 
@@ -102,7 +102,7 @@ def _dora_work(shape: Shape, s: Settings, training, tokens: float, accumulation:
     rebuild = sum(2 * a * a * s.rank + 2 * a * s.rank * b + 3 * a * b for a, b in adapted) * accumulation
     outputs = sum(b for _, b in adapted)
     return [Work("dora_norms", "lora", rebuild * (1 + (passes > 0)), "DoRA: W + BA rebuilt for its column norms"),
-            Work("dora_scale", "elementwise", 6 * outputs * tokens * passes / max(shape.layers, 1),
+            Work("dora_scale", "dora", 6 * outputs * tokens * passes / max(shape.layers, 1),
                  f"DoRA: {outputs:,} adapted outputs a token rescaled")]
 
 

@@ -87,7 +87,8 @@ def render_time(plan: Plan) -> str:
              f"  work of a step: {total_flops(t.work) / 1e12:,.3g} TFLOP"]
     width = max(len(w.key) for w in t.work)
     for w in t.work:
-        amount = (f"{w.amount / 1e9:>10,.1f} GFLOP" if w.kind in AMOUNT_UNITS else f"{w.amount / 1e6:>8,.1f}M values")
+        amount = (f"{w.amount / 1e9:>10,.1f} GFLOP" if w.kind in AMOUNT_UNITS else
+                  f"{w.amount:>10,.0f} calls" if w.kind == "calls" else f"{w.amount / 1e6:>8,.1f}M values")
         lines.append(f"  {w.key:<{width}}  {amount}  {w.detail}")
     measured = f" (measured by train here: {t.measured_step_s:.3g} s)" if t.measured_step_s else ""
     lines.append(f"  step {t.step_s:.3g} s{measured}; start-up {t.startup_s:.3g} s; {t.saves} saves of "

@@ -17,13 +17,18 @@ from gpupoor.decisions import count_steps
 from gpupoor.plan.flops import SECONDS_KINDS, BatchFacts, Work, step_work, total_flops
 
 # Per kind of work: seconds = coefficient x amount / (matmul rate in FLOP/s), and seconds per micro-batch and per
-# step. Fitted by least squares of the relative error over the calibration runs in bench/time_accuracy.py (none
-# of them in its accuracy table); see docs/benchmarks.md, "Time plan accuracy".
+# step; `calls` in seconds a module call. The CPU's fitted by least squares of the relative error over the 25
+# calibration runs of bench/time_accuracy.py --calibrate (none of them in its accuracy table); see
+# docs/benchmarks.md, "Time plan accuracy". Attention, LoRA and the optimizer fitted at 0: their cost is in the
+# calls and the matmuls they ride with on these shapes.
 COEFFICIENTS = {
-    "cpu": {"matmul": 1.11, "attention": 0.0, "lora": 0.0, "elementwise": 157.0, "dequantize": 672.0,
-            "optimizer": 544.0, "calls": 2.26e-4, "micro_batch_s": 0.0, "step_s": 0.0, "first_step_s": 0.5},
-    "cuda": {"matmul": 1.25, "attention": 3.0, "lora": 6.0, "elementwise": 60.0, "dequantize": 60.0,
-             "optimizer": 100.0, "calls": 1e-5, "micro_batch_s": 0.004, "step_s": 0.004, "first_step_s": 1.0},
+    "cpu": {"matmul": 1.26, "attention": 0.0, "lora": 0.0, "elementwise": 62.5, "dora": 134.0,
+            "dequantize": 709.0, "optimizer": 0.0, "calls": 2.58e-4, "micro_batch_s": 0.0, "step_s": 0.0,
+            "first_step_s": 0.5},
+    # fitted on the H100's rows (bench/time_accuracy.py --calibrate-gpu bench/results/gpu-2026-11-28): matmul and
+    # dequantize; the rest fixed (GPU_FIXED there says why)
+    "cuda": {"matmul": 3.04, "attention": 0.0, "lora": 0.0, "elementwise": 2650.0, "dora": 2650.0,
+             "dequantize": 3737.0, "optimizer": 544.0, "calls": 1e-5, "micro_batch_s": 0.0, "step_s": 0.0, "first_step_s": 1.0},
 }
 # Loading: seconds per GiB of weight file read (and converted or quantized), beyond a fixed part.
 LOAD_S_PER_GIB = {"cpu": 1.5, "cuda": 1.5}

@@ -104,6 +104,8 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
                             import_s=here["import_s"], weight_file_bytes=weight_bytes,
                             checkpoint_bytes=checkpoint_bytes, write_rate=here["write_rate"], on_paper=on_paper,
                             measured_step_s=measured, time_limit_s=time_limit_s)
+    if recipe.training.eval_every_steps and (recipe.data.eval_path or recipe.data.eval_rows or recipe.data.datasets):
+        result.notes.append("evaluation (training.eval_every_steps) is not counted: add its forward passes")
     if request:
         result.notes.append(f"measured now: {', '.join(request)} (cached for the next plan)")
     if measured:

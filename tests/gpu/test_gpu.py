@@ -167,3 +167,34 @@ def test_profile_on_gpu_records_a_memory_snapshot(make_recipe, tmp_path):
                                       "--output-dir", str(tmp_path / "run"), "--profile", "2"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "run" / "profile" / "memory_snapshot-rank0.pickle").stat().st_size > 0
+
+
+def test_fused_layers_in_bf16_on_gpu_match_the_plain_modules():
+    """The fused LoRA linears and gated MLP run in bf16 on a GPU by default (issue #47: 16% faster, 36% less memory
+    on an H100): their loss and adapter gradients against peft's modules on the same bf16 weights, to bf16's
+    rounding (2^-8) scaled to each tensor's norm."""
+    import copy
+
+    import torch
+
+    from gpupoor.model.fast_paths import apply_fast_paths
+    from test_fused_layers import VOCAB, tiny_family, with_lora
+
+    plain = with_lora(tiny_family("llama", dtype=torch.bfloat16)).cuda()
+    for param in plain.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()  # adapters in fp32 over the bf16 base, as gpupoor trains
+    fused = copy.deepcopy(plain)
+    assert apply_fast_paths(fused, True, precision="bf16").value == "on"
+    ids = torch.randint(0, VOCAB, (2, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    results = []
+    for model in (plain, fused):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.float().item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (fused_loss, fused_grads) = results
+    assert abs(fused_loss - loss) <= 2**-6 * abs(loss)
+    assert grads.keys() == fused_grads.keys() and grads
+    for name, grad in grads.items():
+        assert (fused_grads[name] - grad).norm() <= 2**-5 * grad.norm() + 1e-6, name
