@@ -298,7 +298,7 @@ def test_the_added_marks_are_the_hand_list_they_replaced():
               "data.conversations_field": "conversations", "peft.init_adapter": None, "training.objective": "sft",
               "preference.beta": 0.1, "preference.loss_type": "sigmoid", "preference.label_smoothing": 0.0,
               "preference.orpo_lambda": 0.1, "preference.reference": "auto", "preference.reference_bits": None,
-              "model.gguf_file": None, "model.fused_layers": False,
+              "model.gguf_file": None, "model.fused_layers": False, "model.kernels": "none", "model.compile": False,
               **{f"data.sharegpt_roles.{key}": value for key, value in SHAREGPT_ROLES.items()}}
     assert ADDED_KEYS == before
 
