@@ -155,9 +155,13 @@ def batch_facts(entry: dict) -> BatchFacts:
                                                        "row_pairs")))
 
 
-def record_step_time(machine: str, key: str, step_s: float, predicted_s: float | None) -> None:
-    """What a `train` measured, for the next plan of the same recipe on the same machine."""
+def record_step_time(machine: str, key: str, step_s: float, predicted_s: float | None,
+                     import_s: float | None = None) -> None:
+    """What a `train` measured, for the next plan of the same recipe on the same machine: its step time, and how
+    long its imports took (the plan's start-up: the child that first measured it imported cold, and more)."""
     facts = read_facts()
     entry = facts["machines"].setdefault(machine, {})
     entry.setdefault("steps", {})[key] = {"step_s": step_s, "predicted_s": predicted_s, "at": round(time.time())}
+    if import_s:
+        entry["import_s"] = round(import_s, 3)
     write_facts(facts)

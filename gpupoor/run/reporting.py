@@ -109,7 +109,9 @@ class Reporter:
         from gpupoor.plan.facts import record_step_time
 
         timing = getattr(self.session.memory_plan, "time", None)
-        record_step_time(*keys, statistics.median(self.step_times[1:]), timing.step_s if timing else None)
+        startup = self.session.startup.seconds() if self.session.startup is not None else {}
+        imports = sum(startup.get(part, 0.0) for part in ("python and cli", "libraries"))
+        record_step_time(*keys, statistics.median(self.step_times[1:]), timing.step_s if timing else None, imports)
 
     def close(self) -> None:
         if self.session.main and len(self.step_times) > TIME_CHECK_STEPS:

@@ -65,6 +65,9 @@ def test_training_compares_its_step_time_and_the_next_plan_uses_it(make_recipe, 
     assert "step time" in trained.output and "s planned (" in trained.output
     records = [r for r in read_metrics(run) if "predicted_step_s" in r]
     assert len(records) == 1 and records[0]["step"] == 5 and records[0]["predicted_step_s"] == round(predicted, 4)
+    facts = json.loads((tmp_path / "cache" / FACTS_FILE).read_text())
+    (machine,) = facts["machines"].values()
+    assert machine["import_s"] >= 0 and len(machine["steps"]) == 1  # what the run measured, for the next plan
     after = plan_json(recipe)["time"]
     assert after["measured_step_s"] is not None and after["step_s"] == pytest.approx(predicted)
     assert any("measured by train" in note or "the step time `train` measured" in note for note in after["notes"])
