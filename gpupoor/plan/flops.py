@@ -101,7 +101,7 @@ def _dora_work(shape: Shape, s: Settings, training, tokens: float, accumulation:
     adapted = [shape.linear(name) for layer in training.layers for name in layer.adapters]
     rebuild = sum(2 * a * a * s.rank + 2 * a * s.rank * b + 3 * a * b for a, b in adapted) * accumulation
     outputs = sum(b for _, b in adapted)
-    return [Work("dora_norms", "lora", rebuild * (1 + (passes > 0)), "DoRA: W + BA rebuilt for its column norms"),
+    return [Work("dora_norms", "lora", 2 * rebuild, "DoRA: W + BA rebuilt for its column norms (forward, backward)"),
             Work("dora_scale", "dora", 6 * outputs * tokens * passes / max(shape.layers, 1),
                  f"DoRA: {outputs:,} adapted outputs a token rescaled")]
 

@@ -94,6 +94,8 @@ def test_a_gpu_on_paper_needs_cuda_and_a_known_name(make_recipe):
     assert wrong.exit_code == 2 and "--device cuda" in wrong.output
     unknown = invoke("plan", recipe, "--device", "cuda", "--gpu", "B9000")
     assert unknown.exit_code == 2 and "RTX4090" in unknown.output
+    no_gpu = plan_json(recipe, "--device", "cuda")  # the memory plan as before; the time plan asks for --gpu
+    assert no_gpu["peak_bytes"] > 0 and "time" not in no_gpu and "--gpu NAME" in no_gpu["time_error"]
     paper = plan_json(recipe, "--device", "cuda", "--gpu", "A100")["time"]
     assert paper["on_paper"] and "A100's published peak 312" in paper["source"]
     t4 = plan_json(recipe, "--device", "cuda", "--gpu", "T4")["time"]
