@@ -54,7 +54,8 @@ def real(steps: int | None, **keys) -> dict:
 
 def demo(**keys) -> dict:
     return {"extends": str(ROOT / "recipes" / "demo.yaml"), "data.path": str(DATA / "reverse-train.jsonl"),
-            "data.eval_path": None, "training.eval_every_steps": None, "logging.progress": "none", **keys}
+            "data.eval_path": None, "training.eval_every_steps": None, "logging.progress": "none", "precision": "fp32",
+            **keys}
 
 
 PAIRS = {"data.path": str(DATA / "iso-dates-pairs.jsonl"), "data.format": "preference", "training.objective": "dpo"}
@@ -77,6 +78,14 @@ CALIBRATION = {
     "c-demo-8x128": demo(**{"training.micro_batch_size": 8, "training.max_steps": 60, "training.epochs": None}),
     "c-demo-4x64": demo(**{"training.micro_batch_size": 4, "data.max_length": 64, "training.max_steps": 60,
                            "training.epochs": None}),
+    # bf16 (on a CPU with bf16 matrix units): the frozen base in bf16, what trains in fp32
+    "c-24x384-8x128-bf16": deep("deep-24x384", 6, precision="bf16"),
+    "c-12x576-4x256-random-bf16": deep("deep-12x576", 6, precision="bf16", **{
+        "data.max_length": 256, "training.micro_batch_size": 4, "data.sampler": "random"}),
+    "c-12x576-8x128-full-bf16": deep("deep-12x576", 6, precision="bf16", **{"peft.method": "full"}),
+    "c-12x576-8x128-nf4-bf16": deep("deep-12x576", 6, precision="bf16", **{"quantization.bits": 4}),
+    "c-demo-8x128-bf16": demo(precision="bf16", **{"training.micro_batch_size": 8, "training.max_steps": 60,
+                                                   "training.epochs": None}),
 }
 # Accuracy: whole runs, end to end (start-up, every step, the saves, final/).
 ACCURACY = {
@@ -86,6 +95,7 @@ ACCURACY = {
                               real(10, **{"memory.gradient_checkpointing": True, "data.sampler": "random"})),
     "real-full-4x128": ("real SmolLM2-135M, full fine-tuning, micro-batch 4",
                         real(8, **{"peft.method": "full", "training.micro_batch_size": 4})),
+    "real-dora": ("real SmolLM2-135M, DoRA", real(8, **{"peft.method": "dora"})),
     "real-dora-ckpt": ("real SmolLM2-135M, DoRA with checkpointing",
                        real(8, **{"peft.method": "dora", "memory.gradient_checkpointing": True})),
     "16x768-distill": ("a 16 x 768 student distilled from the 24 x 384 teacher",
@@ -93,6 +103,14 @@ ACCURACY = {
     "16x768-dpo": ("DPO on iso-date pairs, a 16 x 768 model, 4 pairs a micro-batch",
                    deep("deep-16x768", 10, **PAIRS, **{"training.micro_batch_size": 4})),
     "demo": ("the tiny built-in demo (recipes/demo.yaml, 3 epochs, padded batches of 16)", demo()),
+    "real-lora-8x128-bf16": ("the real SmolLM2-135M, the demo's recipe, bf16", real(16, precision="bf16")),
+    "real-qlora-8x128-bf16": ("real SmolLM2-135M, NF4 base (QLoRA), bf16",
+                              real(10, precision="bf16", **{"quantization.bits": 4})),
+    "real-full-4x128-bf16": ("real SmolLM2-135M, full fine-tuning, micro-batch 4, bf16",
+                             real(8, precision="bf16", **{"peft.method": "full", "training.micro_batch_size": 4})),
+    "16x768-distill-bf16": ("the 16 x 768 student distilled, bf16", deep("deep-16x768", 10, precision="bf16", **{
+        "distill.teacher": str(plan_accuracy.WORK / "deep-24x384")})),
+    "demo-bf16": ("the tiny built-in demo, bf16", demo(precision="bf16")),
 }
 
 
@@ -174,21 +192,30 @@ def replanned(r: dict) -> dict:
     return json.loads(done.stdout)["time"]
 
 
+def unit_seconds(plan: dict) -> dict:
+    """Each kind's work in a planned step, in seconds at coefficient 1 (its amount at its measured rate)."""
+    from gpupoor.plan.flops import KINDS
+    from gpupoor.plan.time import Rates
+
+    rates = Rates(**plan["rates"])
+    seconds = dict.fromkeys(KINDS, 0.0)
+    for w in plan["work"]:
+        seconds[w["kind"]] += w["amount"] * rates.unit_s(w["kind"])
+    return seconds
+
+
 def fit(results: list[dict]) -> dict:
-    """Least squares of the relative step-time error: step = sum_k c_k amount_k / rate (seconds kinds: not over the
-    rate) + c_mb * micro-batches + c_step."""
+    """Least squares of the relative step-time error: step = sum_k c_k amount_k / rate_k (the rate measured for
+    that kind of work; a call's seconds times the calls) + c_mb * micro-batches + c_step."""
     import numpy as np
 
-    from gpupoor.plan.flops import KINDS, SECONDS_KINDS
+    from gpupoor.plan.flops import KINDS
 
     rows, target = [], []
     for r in results:
         plan = r["plan"] = replanned(r)
-        amounts = {k: 0.0 for k in KINDS}
-        for w in plan["work"]:
-            amounts[w["kind"]] += w["amount"]
-        features = [amounts[k] / (1 if k in SECONDS_KINDS else plan["rate_flops"]) for k in KINDS] + \
-            [plan["accumulation"], 1.0]
+        seconds = unit_seconds(plan)
+        features = [*seconds.values(), plan["accumulation"], 1.0]
         scale = 1 / r["measured_step_s"]
         rows.append([f * scale for f in features])
         target.append(1.0)
@@ -211,7 +238,7 @@ GPU_FREE = ("matmul", "dequantize")  # what the few GPU rows can fit
 # H100's memory bandwidth: 3.35 TB/s moves ~0.84e12 bf16 values in and out a second, about three kernels a value,
 # against the on-paper matmul rate of 742 TFLOP/s (0.75 x 989.4): 742 / 0.84 x 3 = 2650 (the rows cannot tell
 # it from the matmuls: both grow with tokens x layers).
-GPU_FIXED = {"calls": 1e-5, "step_s": 0.0, "micro_batch_s": 0.0, "elementwise": 2650.0}
+GPU_FIXED = {"calls": 1e-5, "step_s": 0.0, "micro_batch_s": 0.0, "elementwise": 2650.0, "casts": 0.0}
 
 
 def calibrate_gpu(folder: Path) -> dict:
@@ -222,7 +249,6 @@ def calibrate_gpu(folder: Path) -> dict:
     import numpy as np
 
     import gpu as gpu_bench
-    from gpupoor.plan.flops import KINDS, SECONDS_KINDS
     from gpupoor.plan.time import COEFFICIENTS
 
     cpu = {**COEFFICIENTS["cpu"], **GPU_FIXED}
@@ -236,10 +262,8 @@ def calibrate_gpu(folder: Path) -> dict:
                                    "--gpu", "H100"], capture_output=True, text=True,
                                   env={**os.environ, "HF_HUB_OFFLINE": "1", "GPUPOOR_CACHE": str(WORK / "cache")})
             plan = json.loads(done.stdout)["time"]
-            amounts = dict.fromkeys([*KINDS, "micro_batch_s", "step_s"], 0.0)
-            for w in plan["work"]:
-                amounts[w["kind"]] += w["amount"] / (1 if w["kind"] in SECONDS_KINDS else plan["rate_flops"])
-            amounts["micro_batch_s"], amounts["step_s"] = plan["accumulation"], 1.0
+            amounts = {**unit_seconds(plan), "micro_batch_s": plan["accumulation"], "step_s": 1.0}
+            amounts["matmul"] += amounts.pop("recompute")  # too few GPU rows with checkpointing to tell them apart
             rows.append([amounts[k] for k in GPU_FREE])
             fixed_part.append(sum(cpu[k] * v for k, v in amounts.items() if k not in GPU_FREE))
             measured.append(row["settled_step_s"])
@@ -253,6 +277,7 @@ def calibrate_gpu(folder: Path) -> dict:
             break
         keep = [k for k, c in zip(keep, coef) if c >= 0]
     fitted = {**cpu, **dict.fromkeys(GPU_FREE, 0.0), **{GPU_FREE[k]: float(c) for k, c in zip(keep, coef)}}
+    fitted["recompute"] = fitted["matmul"]
     for name, features, rest, step in zip(names, rows, fixed_part, measured):
         predicted = rest + sum(fitted[k] * f for k, f in zip(GPU_FREE, features))
         print(f"{name:24s} measured {step:.3f} s  fitted {predicted:.3f} s ({predicted / step - 1:+.0%})")

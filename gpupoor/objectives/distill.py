@@ -111,9 +111,9 @@ def distill_loss_sum(student_model: torch.nn.Module, teacher_model: torch.nn.Mod
     """The summed distillation loss of one micro-batch through both fused heads (gpupoor.objectives.cross_entropy.find_fused_head).
     The teacher runs under no_grad; putting it in eval mode is the caller's job. Its hidden states may be in
     another dtype (bf16, a 4-bit model's compute dtype): its logits are computed in fp32 per chunk."""
-    student = last_hidden_state(student_model, batch, student_head.decoder)
+    student = last_hidden_state(student_model, batch, student_head)
     with torch.no_grad():
-        teacher = last_hidden_state(teacher_model, batch, teacher_head.decoder)
+        teacher = last_hidden_state(teacher_model, batch, teacher_head)
     labels = batch["labels"][:, 1:]
     mask = labels != IGNORE_INDEX  # only positions whose next token is a target reach the heads
     return linear_distill_sum(student[:, :-1][mask], student_head.weight, teacher[:, :-1][mask],

@@ -100,7 +100,7 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     mask = labels != IGNORE_INDEX  # position t predicts token t + 1
     sequence = batch["sequence_index"][:, 1:][mask]
     if head is not None:
-        hidden = last_hidden_state(model, batch, head.decoder)
+        hidden = last_hidden_state(model, batch, head)
         with span("loss"):
             logps = target_logprobs(hidden[:, :-1][mask], head.weight, labels[mask])
     else:

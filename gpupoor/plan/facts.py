@@ -118,6 +118,11 @@ def rate_key(precision: str, m: int, k: int, n: int) -> str:
     return f"{precision} {m}x{k}x{n}"
 
 
+def attention_key(settings, shape, length: int) -> str:
+    how = "per example" if settings.attention_per_example else "causal rows"
+    return f"attention {settings.precision} {how} {length} tokens {shape.heads}/{shape.kv_heads}x{shape.head_dim}"
+
+
 def measure(request: dict) -> dict:
     """Run gpupoor.plan.measure in a child process (torch stays out of this one) and return its answer."""
     with tempfile.TemporaryDirectory(prefix="gpupoor-measure-") as folder:

@@ -40,8 +40,7 @@ class Work:
     detail: str
 
 
-KINDS = ("matmul", "attention", "lora", "elementwise", "dora", "dequantize", "optimizer", "calls")
-SECONDS_KINDS = ("calls",)  # their coefficient is seconds per unit, not scaled by the matmul rate
+KINDS = ("matmul", "recompute", "attention", "lora", "elementwise", "casts", "dora", "dequantize", "optimizer", "calls")
 
 
 def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -> list[Work]:
@@ -57,10 +56,13 @@ def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -
     # The lowest layer that runs a backward gets an input that needs no gradient: q, k and v skip theirs.
     first_inputs = (sum(shape.linear_params(name) for name in ("q_proj", "k_proj", "v_proj"))
                     if active and not training.embedding else 0)
-    work = [Work("linears", "matmul", 2 * linear * t * (layers + active + recompute) + 2 * weight_grads * t
+    work = [Work("linears", "matmul", 2 * linear * t * (layers + active) + 2 * weight_grads * t
                  - 2 * first_inputs * t,
                  f"{linear / 1e6:.1f}M weights a layer x {t:,.0f} tokens: {passes}"
                  + (f"; weight gradients of {weight_grads / 1e6:.1f}M trained weights" if weight_grads else ""))]
+    if recompute:  # its own kind: torch's recomputation stops once backward has what it needs
+        work.append(Work("recompute", "recompute", 2 * linear * t * recompute,
+                         f"checkpointing: {recompute} layers' linears forward again in backward"))
     per_example = s.attention_per_example
     pairs = (batch.example_pairs / 2 if per_example else batch.row_pairs) * accumulation
     work.append(Work("attention", "attention", 4 * shape.q * pairs * (layers + 2 * active + recompute),
@@ -77,11 +79,14 @@ def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -
         detail = f"rank {s.rank}: {adapters / 1e6:.2f}M adapter weights x {t:,.0f} tokens"
         work.append(Work("lora", "lora", lora, detail))
         if training.method == "dora":
-            work += _dora_work(shape, s, training, t, accumulation, layers + 2 * active + recompute)
+            work += _dora_work(shape, s, training, t, accumulation, bool(recompute))
     # Norms, rotary embeddings, the activation, residual adds: values touched per token and layer.
     per_token = 6 * shape.hidden + 3 * shape.intermediate + shape.q + 2 * shape.kv
     work.append(Work("elementwise", "elementwise", per_token * t * (layers + 2 * active + recompute),
                      f"norms, rotary, activation and residuals: {per_token:,} values a token and layer"))
+    if s.precision in ("bf16", "fp16"):  # each norm computes in fp32: the hidden state cast there and back
+        casts = 2 * 2 * shape.hidden * t * (layers + 2 * active + recompute)
+        work.append(Work("casts", "casts", casts, "half precision: each norm's input cast to fp32 and back"))
     if s.bits is not None:
         dequantized = linear * accumulation * (layers + active + recompute)
         work.append(Work("dequantize", "dequantize", dequantized,
@@ -95,15 +100,25 @@ def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -
     return work
 
 
-def _dora_work(shape: Shape, s: Settings, training, tokens: float, accumulation: int, passes: int) -> list[Work]:
-    """peft's DoRA, each forward: W + BA rebuilt through an identity matrix for its column norms (matmuls), and
-    the output rescaled by magnitude / norm, elementwise over every adapted output (and again in backward)."""
+def _dora_work(shape: Shape, s: Settings, training, tokens: float, accumulation: int, recompute: bool) -> list[Work]:
+    """peft's DoRA (peft/tuners/lora/dora.py), in each forward (checkpointing: twice): W + BA rebuilt through an
+    identity matrix and its row norms taken, detached (no backward); the output rescaled by magnitude / norm,
+    elementwise over every adapted output, forward and backward. With dropout, the base linear once more on the
+    dropped-out input (forward, and its input's gradient)."""
     adapted = [shape.linear(name) for layer in training.layers for name in layer.adapters]
-    rebuild = sum(2 * a * a * s.rank + 2 * a * s.rank * b + 3 * a * b for a, b in adapted) * accumulation
+    forwards = (2 if recompute else 1) * accumulation
+    rebuild = sum(2 * a * a * s.rank + 2 * a * s.rank * b for a, b in adapted) * forwards
+    weights = sum(a * b for a, b in adapted)
     outputs = sum(b for _, b in adapted)
-    return [Work("dora_norms", "lora", 2 * rebuild, "DoRA: W + BA rebuilt for its column norms (forward, backward)"),
-            Work("dora_scale", "dora", 6 * outputs * tokens * passes / max(shape.layers, 1),
-                 f"DoRA: {outputs:,} adapted outputs a token rescaled")]
+    work = [Work("dora_norms", "lora", rebuild, "DoRA: W + BA rebuilt for its norms, each forward"),
+            Work("dora_weights", "dora", 3 * weights * forwards, f"DoRA: {weights / 1e6:.1f}M weights summed "
+                 "and normed, each forward"),
+            Work("dora_scale", "dora", 5 * outputs * tokens * (forwards / accumulation + 1),
+                 f"DoRA: {outputs:,} adapted outputs a token rescaled, forward and backward")]
+    if s.dropout:
+        base = sum(2 * a * b for a, b in adapted) * tokens * (forwards / accumulation + 1)
+        work.append(Work("dora_base", "matmul", base, "DoRA with dropout: the base linears again on the input"))
+    return work
 
 
 def _extra_forwards(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -> list[Work]:
@@ -122,7 +137,7 @@ def _extra_forwards(shape: Shape, s: Settings, batch: BatchFacts, accumulation: 
 
 
 def total_flops(work: list[Work]) -> float:
-    return sum(w.amount for w in work if w.kind in ("matmul", "attention", "lora"))
+    return sum(w.amount for w in work if w.kind in ("matmul", "recompute", "attention", "lora"))
 
 
 def model_flops_per_token(shape: Shape, s: Settings, seq: float) -> float:

@@ -19,6 +19,7 @@ from pathlib import Path
 MAX_COUNTED_BATCHES = 2000
 PROBE_REPEATS = 10
 PROBE_SECONDS = 0.05  # each probe matmul about this long: tens of milliseconds in all
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def data_facts(recipe_json: dict, sampler: str) -> dict:
@@ -76,19 +77,136 @@ def matmul_rate(device: str, precision: str, threads: int | None, m: int, k: int
 
     if threads:
         torch.set_num_threads(threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = getattr(torch, DTYPES[precision])
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(n, k, device=device, dtype=dtype)
+    return 2 * m * k * n / _best_time(lambda: F.linear(x, w), device)
+
+
+def lora_rate(device: str, precision: str, threads: int | None, m: int, k: int, n: int, rank: int) -> float:
+    """FLOP/s of LoRA's own matmuls at the run's precision and shapes: an (m x k) input through A (k x rank), then
+    B (rank x n). Thin matmuls run far below a square one's rate, and differently so per precision (a CPU's bf16
+    matrix units gain little at rank 16)."""
+    import torch
+    import torch.nn.functional as F
+
+    if threads:
+        torch.set_num_threads(threads)
+    dtype = getattr(torch, DTYPES[precision])
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    a = torch.randn(rank, k, device=device, dtype=dtype)
+    b = torch.randn(n, rank, device=device, dtype=dtype)
+    return 2 * m * rank * (k + n) / _best_time(lambda: F.linear(F.linear(x, a), b), device)
+
+
+def attention_rate(device: str, precision: str, threads: int | None, heads: int, kv_heads: int, head_dim: int,
+                   length: int, count: int, per_example: bool) -> float:
+    """FLOP/s, as gpupoor.plan.flops counts them, of training's attention forward and backward: `count` examples of
+    `length` tokens, each attended alone by training's own per-example function (the CPU's path for packed rows),
+    or rows of that width under one causal call."""
+    import torch
+    import torch.nn.functional as F
+
+    from gpupoor.model.packed_attention import PerExampleAttention
+
+    if threads:
+        torch.set_num_threads(threads)
+    dtype = getattr(torch, DTYPES[precision])
+    q, k, v = (torch.randn(count * length, h, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))
+    grad = torch.randn(count * length, heads, head_dim, device=device, dtype=dtype)
+
+    def once():
+        if per_example:
+            out = PerExampleAttention.apply(q, k, v, (length,) * count, head_dim ** -0.5)
+        else:
+            rows = [t.view(count, length, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*rows, is_causal=True, enable_gqa=kv_heads != heads)
+            out = out.transpose(1, 2).reshape(grad.shape)
+        out.backward(grad)
+
+    pairs = count * length * length / (2 if per_example else 1)
+    return 3 * 4 * heads * head_dim * pairs / _best_time(once, device)
+
+
+def values_rate(device: str, precision: str, threads: int | None, m: int, hidden: int, intermediate: int) -> float:
+    """Values a second of a decoder layer's elementwise work at the run's dtype and batch: an RMSNorm, the gated
+    activation, a residual add (their outputs counted)."""
+    import torch
+    import torch.nn.functional as F
+
+    if threads:
+        torch.set_num_threads(threads)
+    dtype = getattr(torch, DTYPES[precision])
+    x, gate, up = (torch.randn(m, n, device=device, dtype=dtype) for n in (hidden, intermediate, intermediate))
+
+    def once():
+        normed = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(dtype)
+        return normed + x, F.silu(gate) * up
+
+    return m * (2 * hidden + intermediate) / _best_time(once, device)
+
+
+def optimizer_rate(threads: int | None, params: int = 2**21) -> float:
+    """Parameters a second an AdamW step updates (torch's default multi-tensor path, fp32 master weights whatever the
+    run's precision): a layer's worth of tensors, their gradients and moments."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    weights = [torch.zeros(params // 8, requires_grad=True) for _ in range(8)]
+    for w in weights:
+        w.grad = torch.randn_like(w)
+    optimizer = torch.optim.AdamW(weights, lr=1e-4)
+    return params / _best_time(optimizer.step, "cpu")
+
+
+def call_seconds(threads: int | None, chain: int = 20) -> float:
+    """Seconds of one tiny module call, forward and backward (a chain of small linears, one backward): the fixed
+    cost each of a layer's modules pays whatever its size."""
+    import torch
+    import torch.nn.functional as F
+
+    if threads:
+        torch.set_num_threads(threads)
+    x = torch.randn(8, 64, requires_grad=True)
+    weights = [torch.randn(64, 64, requires_grad=True) for _ in range(chain)]
+
+    def once():
+        y = x
+        for w in weights:
+            y = F.linear(y, w)
+        y.sum().backward()
+
+    return _best_time(once, "cpu") / chain
+
+
+def _best_time(once, device: str) -> float:
+    import torch
+
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    F.linear(x, w)
+    once()
     sync()
     times = []
     for _ in range(PROBE_REPEATS):
         start = time.perf_counter()
-        F.linear(x, w)
+        once()
         sync()
         times.append(time.perf_counter() - start)
-    return 2 * m * k * n / min(times)
+    return min(times)
+
+
+def attention_probe_shape(data: dict, per_example: bool) -> tuple[int, int]:
+    """The probe's example length and count from the data facts: the length-weighted mean example (per example:
+    sum of len^2 over sum of len) or the row width, and as many as one micro-batch holds."""
+    if per_example:
+        length = data["example_pairs"] / max(data["real_tokens"], 1)
+        tokens = data["real_tokens"]
+    else:
+        length = data["row_pairs"] / max(data["tokens"], 1)
+        tokens = data["tokens"]
+    length = max(16, 16 * round(length / 16))
+    return length, max(1, min(64, round(tokens / length)))
 
 
 def probe_rows(device: str, hidden: int, intermediate: int, tokens: int) -> int:
@@ -112,6 +230,23 @@ def main() -> None:
     if "data" in request:
         d = request["data"]
         answer["data"] = data_facts(d["recipe"], d["sampler"])
+    if "attention" in request:  # its shape from the data facts: measured just now or cached (sent with the request)
+        a = request["attention"]
+        length, count = attention_probe_shape(answer.get("data") or a["data"], a["per_example"])
+        answer["attention"] = {"length": length, "rate": attention_rate(
+            a["device"], a["precision"], a.get("threads"), a["heads"], a["kv_heads"], a["head_dim"], length, count,
+            a["per_example"])}
+    if "lora" in request:
+        r = request["lora"]
+        answer["lora"] = lora_rate(r["device"], r["precision"], r.get("threads"), r["m"], r["k"], r["n"], r["rank"])
+    if "values" in request:
+        v = request["values"]
+        answer["values"] = values_rate(v["device"], v["precision"], v.get("threads"), v["m"], v["hidden"],
+                                       v["intermediate"])
+    if "optimizer" in request:
+        answer["optimizer"] = optimizer_rate(request["optimizer"].get("threads"))
+    if "call" in request:
+        answer["call"] = call_seconds(request["call"].get("threads"))
     if "write_to" in request:
         from gpupoor.plan.facts import write_rate
 

@@ -1,10 +1,12 @@
 """The time plan: how long a run takes on this machine (or on a named GPU, on paper), and whether it finishes
-inside a time limit. Torch is not imported: the measured facts (the data as the loop collates it, the matmul
-rate at the run's precision and shapes) come from gpupoor.plan.facts, which measures them once in a child process
-and caches them per machine.
+inside a time limit. Torch is not imported: the measured facts (the data as the loop collates it, the rates of
+this machine at the run's precision and shapes) come from gpupoor.plan.facts, which measures them once in a
+child process and caches them per machine.
 
-A step's time is its work (gpupoor.plan.flops) over the matmul rate, each kind of work weighed by a coefficient
-fitted on measured runs (COEFFICIENTS: the inverse of that kind's efficiency; bench/time_accuracy.py
+A step's time is its work (gpupoor.plan.flops), each kind over the rate this machine measured for work like it
+(Rates: matmuls at the run's shapes, LoRA's thin ones at its rank, training's own attention at its example
+lengths, elementwise values, an AdamW step, a tiny module call), weighed by a coefficient fitted on measured
+runs (COEFFICIENTS: the inverse of that kind's efficiency against its probe; bench/time_accuracy.py
 --calibrate), plus a fixed cost per micro-batch and per step. The whole run adds start-up (imports, loading the
 weights, the data), the first step's warm-up and each checkpoint save (its bytes at the disk's write rate)."""
 
@@ -14,22 +16,55 @@ import math
 from dataclasses import dataclass, field
 
 from gpupoor.decisions import count_steps
-from gpupoor.plan.flops import SECONDS_KINDS, BatchFacts, Work, step_work, total_flops
+from gpupoor.plan.flops import BatchFacts, Work, step_work, total_flops
 
-# Per kind of work: seconds = coefficient x amount / (matmul rate in FLOP/s), and seconds per micro-batch and per
-# step; `calls` in seconds a module call. The CPU's fitted by least squares of the relative error over the 25
-# calibration runs of bench/time_accuracy.py --calibrate (none of them in its accuracy table); see
-# docs/benchmarks.md, "Time plan accuracy". Attention, LoRA and the optimizer fitted at 0: their cost is in the
-# calls and the matmuls they ride with on these shapes.
+# Per kind of work: seconds = coefficient x amount x Rates.unit_s(kind) (the amount over the rate measured for
+# that kind; a call's measured seconds for `calls`), plus seconds per micro-batch and per step. The CPU's fitted
+# by non-negative least squares of the relative error over the 38 calibration runs of bench/time_accuracy.py
+# --calibrate on an Intel Xeon with AMX, fp32 and bf16 (none of them in its accuracy table); see
+# docs/benchmarks.md, "Time plan accuracy". LoRA and the plain elementwise work fitted at 0: their cost is in
+# the calls and the matmuls they ride with on these shapes; a checkpointed forward keeps nothing, so the
+# recomputation costs less than a forward (fitted, not assumed).
 COEFFICIENTS = {
-    "cpu": {"matmul": 1.26, "attention": 0.0, "lora": 0.0, "elementwise": 62.5, "dora": 134.0,
-            "dequantize": 709.0, "optimizer": 0.0, "calls": 2.58e-4, "micro_batch_s": 0.0, "step_s": 0.0,
-            "first_step_s": 0.5},
+    "cpu": {"matmul": 1.62, "recompute": 0.469, "attention": 2.0, "lora": 0.0, "elementwise": 0.0, "casts": 3.62,
+            "dora": 1.48, "dequantize": 4.36, "optimizer": 4.57, "calls": 3.46, "micro_batch_s": 0.0,
+            "step_s": 0.00109, "first_step_s": 0.5},
     # fitted on the H100's rows (bench/time_accuracy.py --calibrate-gpu bench/results/gpu-2026-11-28): matmul and
-    # dequantize; the rest fixed (GPU_FIXED there says why)
-    "cuda": {"matmul": 3.04, "attention": 0.0, "lora": 0.0, "elementwise": 2650.0, "dora": 2650.0,
-             "dequantize": 3737.0, "optimizer": 544.0, "calls": 1e-5, "micro_batch_s": 0.0, "step_s": 0.0, "first_step_s": 1.0},
+    # dequantize; the rest fixed (GPU_FIXED there says why); every kind at the matmul rate (only it is probed)
+    "cuda": {"matmul": 3.04, "recompute": 3.04, "attention": 0.0, "lora": 0.0, "elementwise": 2650.0, "casts": 0.0,
+             "dora": 2650.0, "dequantize": 3737.0, "optimizer": 544.0, "calls": 1e-5, "micro_batch_s": 0.0,
+             "step_s": 0.0, "first_step_s": 1.0},
 }
+# Which measured rate each kind of work is divided by ("call": multiplied by a call's seconds). A rate not measured
+# (a GPU: its coefficients are fitted against the matmul rate alone) falls back to the matmul rate, and a call to 1 s.
+RATE_OF_KIND = {"matmul": "matmul", "recompute": "matmul", "lora": "lora", "attention": "attention",
+                "elementwise": "values", "casts": "values", "dora": "values", "dequantize": "values",
+                "optimizer": "optimizer", "calls": "call"}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What this machine does a second at the run's precision and shapes, each probed once (gpupoor.plan.measure)."""
+
+    matmul: float  # FLOP/s of a training-shaped F.linear
+    lora: float | None = None  # FLOP/s of LoRA's thin matmuls at the run's rank
+    attention: float | None = None  # FLOP/s of training's attention, forward and backward, at the data's lengths
+    values: float | None = None  # elementwise values a second (a norm, the gated activation, a residual add)
+    optimizer: float | None = None  # parameters a second an AdamW step updates (fp32)
+    call: float | None = None  # seconds of a tiny module call, forward and backward
+
+    def unit_s(self, kind: str) -> float:
+        """Seconds one unit of `kind` (a FLOP, a value, a call) takes at coefficient 1."""
+        which = RATE_OF_KIND[kind]
+        if which == "call":
+            return self.call or 1.0
+        return 1 / (getattr(self, which) or self.matmul)
+
+    def to_json(self) -> dict:
+        return {"matmul": self.matmul, "lora": self.lora, "attention": self.attention, "values": self.values,
+                "optimizer": self.optimizer, "call": self.call}
+
+
 # Loading: seconds per GiB of weight file read (and converted or quantized), beyond a fixed part.
 LOAD_S_PER_GIB = {"cpu": 1.5, "cuda": 1.5}
 LOAD_FIXED_S = 0.5
@@ -65,7 +100,7 @@ class TimePlan:
     accumulation: int
     batch: BatchFacts
     work: list[Work]
-    rate: float  # matmul FLOP/s the step time is scaled by
+    rates: Rates  # what the step's work is divided by
     step_s: float
     startup_s: float
     first_step_s: float  # the first step's extra (warm-up, allocation)
@@ -114,20 +149,20 @@ class TimePlan:
         return {"steps": self.steps, "accumulation": self.accumulation, "tokens_per_step": self.tokens_per_step, "micro_batches_per_epoch":
                 self.batch.micro_batches, "flops_per_step": total_flops(self.work),
                 "work": [{"key": w.key, "kind": w.kind, "amount": w.amount, "detail": w.detail} for w in self.work],
-                "rate_flops": self.rate, "step_s": self.step_s, "measured_step_s": self.measured_step_s,
+                "rate_flops": self.rates.matmul, "rates": self.rates.to_json(), "step_s": self.step_s, "measured_step_s": self.measured_step_s,
                 "startup_s": self.startup_s, "first_step_s": self.first_step_s, "saves": self.saves,
                 "save_s": self.save_s, "total_s": self.total_s, "source": self.source, "on_paper": self.on_paper,
                 "time_limit_s": self.time_limit_s, "sessions": self.sessions(),
                 "steps_per_session": self.steps_per_session(), "notes": self.notes}
 
 
-def predict_step_s(work: list[Work], rate: float, accumulation: int, device: str) -> float:
+def predict_step_s(work: list[Work], rates: Rates, accumulation: int, device: str) -> float:
     c = COEFFICIENTS["cuda" if device == "cuda" else "cpu"]
-    return (sum(c[w.kind] * w.amount / (1 if w.kind in SECONDS_KINDS else rate) for w in work)
+    return (sum(c[w.kind] * w.amount * rates.unit_s(w.kind) for w in work)
             + c["micro_batch_s"] * accumulation + c["step_s"])
 
 
-def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rate: float, source: str, processes: int,
+def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rates: Rates, source: str, processes: int,
                    import_s: float, weight_file_bytes: int, checkpoint_bytes: int, write_rate: float,
                    on_paper: bool = False, measured_step_s: float | None = None,
                    time_limit_s: float | None = None) -> TimePlan:
@@ -136,11 +171,11 @@ def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rate: float, s
     accumulation = training.gradient_accumulation_steps
     steps = count_steps(training.max_steps, training.epochs, accumulation, batch.micro_batches, processes)
     work = step_work(shape, settings, batch, accumulation)
-    step_s = predict_step_s(work, rate, accumulation, settings.device)
+    step_s = predict_step_s(work, rates, accumulation, settings.device)
     device = "cuda" if settings.device == "cuda" else "cpu"
     startup_s = import_s + LOAD_FIXED_S + LOAD_S_PER_GIB[device] * weight_file_bytes / 2**30
     save_s = SAVE_FIXED_S + checkpoint_bytes / write_rate
-    plan = TimePlan(steps, accumulation, batch, work, rate, step_s, startup_s, COEFFICIENTS[device]["first_step_s"],
+    plan = TimePlan(steps, accumulation, batch, work, rates, step_s, startup_s, COEFFICIENTS[device]["first_step_s"],
                     0, save_s, source, on_paper, measured_step_s, time_limit_s)
     plan.saves = count_saves(recipe, steps, plan.used_step_s) + 1  # and final/
     return plan

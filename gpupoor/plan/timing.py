@@ -9,8 +9,8 @@ from pathlib import Path
 
 from gpupoor.errors import UserError
 from gpupoor.plan import facts as cache
-from gpupoor.plan.measure import probe_rows
-from gpupoor.plan.time import GPU_PEAKS, PAPER_PROBE_FRACTION, TimePlan, make_time_plan
+from gpupoor.plan.measure import attention_probe_shape, probe_rows
+from gpupoor.plan.time import GPU_PEAKS, PAPER_PROBE_FRACTION, Rates, TimePlan, make_time_plan
 
 FILE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -57,49 +57,45 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
     data_key = cache.data_key(recipe, Path.cwd(), settings.sampler)
     tokens = recipe.data.max_length * recipe.training.micro_batch_size
     m = probe_rows(device, shape.hidden, shape.intermediate, tokens)
-    rate_key = cache.rate_key(settings.precision, m, shape.hidden, shape.intermediate)
     step_key = cache.step_key(recipe, data_key, device, settings.precision)
     plan.time_keys = (machine, step_key)
-    request: dict = {}
+    rates = here.setdefault("rates", {})
+    keys = _rate_keys(settings, shape, m, facts["data"].get(data_key))
+    request = {} if on_paper else _probes(keys, rates, settings, shape, device, threads, m, facts["data"].get(data_key))
     if data_key not in facts["data"]:
         request["data"] = {"recipe": recipe.model_dump(mode="json"), "sampler": settings.sampler}
-    if not on_paper and rate_key not in here.get("rates", {}):
-        request["rate"] = {"device": device, "precision": settings.precision, "threads": threads, "m": m,
-                           "k": shape.hidden, "n": shape.intermediate}
     if "write_rate" not in here or "import_s" not in here:
         request["write_to"] = str(cache.facts_path().parent)
     if request and cached_only:
         return None
     if request:
-        what = [w for w, k in (("the data as training will see it", "data"), ("this machine's matmul rate", "rate"),
+        what = [w for w, k in (("the data as training will see it", "data"), ("this machine's speed", "rate"),
                                ("the disk's write rate", "write_to")) if k in request]
         say(f"time plan: measuring {' and '.join(what)} (once; cached in {cache.facts_path()})")
         answer = cache.measure(request)
         here["import_s"] = answer["import_s"]
-        if "rate" in answer:
-            here.setdefault("rates", {})[rate_key] = answer["rate"]
-        if "write_rate" in answer:
-            here["write_rate"] = answer["write_rate"]
         if "data" in answer:
             facts["data"][data_key] = answer["data"]
+        if "attention" in answer:  # its key names the length the child took from the data
+            keys["attention"] = cache.attention_key(settings, shape, answer["attention"]["length"])
+            answer["attention"] = answer["attention"]["rate"]
+        for kind in ("rate", "lora", "attention", "values", "optimizer", "call"):
+            if kind in answer:
+                rates[keys[kind]] = answer[kind]
+        if "write_rate" in answer:
+            here["write_rate"] = answer["write_rate"]
         cache.write_facts(facts)
     batch = cache.batch_facts(facts["data"][data_key])
     if on_paper:
-        peak, source_of_peak = gpu_on_paper(gpu)
-        rate = peak * 1e12 * PAPER_PROBE_FRACTION
-        source = (f"on paper: {gpu}'s published peak {peak:g} TFLOP/s ({source_of_peak}) x {PAPER_PROBE_FRACTION:g} "
-                  "(the share a training-shaped matmul reached on the H100 lent here) x per-term efficiencies "
-                  "fitted on that H100's runs (docs/benchmarks.md)")
+        peak, _ = gpu_on_paper(gpu)
+        rate = Rates(peak * 1e12 * PAPER_PROBE_FRACTION)
     else:
-        rate = here["rates"][rate_key]
-        where = f"{threads} threads" if device == "cpu" else gpu_name
-        source = (f"this machine's {settings.precision} matmul rate {rate / 1e9:,.0f} GFLOP/s ({m}x{shape.hidden}x"
-                  f"{shape.intermediate}, {where}; probed once, cached) x per-term efficiencies fitted on measured "
-                  f"{'CPU' if device == 'cpu' else 'GPU'} runs (docs/benchmarks.md, Time plan accuracy)")
+        rate = Rates(*(rates.get(keys[k]) for k in ("rate", "lora", "attention", "values", "optimizer", "call")))
+    source = _source(rate, settings, shape, m, gpu if on_paper else None, threads, gpu_name)
     measured = here.get("steps", {}).get(step_key, {}).get("step_s") if not on_paper else None
     weight_bytes = shape.total_params * FILE_BYTES.get(shape.file_dtype or "fp32", 4)
     checkpoint_bytes = sum(t.bytes for t in plan.terms if t.key in ("trainable", "optimizer"))
-    result = make_time_plan(shape, settings, recipe, batch, rate=rate, source=source, processes=processes,
+    result = make_time_plan(shape, settings, recipe, batch, rates=rate, source=source, processes=processes,
                             import_s=here["import_s"], weight_file_bytes=weight_bytes,
                             checkpoint_bytes=checkpoint_bytes, write_rate=here["write_rate"], on_paper=on_paper,
                             measured_step_s=measured, time_limit_s=time_limit_s)
@@ -110,6 +106,63 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
     if measured:
         result.notes.append(f"the totals use the step time `train` measured for this recipe here ({measured:.3g} s)")
     return result
+
+
+def _source(rate: Rates, settings, shape, m: int, paper_gpu: str | None, threads: int | None,
+            gpu_name: str | None) -> str:
+    """Where the time figures come from, in one line."""
+    if paper_gpu:
+        peak, source_of_peak = gpu_on_paper(paper_gpu)
+        return (f"on paper: {paper_gpu}'s published peak {peak:g} TFLOP/s ({source_of_peak}) x "
+                f"{PAPER_PROBE_FRACTION:g} (the share a training-shaped matmul reached on the H100 lent here) x "
+                "per-term efficiencies fitted on that H100's runs (docs/benchmarks.md)")
+    cpu = settings.device == "cpu"
+    probed = f"matmuls {rate.matmul / 1e9:,.0f} GFLOP/s ({m}x{shape.hidden}x{shape.intermediate})"
+    if cpu:
+        probed += (f", LoRA's {rate.lora / 1e9:,.0f} GFLOP/s, attention {rate.attention / 1e9:,.0f} GFLOP/s, "
+                   f"{rate.values / 1e9:.2f} G elementwise values/s, AdamW {rate.optimizer / 1e9:.2f} G "
+                   f"parameters/s, {rate.call * 1e6:.0f} us a module call")
+    return (f"this machine's {settings.precision} {probed} ({f'{threads} threads' if cpu else gpu_name}; probed "
+            f"once, cached) x per-term efficiencies fitted on measured {'CPU' if cpu else 'GPU'} runs "
+            "(docs/benchmarks.md, Time plan accuracy)")
+
+
+def _rate_keys(settings, shape, m: int, data: dict | None) -> dict:
+    """Where each probed rate is cached: the matmul's by its shape, attention's by the data's example length (unknown
+    until the data is counted), the elementwise rate by the batch, the call's per machine."""
+    keys = {"rate": cache.rate_key(settings.precision, m, shape.hidden, shape.intermediate),
+            "lora": f"lora {settings.precision} {m}x{shape.hidden}x{shape.intermediate} rank {settings.rank}",
+            "values": f"values {settings.precision} {m}x{shape.hidden}x{shape.intermediate}",
+            "optimizer": "adamw fp32", "call": "call"}
+    if data is not None:
+        length, _ = attention_probe_shape(data, settings.attention_per_example)
+        keys["attention"] = cache.attention_key(settings, shape, length)
+    return keys
+
+
+def _probes(keys: dict, rates: dict, settings, shape, device: str, threads: int | None, m: int,
+            data: dict | None) -> dict:
+    """What the child must measure of this machine's speed: what the cache lacks. On a GPU only the matmul (its
+    coefficients are fitted against the matmul rate alone)."""
+    request: dict = {}
+    common = {"device": device, "precision": settings.precision, "threads": threads}
+    if keys["rate"] not in rates:
+        request["rate"] = {**common, "m": m, "k": shape.hidden, "n": shape.intermediate}
+    if device == "cuda":
+        return request
+    if keys["lora"] not in rates:
+        request["lora"] = {**common, "m": m, "k": shape.hidden, "n": shape.intermediate, "rank": settings.rank}
+    if keys.get("attention") not in rates:
+        request["attention"] = {**common, "heads": shape.heads, "kv_heads": shape.kv_heads,
+                                "head_dim": shape.head_dim, "per_example": settings.attention_per_example,
+                                "data": data}
+    if keys["values"] not in rates:
+        request["values"] = {**common, "m": m, "hidden": shape.hidden, "intermediate": shape.intermediate}
+    if keys["optimizer"] not in rates:
+        request["optimizer"] = {"threads": threads}
+    if keys["call"] not in rates:
+        request["call"] = {"threads": threads}
+    return request
 
 
 def _visible_gpu_name() -> str | None:

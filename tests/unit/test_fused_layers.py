@@ -234,6 +234,29 @@ def test_grouped_attention_equals_each_example_on_its_own(monkeypatch, ratio, ke
         assert (grad - expected_grad).norm() <= 1e-12 * expected_grad.norm()
 
 
+def test_bf16_attention_runs_the_cpu_kernel_in_fp32_and_keeps_bf16_activations():
+    """bf16 q, k, v go through the CPU flash kernel in fp32 (its bf16 path is the slower one): the output and the
+    gradients are the fp32 attention of the same bf16 values, rounded once to bf16 (to 2^-8 of the norm), and
+    what backward keeps is bf16, as before."""
+    assert packed_attention._CPU_FLASH is not None
+    lengths = (7, 13, 3, 12, 1, 6)
+    torch.manual_seed(3)
+    leaves = [torch.randn(sum(lengths), heads, 8, dtype=torch.bfloat16, requires_grad=True) for heads in (4, 2, 2)]
+    grad_out = torch.randn(sum(lengths), 4, 8, dtype=torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        out = PerExampleAttention.apply(*leaves, lengths, None)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    assert set(saved) <= {torch.bfloat16, torch.float32} and saved.count(torch.bfloat16) == 4  # q, k, v, output
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    expected = reference_attention(*exact, lengths)
+    expected_grads = torch.autograd.grad(expected, exact, grad_out.double())
+    assert (out.double() - expected).norm() <= 2**-8 * expected.norm()
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert (grad.double() - expected_grad).norm() <= 2**-8 * expected_grad.norm()
+
+
 @pytest.mark.parametrize("family, extra", [("mistral", {"sliding_window": 6}), ("llama", {"attention_dropout": 0.3})])
 def test_a_window_shorter_than_an_example_and_attention_dropout_get_the_explicit_packed_mask(family, extra):
     """Mistral's sliding window (here 6 tokens, shorter than the 10- and 20-token examples) and attention dropout
@@ -291,14 +314,17 @@ def gradient_error(grads, reference) -> float:
 
 
 @pytest.mark.parametrize("family", FUSED_FAMILIES)
-def test_fused_layers_in_bf16_keep_the_loss_within_bf16s_rounding_and_cast_less_than_peft(family):
+def test_fused_layers_in_bf16_keep_the_loss_within_bf16s_rounding_and_cast_less_than_peft(family, monkeypatch):
     """The fused paths compute natively in bf16 (a bf16 base, fp32 LoRA masters) on packed rows. Against the same
     model in float64 (its base weights rounded to bf16, so only the arithmetic differs): the loss within one bf16
     rounding unit (2^-8 relative; measured 1e-6 to 1e-4 on AMD EPYC), the gradients no further off than peft's own
     bf16 path under autocast is (the error bf16 itself makes, 1.5-22% of the norm on these random tiny models:
     measured, fused 1.4-19%), with 25% to spare for another CPU's rounding order. And the dtype casts: peft casts
     every adapted linear's input to fp32 and autocast casts it back; the fused layers cast only the rank-wide
-    factors, under half of peft's bytes (measured a third)."""
+    factors, under half of peft's bytes (measured a third). (The per-example attention's own casts to run its
+    kernel in fp32, a speed choice of its own, tested below, are left out here: the plain model has no such
+    attention.)"""
+    monkeypatch.setattr(packed_attention, "BF16_IN_FP32", False)
     reference = with_lora(tiny_family(family))
     for param in reference.parameters():
         if not param.requires_grad:

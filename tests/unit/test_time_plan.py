@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpupoor.plan.flops import BatchFacts, step_work, total_flops
-from gpupoor.plan.time import TimePlan, count_saves, predict_step_s
+from gpupoor.plan.time import COEFFICIENTS, RATE_OF_KIND, Rates, TimePlan, count_saves, predict_step_s
 from gpupoor.recipe.schema import Recipe
 from test_plan import tiny_llama_with, tiny_settings
 
@@ -35,16 +35,17 @@ def planned_flops(method: str, checkpointing: bool = False, last_layers=None) ->
     settings = replace(settings, fused_loss=False)  # the counted model computes the head on every token
     batch = BatchFacts(1, BATCH * SEQ, BATCH * SEQ, BATCH * SEQ, BATCH * SEQ**2, BATCH * SEQ**2)
     work = step_work(shape, settings, batch, accumulation=1)
-    return {"matmul": sum(w.amount for w in work if w.kind in ("matmul", "lora")),
+    return {"matmul": sum(w.amount for w in work if w.kind in ("matmul", "recompute", "lora")),
             "attention": sum(w.amount for w in work if w.kind == "attention")}
 
 
 @pytest.mark.parametrize("method, checkpointing, last_layers", [
-    ("lora", False, None), ("full", False, None), ("lora", True, None), ("lora", False, 1), ("full", True, None)])
+    ("lora", False, None), ("full", False, None), ("lora", True, None), ("lora", False, 1), ("full", True, None),
+    ("dora", False, None), ("dora", True, None)])
 def test_the_planned_flops_are_what_torch_counts(method, checkpointing, last_layers):
     """Every linear, the head, LoRA's A and B and attention's two matmuls; backward only where gradients are
     needed (no weight gradient for a frozen weight, nothing below the lowest trained layer), and one more
-    forward under checkpointing."""
+    forward under checkpointing. DoRA: peft's rebuild of W + BA for its norms in each forward, no backward."""
     counted = counted_flops(method, checkpointing, last_layers)
     planned = planned_flops(method, checkpointing, last_layers)
     assert planned["attention"] > 0
@@ -79,7 +80,7 @@ def test_accumulation_multiplies_the_micro_batches_but_not_the_optimizer():
 
 def _plan(steps=100, step_s=2.0, startup_s=10.0, save_s=1.0, saves=2, limit=None) -> TimePlan:
     batch = BatchFacts(100, 1024, 1000, 800, 0, 0)
-    return TimePlan(steps, 1, batch, [], 1e11, step_s, startup_s, 0.0, saves, save_s, "test",
+    return TimePlan(steps, 1, batch, [], Rates(1e11), step_s, startup_s, 0.0, saves, save_s, "test",
                     time_limit_s=limit)
 
 
@@ -104,7 +105,69 @@ def test_saves_follow_the_recipes_cadence():
 def test_the_step_time_grows_with_each_kind_of_work():
     shape, settings = tiny_settings(layers=2, seq=SEQ, batch=BATCH)
     batch = BatchFacts(1, 1024, 1024, 900, 1024 * 128, 1024 * 256)
-    base = predict_step_s(step_work(shape, settings, batch, 1), 1e11, 1, "cpu")
-    bigger = predict_step_s(step_work(shape, settings, replace(batch, tokens=2048), 1), 1e11, 1, "cpu")
-    slower = predict_step_s(step_work(shape, settings, batch, 1), 5e10, 1, "cpu")
+    base = predict_step_s(step_work(shape, settings, batch, 1), Rates(1e11), 1, "cpu")
+    bigger = predict_step_s(step_work(shape, settings, replace(batch, tokens=2048), 1), Rates(1e11), 1, "cpu")
+    slower = predict_step_s(step_work(shape, settings, batch, 1), Rates(5e10), 1, "cpu")
     assert bigger > base and slower > base
+
+
+def test_each_kind_of_work_goes_at_the_rate_measured_for_it():
+    """Elementwise work at the elementwise probe's values a second, attention and LoRA at their own probes' rates,
+    the optimizer at an AdamW step's parameters a second, calls at a call's measured seconds; where a rate was not
+    probed (a GPU) the matmul rate, and a call's coefficient in seconds."""
+    probed = Rates(matmul=1e12, lora=1e11, attention=1e10, values=1e9, optimizer=1e8, call=2e-5)
+    assert probed.unit_s("matmul") == 1e-12 and probed.unit_s("lora") == 1e-11
+    assert probed.unit_s("attention") == 1e-10
+    assert probed.unit_s("elementwise") == probed.unit_s("dora") == probed.unit_s("dequantize") == 1e-9
+    assert probed.unit_s("optimizer") == 1e-8 and probed.unit_s("recompute") == 1e-12
+    assert probed.unit_s("calls") == 2e-5
+    gpu = Rates(matmul=1e12)
+    assert gpu.unit_s("elementwise") == gpu.unit_s("attention") == gpu.unit_s("lora") == 1e-12
+    assert gpu.unit_s("calls") == 1.0
+    shape, settings = tiny_settings(layers=2, seq=SEQ, batch=BATCH, checkpointing=True)
+    batch = BatchFacts(1, 1024, 1024, 900, 1024 * 128, 1024 * 256)
+    work = step_work(shape, settings, batch, 1)
+    base = predict_step_s(work, probed, 1, "cpu")
+    for field in ("matmul", "lora", "attention", "values", "optimizer"):  # each rate is used where it weighs
+        uses = {w.kind for w in work if RATE_OF_KIND[w.kind] == field and COEFFICIENTS["cpu"][w.kind] > 0}
+        slower = predict_step_s(work, replace(probed, **{field: getattr(probed, field) / 2}), 1, "cpu")
+        assert (slower > base) == bool(uses), field
+
+
+def test_the_attention_probe_takes_the_datas_mean_example():
+    from gpupoor.plan.measure import attention_probe_shape
+
+    # 4 examples of 100 tokens packed in 400 real tokens: per example 100 -> 96 (multiples of 16), 4 of them
+    data = {"tokens": 512, "real_tokens": 400, "example_pairs": 4 * 100**2, "row_pairs": 512**2}
+    assert attention_probe_shape(data, per_example=True) == (96, 4)
+    assert attention_probe_shape(data, per_example=False) == (512, 1)
+
+
+def test_the_probes_measure_training_shaped_work():
+    """The child's probes (run here in process, on tiny shapes): finite rates, training's own attention function
+    forward and backward, both layouts and precisions."""
+    import math
+
+    from gpupoor.plan import measure
+
+    for precision in ("fp32", "bf16"):
+        for per_example in (True, False):
+            rate = measure.attention_rate("cpu", precision, 1, 4, 2, 16, 32, 3, per_example)
+            assert math.isfinite(rate) and rate > 0
+        assert measure.values_rate("cpu", precision, 1, 64, 32, 64) > 0
+        assert measure.lora_rate("cpu", precision, 1, 64, 32, 64, 4) > 0
+    assert 0 < measure.call_seconds(1, chain=4) < 1
+    assert measure.optimizer_rate(1, params=2**12) > 0
+
+
+def test_dora_with_dropout_runs_the_base_linears_again():
+    """peft's DoRA with dropout computes the base linear once more on the dropped-out input (its base_result is
+    not reused): a forward and an input gradient per adapted linear."""
+    batch = BatchFacts(1, 1024, 1024, 900, 1024 * 128, 1024 * 256)
+    shape, settings = tiny_settings(layers=2, seq=SEQ, batch=BATCH, method="dora")
+    plain = step_work(shape, settings, batch, 1)
+    dropped = step_work(*tiny_settings(layers=2, seq=SEQ, batch=BATCH, method="dora", dropout=0.1), batch, 1)
+    assert "dora_base" not in {w.key for w in plain}
+    extra = next(w.amount for w in dropped if w.key == "dora_base")
+    # every linear of every layer adapted: 2 x weights x tokens, forward and input gradient
+    assert extra == 2 * shape.layer_linear_params * shape.layers * 1024 * 2
