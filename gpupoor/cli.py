@@ -355,28 +355,11 @@ def merge_lora(
     adapter is checked against its manifest first."""
 
     def action() -> int:
-        from gpupoor.hardware import DTYPES
-        from gpupoor.commands.merge import merge_lora as merge, verify_merge
-        from gpupoor.storage.run_weights import resolve_adapter
-        from gpupoor.units import parse_size
+        from gpupoor.commands.merge import merge
 
-        if dtype != "auto" and dtype not in DTYPES:
-            raise UserError(f"--dtype {dtype!r}: use auto, fp16, bf16 or fp32")
-        if qlora_base not in ("dequantized", "original"):
-            raise UserError(f"--qlora-base {qlora_base!r}: use dequantized or original")
-        shard_bytes = parse_size(max_shard_size, "--max-shard-size")
-        if shard_bytes < 1:
-            raise UserError(f"--max-shard-size {max_shard_size!r}: a shard must hold at least 1 byte; use a size "
-                            "like 2GB, 500MB or 4GiB (a tensor larger than it gets a shard of its own)")
-        from gpupoor.quiet import quiet_libraries
-
-        quiet_libraries()
-        adapter = resolve_adapter(source, checkpoint, check_files=not skip_manifest_check)
-        merged = merge(adapter, output, dtype, base, shard_bytes, qlora_base, say=typer.echo, force=force)
-        typer.echo(f"merged model written to {merged}")
-        if verify:
-            gap = verify_merge(adapter, merged, base)
-            typer.echo(f"verify: max |logit difference| merged vs base + adapter as trained = {gap:.2e}")
+        merge(source, output, checkpoint=checkpoint, dtype=dtype, base=base, max_shard_size=max_shard_size,
+              qlora_base=qlora_base, verify=verify, check_files=not skip_manifest_check, force=force,
+              say=typer.echo)
         return 0
 
     _guarded(debug, action)

@@ -74,7 +74,7 @@ def check_request(fmt: str, quants: list[str]) -> list[str]:
 def resolve_source(path: Path, checkpoint: str) -> ExportSource:
     """The weights behind PATH (a run's final/ or step-N, an adapter, a model directory), verified, and the
     config of the model they make."""
-    from gpupoor.commands.merge import base_config
+    from gpupoor.model.merge import base_config
     from gpupoor.storage.run_weights import locate_weights
 
     if not path.is_dir():
@@ -157,7 +157,7 @@ def model_directory(source: ExportSource, scratch_parent: Path, say: Callable[[s
     if not source.is_adapter:
         yield source.weights_dir
         return
-    from gpupoor.commands.merge import merge_lora
+    from gpupoor.model.merge import merge_lora
     from gpupoor.export.space import SCRATCH_PREFIX
     from gpupoor.storage.files import writer_tag
     from gpupoor.storage.run_weights import RunWeights

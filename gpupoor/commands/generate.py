@@ -36,7 +36,7 @@ def load_generator(path: Path, checkpoint: str = "final", base: str | None = Non
     from gpupoor.data.build import make_encoder
     from gpupoor.hardware import dtype_of, resolve_device, resolve_inference_precision
     from gpupoor.storage.checkpoint import read_manifest
-    from gpupoor.commands.merge import base_config, check_base_fits
+    from gpupoor.model.merge import base_config, check_base_fits
     from gpupoor.model.identity import check_base_unchanged
     from gpupoor.model.load import load_tokenizer, quantization_config
     from gpupoor.recipe.schema import DataSection, ModelSection, QuantizationSection

@@ -88,7 +88,7 @@ def config_facts(config: dict) -> dict:
 
 
 def _facts(config: Path | None) -> dict | None:
-    """What generate and merge-lora check a base against (gpupoor.commands.merge.check_base_fits): the architecture,
+    """What generate and merge-lora check a base against (gpupoor.model.merge.check_base_fits): the architecture,
     decoder layer count and hidden size the run trained on."""
     try:
         return config_facts(json.loads(config.read_text())) if config is not None else None

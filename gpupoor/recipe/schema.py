@@ -93,8 +93,10 @@ class ModelSection(_Section):
         return self
 
 
+# The data formats' names: gpupoor.data.formats.FORMATS has one class per name (the schema comes before data/, so
+# the two lists are tied by tests/unit/test_formats.py, not by an import). The Literal is this tuple.
 DATA_FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion", "tokenized", "preference")
-DataFormat = Literal["text", "alpaca", "chat", "sharegpt", "completion", "tokenized", "preference"]
+DataFormat = Literal[DATA_FORMATS]
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "tool": "tool", "function_call": "assistant", "observation": "tool"}
 

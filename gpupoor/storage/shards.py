@@ -1,10 +1,12 @@
 """Which safetensors files hold a model directory's weights: the shards its index
 (model.safetensors.index.json, transformers' `weight_map`) names, else the one model.safetensors. The one reader
-of that index: checkpoint verification, merge-lora and the loading of a full fine-tune's weights ask here."""
+of that index: checkpoint verification, merge-lora and the loading of a full fine-tune's weights ask here. And
+its one writer besides transformers: `ShardWriter`, which merge-lora streams a merged model through."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from gpupoor.errors import UserError
@@ -48,3 +50,45 @@ def weight_files(directory: Path) -> list[Path]:
                         + (f" (nor {len(missing) - 1} more of the shards it names)" if len(missing) > 1 else ""),
                         hint="copy the model directory whole, or download it again")
     return [directory / name for name in shards]
+
+
+class ShardWriter:
+    """Collects tensors into safetensors shards of at most `max_bytes`, writing each as soon as it is full."""
+
+    def __init__(self, out_dir: Path, max_bytes: int):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.current: dict = {}  # name -> tensor
+        self.current_bytes = 0
+        self.shards: list[list[str]] = []  # the names in each shard written
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + size > self.max_bytes:
+            self._flush()
+        self.current[name] = tensor.contiguous()
+        self.current_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        index = len(self.shards)
+        save_file(self.current, self.out_dir / f"part-{index:05d}.safetensors", metadata={"format": "pt"})
+        self.shards.append(list(self.current))
+        self.current, self.current_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.current:
+            self._flush()
+        count = len(self.shards)
+        if count == 1:
+            os.replace(self.out_dir / "part-00000.safetensors", self.out_dir / SINGLE_FILE)
+            return
+        weight_map = {}
+        for index, names in enumerate(self.shards):
+            final = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.out_dir / f"part-{index:05d}.safetensors", self.out_dir / final)
+            weight_map.update({name: final for name in names})
+        (self.out_dir / MODEL_INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2))

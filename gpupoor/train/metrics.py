@@ -108,6 +108,17 @@ def read_metrics(path: Path, warn=None) -> list[dict]:
     return records
 
 
+def last_metrics(run_dir: Path) -> dict:
+    """A run's last training step and loss, and its last eval loss: what a merged model's card reports."""
+    last: dict = {}
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        if "loss" in record:
+            last.update(step=record["step"], loss=record["loss"])
+        if "eval_loss" in record:
+            last["eval_loss"] = record["eval_loss"]
+    return last
+
+
 def truncate_metrics(path: Path, records: list[dict], step: int, eval_redone: bool) -> None:
     """Rewrite `path` with the `records` (read_metrics) of steps up to a checkpoint's `step`: those after it
     will be trained (and logged) again. With `eval_redone`, so is an eval of that step itself: a process may have

@@ -29,6 +29,9 @@ def test_qlora_on_gpu(make_recipe, tmp_path):
     result = CliRunner().invoke(app, ["train", str(make_recipe(quantization={"bits": 4}, training={"max_steps": 4})),
                                       "--output-dir", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
+    steps = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert steps and steps[-1]["step"] == 4 and all(math.isfinite(r["loss"]) for r in steps)
+    assert steps[-1]["peak_mem_mb"] > 0 and (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
 
 
 def _one_batch(tmp_path) -> dict:

@@ -198,7 +198,7 @@ def test_interrupted_merge_leaves_no_output(lora_run, tmp_path, monkeypatch, sto
     import os
     import signal
 
-    import gpupoor.commands.merge as merge_module
+    import gpupoor.storage.shards as merge_module
 
     calls, received = [], []
 

@@ -205,6 +205,10 @@ def test_chat_and_text_formats_train(make_recipe, tmp_path):
         result = train(make_recipe(f"{name}.yaml", data={"path": str(path), "format": fmt, **template}),
                        "--output-dir", tmp_path / name)
         assert result.exit_code == 0, result.output
+        steps = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+        # each format's rows became targets the loss trained on: finite, and falling on 8 repeated rows
+        assert steps and all(math.isfinite(r["loss"]) for r in steps), name
+        assert steps[-1]["loss"] < steps[0]["loss"], (name, [r["loss"] for r in steps])
 
 
 def test_bf16_autocast_on_cpu_trains(make_recipe, tmp_path):

@@ -47,7 +47,7 @@ def test_streaming_merge_peak_memory_stays_near_one_shard(tmp_path, tokenizer):
     code = f"""
 import re, shutil
 from pathlib import Path
-from gpupoor.commands.merge import merge_lora
+from gpupoor.model.merge import merge_lora
 from gpupoor.storage.run_weights import RunWeights
 def kib(field): return int(re.search(field + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))
 for out in ('warmup', 'out'):

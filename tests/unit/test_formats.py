@@ -556,3 +556,15 @@ def test_the_probe_reads_how_the_tokenizer_prefixes(sentencepiece_style_tokenize
 
     assert prefixes_every_input(sentencepiece_style_tokenizers[True])
     assert not prefixes_every_input(sentencepiece_style_tokenizers[False]) and not prefixes_every_input(tokenizer)
+
+
+def test_the_schemas_format_names_are_the_format_table():
+    """One list per fact: a format added to gpupoor.data.formats.FORMATS is one the recipe accepts, and no name
+    the recipe accepts lacks a class."""
+    from typing import get_args
+
+    from gpupoor.data.formats import FORMATS
+    from gpupoor.recipe.schema import DATA_FORMATS, DataFormat
+
+    assert get_args(DataFormat) == DATA_FORMATS
+    assert set(DATA_FORMATS) == set(FORMATS)
