@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from gpupoor.errors import UserError
+from gpupoor.methods import METHODS
 from gpupoor.optimizers import OPTIMIZERS
 
 
@@ -272,8 +273,9 @@ def choose_fused_paths(enabled: bool, family: str | None, method: str, dropout: 
         return FusedPaths(False, False, f"{family} is not one of {', '.join(FUSED_FAMILIES)}, where they are "
                           "tested")
     dtype_fits = precision in ("fp32", "bf16")
-    why_not_mlp = ("" if method == "lora" and not dropout and bits is None and dtype_fits else
-                   f"peft.method {method}" if method != "lora" else "peft.dropout > 0" if dropout else
+    fused = METHODS[method].fused
+    why_not_mlp = ("" if fused and not dropout and bits is None and dtype_fits else
+                   f"peft.method {method}" if not fused else "peft.dropout > 0" if dropout else
                    "a quantized base" if bits is not None else
                    f"{precision} weights under fp32 adapters")
     # Attention per packed example loops over the examples in Python: on a CPU that skips the masked-out

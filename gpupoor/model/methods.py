@@ -8,6 +8,7 @@ import torch
 
 from gpupoor.decisions import ia3_modules, trained_layer_indices
 from gpupoor.errors import UserError
+from gpupoor.methods import METHODS
 from gpupoor.model.init_adapter import refuse_full_with_adapter, start_from_adapter
 from gpupoor.recipe.schema import PeftSection
 
@@ -43,9 +44,10 @@ def apply_method(model, peft_cfg: PeftSection, load_init_weights: bool = True):
     where = {"layers_to_transform": layers, "layers_pattern": "layers"} if layers is not None else {}
     saved = {"modules_to_save": peft_cfg.modules_to_save or None, "task_type": "CAUSAL_LM"}
     targets = peft_cfg.target_modules
-    if layers is not None and targets == "all-linear" and peft_cfg.method != "ia3":
+    method = METHODS[peft_cfg.method]
+    if layers is not None and targets == "all-linear" and not method.scaling_vector:
         targets = decoder_linear_names(model)  # peft takes layers_to_transform with a list of names only
-    if peft_cfg.method == "ia3":
+    if method.peft_type == "IA3":
         # `all-linear` means peft's IA3 defaults for the architecture (Llama: attention k/v, the MLP's down proj).
         scaled, feedforward = ia3_modules(getattr(model.config, "model_type", "llama"), peft_cfg.target_modules)
         if layers is not None:  # IA3Config has no layers_to_transform: name those layers' modules in full
@@ -55,7 +57,7 @@ def apply_method(model, peft_cfg: PeftSection, load_init_weights: bool = True):
         config = IA3Config(target_modules=list(scaled), feedforward_modules=list(feedforward), **saved)
     else:
         config = LoraConfig(r=peft_cfg.rank, lora_alpha=peft_cfg.effective_alpha, lora_dropout=peft_cfg.dropout,
-                            target_modules=targets, use_dora=peft_cfg.method == "dora",
+                            target_modules=targets, use_dora=method.magnitude,
                             **where, **saved)
     try:
         with bitsandbytes_unless_loaded():

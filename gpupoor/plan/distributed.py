@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from gpupoor.methods import METHODS
 from gpupoor.plan.result import Term
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.plan.shape import Shape
@@ -27,10 +28,8 @@ class ShardUnit:
 
 def _adapter_params(shape: Shape, s: Settings, training: Training, layer: LayerTraining) -> int:
     """Parameters of the adapters in one decoder layer, counted as resolve_training counts them."""
-    if training.method == "ia3":  # one vector per module: over its input for feed-forward ones, else its output
-        return sum(shape.linear(n)[0] if n in training.feedforward else shape.linear(n)[1] for n in layer.adapters)
-    dora = training.method == "dora"  # plus a magnitude per output feature
-    return sum(s.rank * sum(shape.linear(n)) + (shape.linear(n)[1] if dora else 0) for n in layer.adapters)
+    method = METHODS[training.method]
+    return sum(method.adapter_params(s.rank, *shape.linear(n), n in training.feedforward) for n in layer.adapters)
 
 
 def shard_units(shape: Shape, s: Settings) -> tuple[list[ShardUnit], ShardUnit]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpupoor.methods import METHODS
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.plan.shape import LINEARS, Shape
 
@@ -74,11 +75,11 @@ def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -
                      f"{shape.vocab:,} x {shape.hidden} on {head_tokens:,.0f} "
                      + ("target tokens (fused loss)" if s.fused_loss else "tokens")))
     adapters = sum(s.rank * sum(shape.linear(name)) for layer in training.layers for name in layer.adapters)
-    if adapters and training.method in ("lora", "dora"):
+    if adapters and METHODS[training.method].low_rank:
         lora = 2 * adapters * t * 3 + 2 * adapters * t * (1 if recompute else 0)
         detail = f"rank {s.rank}: {adapters / 1e6:.2f}M adapter weights x {t:,.0f} tokens"
         work.append(Work("lora", "lora", lora, detail))
-        if training.method == "dora":
+        if METHODS[training.method].magnitude:
             work += _dora_work(shape, s, training, t, accumulation, bool(recompute))
     # Norms, rotary embeddings, the activation, residual adds: values touched per token and layer.
     per_token = 6 * shape.hidden + 3 * shape.intermediate + shape.q + 2 * shape.kv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from gpupoor.methods import METHODS
 from gpupoor.plan.result import Plan, StrategyFit
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.plan.shape import Shape
@@ -14,7 +15,7 @@ from gpupoor.units import format_bytes
 def describe_method(shape: Shape, s: Settings) -> str:
     """The plan's method line: what trains and how many parameters."""
     training = what_trains(shape, s)
-    name = training.method + (f" (rank {s.rank})" if training.method in ("lora", "dora") else "")
+    name = training.method + (f" (rank {s.rank})" if METHODS[training.method].low_rank else "")
     count = f"{training.params:,} trainable parameters"
     if training.scope == "all":
         return f"method {name}: {count} (all)"

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gpupoor.decisions import (CpuBf16, FusedPaths, choose_attention, choose_fused_loss, choose_fused_paths, choose_precision,
                                choose_reference, choose_sampler, choose_strategy)
+from gpupoor.methods import METHODS
 from gpupoor.plan.device import GpuFacts
 from gpupoor.plan.shape import LINEARS, Shape
 from gpupoor.plan.training import LayerTraining, Training, resolve_training
@@ -138,7 +139,7 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                     micro_batch=recipe.training.micro_batch_size * (pairs if sampler != "packed" else 1),
                     row_tokens=recipe.data.max_length * (pairs if sampler == "packed" else 1),
                     rank=recipe.peft.rank, targets=targets, modules_to_save=tuple(recipe.peft.modules_to_save),
-                    dropout=recipe.peft.dropout if recipe.peft.method in ("lora", "dora") else 0.0,
+                    dropout=recipe.peft.dropout if METHODS[recipe.peft.method].low_rank else 0.0,
                     bits=recipe.quantization.bits,
                     double_quant=recipe.quantization.double_quant, optimizer=recipe.training.optimizer,
                     momentum=recipe.training.momentum, checkpointing=recipe.memory.gradient_checkpointing,

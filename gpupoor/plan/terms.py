@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.optimizers import state_per_parameter
+from gpupoor.methods import METHODS
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.plan.shape import LINEARS, NORMS, Shape, TokenizerSize
 from gpupoor.plan.training import LayerTraining
@@ -154,9 +155,10 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
     half, b = s.half, s.act_bytes
     method = s.method
     layer = layer if layer is not None else what_trains(shape, s).layers[-1]
-    lora = tuple(n for n in layer.adapters if n in LINEARS) if method in ("lora", "dora") else ()
-    feedforward = tuple(n for n in layer.adapters if n in s.training.feedforward) if method == "ia3" else ()
-    out_scaled = tuple(n for n in layer.adapters if n not in feedforward) if method == "ia3" else ()
+    kind = METHODS[method]
+    lora = tuple(n for n in layer.adapters if n in LINEARS) if kind.low_rank else ()
+    feedforward = tuple(n for n in layer.adapters if n in s.training.feedforward) if kind.scaling_vector else ()
+    out_scaled = tuple(n for n in layer.adapters if n not in feedforward) if kind.scaling_vector else ()
     lora_inputs = {name: shape.linear(name)[0] for name in lora}
     total = norms_saved_per_token(shape, s)
     if half and not s.fused_mlp:
@@ -187,7 +189,7 @@ def layer_saved_bytes_per_token(shape: Shape, s: Settings, row_tokens: int, *, m
     if s.dropout:  # the dropout mask: bool on CUDA, the scaled noise in the input's dtype on the CPU
         total += sum(lora_inputs.values()) * (1 if s.device == "cuda" else (4 if not half else b))
     total += len(lora_inputs) * s.rank * b  # x @ A, kept for the gradient of B
-    if method == "dora":  # the base and LoRA outputs, for the magnitude's gradient
+    if kind.magnitude:  # the base and LoRA outputs, for the magnitude's gradient
         total += 2 * sum(shape.linear(name)[1] for name in lora) * b
     total += sum(shape.linear(name)[1] for name in out_scaled) * b  # IA3: the unscaled output, for the scale's gradient
     if s.attention_per_example:
@@ -307,7 +309,7 @@ def activation_bytes(shape: Shape, s: Settings) -> tuple[int, int, str]:
         if copies:
             live += copies
             detail += f"; half copies of the trained fp32 weights (autocast) {copies / MiB:.1f} MiB"
-    if training.method == "dora" and active:
+    if METHODS[training.method].magnitude and active:
         norm = dora_weight_norm_bytes(shape, s, training.layers[-1].adapters)
         live += norm
         detail += f"; DoRA weight norm {norm / MiB:.1f} MiB"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpupoor.decisions import ia3_modules, trained_layer_indices
+from gpupoor.methods import METHODS
 from gpupoor.plan.shape import LINEARS, QK_NORMS, SANDWICH_NORMS, Shape
 
 # Where each sits in transformers' module tree, under model.layers.N.
@@ -88,16 +89,14 @@ def resolve_training(shape: Shape, peft) -> Training:
                         ("embedding" if shape.tied else "head") in trained,
                         "all" if everything else _scope(peft, shape), final_norm="norm" in trained)
     feedforward: tuple[str, ...] = ()
-    if peft.method == "ia3":
+    method = METHODS[peft.method]
+    if method.scaling_vector:
         targets, feedforward = ia3_modules(shape.model_type, peft.target_modules)
         targets = tuple(name for name in LINEARS if name in targets)
-        per_module = {name: shape.linear(name)[0] if name in feedforward else shape.linear(name)[1] for name in targets}
     else:
         targets = tuple(LINEARS) if peft.target_modules == "all-linear" else \
             tuple(name for name in LINEARS if name in peft.target_modules)
-        dora = peft.method == "dora"  # plus a magnitude per output feature
-        per_module = {name: peft.rank * sum(shape.linear(name)) + (shape.linear(name)[1] if dora else 0)
-                      for name in targets}
+    per_module = {name: method.adapter_params(peft.rank, *shape.linear(name), name in feedforward) for name in targets}
     in_layer = {module.split(".")[2] + "." + module.rsplit(".", 1)[1] for module, _, _ in saved
                 if module.startswith("model.layers.")}
     layers = tuple(LayerTraining(adapters=targets if j in indices else (),

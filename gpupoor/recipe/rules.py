@@ -18,6 +18,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from gpupoor.decisions import choose_reference
 from gpupoor.errors import UserError
+from gpupoor.methods import METHODS
 from gpupoor.optimizers import FSDP_OPTIMIZERS
 
 # A source's amount per epoch (`rows`, `epochs`) is at most this many passes over it: an epoch's order is held in
@@ -56,8 +57,10 @@ def check_data(data) -> None:
 
 def check_peft(peft) -> None:
     """The peft section (a PeftSection): settings that belong to other methods."""
-    if peft.method == "ia3" and peft.dropout:
-        raise ValueError("peft.dropout is a LoRA/DoRA setting; IA3 has no dropout")
+    method = METHODS[peft.method]
+    if method.adapter and not method.low_rank and peft.dropout:
+        raise ValueError(f"peft.dropout is a setting of the low-rank methods "
+                         f"({', '.join(m.name for m in METHODS.values() if m.low_rank)}); {peft.method} has no dropout")
 
 
 def check_recipe(recipe) -> None:

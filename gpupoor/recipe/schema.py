@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gpupoor.errors import UserError
 from gpupoor.recipe.rules import MAX_PASSES, check_data, check_model, check_peft, check_recipe, check_source
+from gpupoor.methods import METHOD_NAMES, METHODS
 from gpupoor.optimizers import OPTIMIZER_NAMES, optimizers_doc
 from gpupoor.units import MiB, parse_duration, parse_size
 
@@ -250,12 +251,8 @@ class PeftSection(_Section):
     """What trains: adapters on the frozen base model (LoRA, DoRA, IA3), or the model's own weights (full), on
     every decoder layer or only the last few."""
 
-    method: Literal["lora", "dora", "ia3", "full"] = Field(
-        "lora", description="`lora`: low-rank adapters (rank, alpha, dropout). `dora`: LoRA with a learned "
-        "magnitude per output (peft's use_dora; closer to full tuning; a per-step weight norm makes it slower). `ia3`: learned "
-        "scales on attention keys/values and the MLP's down projection (far fewer parameters than LoRA). "
-        "`full`: the model's own weights train (checkpoints and final/ hold the whole model; pair it with "
-        "8-bit AdamW and gradient checkpointing on small hardware; no quantized base)."
+    method: Literal[METHOD_NAMES] = Field(  # the method table, gpupoor/methods.py
+        "lora", description=" ".join(f"`{m.name}`: {m.doc}" for m in METHODS.values())
     )
     last_layers: int | None = Field(
         None, ge=1, description="Adapt (with `full`: train) only the last N decoder layers. The layers below stay "

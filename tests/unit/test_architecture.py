@@ -11,18 +11,19 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "gpupoor"
 MAX_FUNCTION_LINES = 80
 LEAVES = {"gpupoor.errors": set(), "gpupoor.storage.files": set(), "gpupoor.units": {"gpupoor.errors"},
-          "gpupoor.train.state": set(), "gpupoor.optimizers": set(),
-          "gpupoor.decisions": {"gpupoor.errors", "gpupoor.optimizers"},
+          "gpupoor.train.state": set(), "gpupoor.optimizers": set(), "gpupoor.methods": set(),
+          "gpupoor.decisions": {"gpupoor.errors", "gpupoor.methods", "gpupoor.optimizers"},
           "gpupoor.storage.rundir": {"gpupoor.errors", "gpupoor.storage.files", "gpupoor.recipe.schema",
                                      "gpupoor.recipe.loading", "gpupoor.units"},
-          "gpupoor.recipe.rules": {"gpupoor.errors", "gpupoor.decisions", "gpupoor.optimizers"},
-          "gpupoor.recipe.schema": {"gpupoor.errors", "gpupoor.optimizers", "gpupoor.units", "gpupoor.recipe.rules"},
+          "gpupoor.recipe.rules": {"gpupoor.errors", "gpupoor.decisions", "gpupoor.methods", "gpupoor.optimizers"},
+          "gpupoor.recipe.schema": {"gpupoor.errors", "gpupoor.methods", "gpupoor.optimizers", "gpupoor.units",
+                                    "gpupoor.recipe.rules"},
           "gpupoor.recipe.loading": {"gpupoor.errors", "gpupoor.recipe.schema", "gpupoor.recipe.peer_keys"},
           "gpupoor.recipe.peer_keys": set(),
           "gpupoor.recipe.diff": {"gpupoor.recipe.schema"}}
 # The import order of docs/architecture.md: a part imports only the parts before it (and itself). The top-level
 # modules before `recipe` are utilities any part may use; `cli` (and `__main__`) come last.
-ORDER = ["errors", "units", "faults", "profiling", "quiet", "optimizers", "decisions", "cpu", "hardware", "recipe", "storage",
+ORDER = ["errors", "units", "faults", "profiling", "quiet", "optimizers", "methods", "decisions", "cpu", "hardware", "recipe", "storage",
          "data", "model", "objectives", "train", "plan", "export", "run", "commands", "cli", "__main__"]
 MAX_MODULE_LINES = 600
 
