@@ -90,7 +90,7 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
         peak, _ = gpu_on_paper(gpu)
         rate = Rates(peak * 1e12 * PAPER_PROBE_FRACTION)
     else:
-        rate = Rates(*(rates.get(keys[k]) for k in ("rate", "lora", "attention", "values", "optimizer", "call")))
+        rate = Rates(*(rates.get(keys.get(k)) for k in ("rate", "lora", "attention", "values", "optimizer", "call")))
     source = _source(rate, settings, shape, m, gpu if on_paper else None, threads, gpu_name)
     measured = here.get("steps", {}).get(step_key, {}).get("step_s") if not on_paper else None
     weight_bytes = shape.total_params * FILE_BYTES.get(shape.file_dtype or "fp32", 4)

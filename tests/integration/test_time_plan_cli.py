@@ -100,3 +100,29 @@ def test_a_gpu_on_paper_needs_cuda_and_a_known_name(make_recipe):
     assert paper["on_paper"] and "A100's published peak 312" in paper["source"]
     t4 = plan_json(recipe, "--device", "cuda", "--gpu", "T4")["time"]
     assert t4["step_s"] > paper["step_s"]
+
+
+def test_a_first_plan_on_a_visible_gpu_goes_at_the_probed_matmul_rate(make_recipe, tmp_path, monkeypatch):
+    """On a GPU (faked here: its capability and name, and the child's answer) only the matmul is probed; the first
+    plan, whose data is counted in the same child, has no attention key yet and must still plan."""
+    from gpupoor.plan import facts, make, timing
+    from gpupoor.plan.device import GpuFacts
+    from gpupoor.plan.make import make_plan
+    from gpupoor.recipe.loading import load_recipe
+
+    monkeypatch.setenv("GPUPOOR_CACHE", str(tmp_path / "gpu-cache"))
+    monkeypatch.setattr(make, "gpu_facts", lambda device: GpuFacts(9 if device == "cuda" else None, False))
+    monkeypatch.setattr(timing, "_visible_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    asked = []
+
+    def child(request):
+        asked.append(set(request))
+        data = {"micro_batches": 4, "tokens": 512.0, "real_tokens": 400.0, "targets": 200.0,
+                "example_pairs": 16000.0, "row_pairs": 65536.0, "data_s": 0.1, "cache_hit": False}
+        return {"import_s": 3.0, "rate": 5e14, "data": data, "write_rate": 1e9}
+
+    monkeypatch.setattr(facts, "measure", child)
+    plan = make_plan(load_recipe(make_recipe(training={"max_steps": 10})), "cuda",
+                     timing={"threads": None, "gpu": None, "time_limit_s": None, "say": lambda text: None})
+    assert plan.time_error is None and asked == [{"rate", "data", "write_to"}]
+    assert plan.time.rates.matmul == 5e14 and plan.time.rates.attention is None and plan.time.steps == 10
