@@ -13,6 +13,7 @@ from gpupoor.plan.measure import attention_probe_shape, probe_rows
 from gpupoor.plan.time import GPU_PEAKS, PAPER_PROBE_FRACTION, Rates, TimePlan, make_time_plan
 
 FILE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PROBES = ("rate", "lora", "attention", "values", "optimizer", "call")  # Rates' fields, in order ("rate": the matmul)
 
 
 def plan_threads(recipe, requested: int | None) -> int:
@@ -60,8 +61,9 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
     step_key = cache.step_key(recipe, data_key, device, settings.precision)
     plan.time_keys = (machine, step_key)
     rates = here.setdefault("rates", {})
-    keys = _rate_keys(settings, shape, m, facts["data"].get(data_key))
-    request = {} if on_paper else _probes(keys, rates, settings, shape, device, threads, m, facts["data"].get(data_key))
+    data = facts["data"].get(data_key)
+    keys = _rate_keys(settings, shape, m, data)
+    request = {} if on_paper else _probes(keys, rates, settings, shape, device, threads, m, data)
     if data_key not in facts["data"]:
         request["data"] = {"recipe": recipe.model_dump(mode="json"), "sampler": settings.sampler}
     if "write_rate" not in here or "import_s" not in here:
@@ -69,8 +71,9 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
     if request and cached_only:
         return None
     if request:
-        what = [w for w, k in (("the data as training will see it", "data"), ("this machine's speed", "rate"),
-                               ("the disk's write rate", "write_to")) if k in request]
+        what = [w for w, kinds in (("the data as training will see it", ("data",)),
+                                   ("this machine's speed", PROBES),
+                                   ("the disk's write rate", ("write_to",))) if request.keys() & set(kinds)]
         say(f"time plan: measuring {' and '.join(what)} (once; cached in {cache.facts_path()})")
         answer = cache.measure(request)
         here["import_s"] = answer["import_s"]
@@ -79,7 +82,7 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
         if "attention" in answer:  # its key names the length the child took from the data
             keys["attention"] = cache.attention_key(settings, shape, answer["attention"]["length"])
             answer["attention"] = answer["attention"]["rate"]
-        for kind in ("rate", "lora", "attention", "values", "optimizer", "call"):
+        for kind in PROBES:
             if kind in answer:
                 rates[keys[kind]] = answer[kind]
         if "write_rate" in answer:
@@ -90,7 +93,7 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
         peak, _ = gpu_on_paper(gpu)
         rate = Rates(peak * 1e12 * PAPER_PROBE_FRACTION)
     else:
-        rate = Rates(*(rates.get(keys.get(k)) for k in ("rate", "lora", "attention", "values", "optimizer", "call")))
+        rate = Rates(*(rates.get(keys.get(kind)) for kind in PROBES))
     source = _source(rate, settings, shape, m, gpu if on_paper else None, threads, gpu_name)
     measured = here.get("steps", {}).get(step_key, {}).get("step_s") if not on_paper else None
     weight_bytes = shape.total_params * FILE_BYTES.get(shape.file_dtype or "fp32", 4)
