@@ -1,25 +1,24 @@
-"""The `gpupoor` command: typer's declarations, the options parsed and checked, error messages and exit codes.
-What a verb does lives in gpupoor/commands/ (train and resume call the orchestrator from here). Heavy imports
-(torch, transformers) happen inside commands so --help is instant. It is longer than 600 lines because every
-verb's options are declared here, each command a short function that hands its work to gpupoor/commands/."""
+"""The `gpupoor` command: typer's declarations, the options parsed and checked. What a verb does lives in
+gpupoor/commands/ (train and resume call the orchestrator from here); how every command ends (messages, exit
+codes, signals) in gpupoor/outcome.py. Heavy imports (torch, transformers) happen inside commands so --help is
+instant."""
 
 from __future__ import annotations
 
-import errno
 import gc
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from gpupoor import __version__
-from gpupoor.errors import EXIT_BAD_INPUT, UserError
+from gpupoor.errors import EXIT_BAD_INPUT, EXIT_FAILED, UserError
+from gpupoor.outcome import guarded, with_stop_requests
 from gpupoor.quiet import flags_show_no_type
-from gpupoor.run.startup import from_command_line, started_by_command_line
+from gpupoor.run.startup import started_by_command_line
 from gpupoor.train.heap import serve_tensors_from_heap
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -85,120 +84,11 @@ def _launch_if_asked(context: typer.Context, debug: bool) -> None:
 
         return launch_processes(context, LAUNCH_PARAMS, debug, say=lambda text: typer.echo(text, err=True))
 
-    _guarded(debug, action)  # exits
+    guarded(debug, action)  # exits
 
 
 def _warn(text: str) -> None:
     typer.echo(f"warning: {text}", err=True)
-
-
-def _with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int | None]:
-    """Train and resume note SIGTERM/SIGINT/SIGUSR1 from their first line to their last, so a signal during
-    start-up or after the stop checkpoint still ends in a checkpoint and exit 75, never a bare 143."""
-
-    def guarded() -> int | None:
-        from gpupoor.commands.train import leave_now
-        from gpupoor.run.launch import report_once
-        from gpupoor.run.session import RunFailed
-        from gpupoor.run.signals import StopRequest
-
-        several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # this process is one of several a launcher started
-        stop = StopRequest().install()
-        refused = False
-        try:
-            code = action(stop)
-        except UserError as exc:
-            if not (from_command_line() and several) or "--debug" in sys.argv:
-                raise
-            # Bad input every process agreed on (a base changed since the checkpoint, say): said, then ended
-            # without the interpreter's teardown of gloo, which now and then aborted such a process with SIGABRT
-            # (see commands.train.leave_now) and the launcher reported "killed by SIGABRT" instead of exit 2.
-            # Said once for all the processes, by gpupoor's launcher where it started them.
-            report_once(str(exc), say=lambda text: typer.echo(f"error: {text}", err=True))
-            code, refused = EXIT_BAD_INPUT, True
-        except RunFailed as exc:
-            if not (stop.finished and from_command_line() and several):
-                raise
-            # A failure every process agreed on (a full disk during a save): said, then ended like a finished
-            # process, without the interpreter's teardown of gloo (see commands.train.leave_now).
-            report_once(str(exc), say=lambda text: typer.echo(f"error: {text}", err=True))
-            code = 1
-        finally:
-            # The outcome is decided (a checkpoint or final/ committed, or the error said): a signal while the process
-            # exits must not turn it into a bare 143 -- the launcher's SIGTERM to a finished process, or a scheduler's
-            # second one during interpreter shutdown (torch's teardown takes a while).
-            if from_command_line() or (stop.finished and several):
-                stop.ignore_from_now()
-            else:
-                stop.uninstall()  # a program or test calling the command keeps its own handlers
-        from gpupoor import faults
-
-        faults.at_stage("exiting")  # tests: a scheduler's signal once the outcome is decided
-        if refused or (stop.finished and from_command_line() and several):
-            leave_now(code or 0)
-        return code
-
-    return guarded
-
-
-def _guarded(debug: bool, action: Callable[[], int | None]) -> None:
-    """Run a command: bad input exits 2 with a message, other failures exit 1, tracebacks only with --debug."""
-    try:
-        code = action() or 0
-    except UserError as exc:
-        if debug:
-            raise
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
-    except KeyboardInterrupt as exc:  # Ctrl-C (130), or SIGTERM / SIGHUP where a verb turns them into one (143, 129)
-        typer.echo(f"stopped by {exc.name}" if hasattr(exc, "signum") else "interrupted", err=True)
-        raise typer.Exit(getattr(exc, "exit_code", 130)) from None
-    except Exception as exc:
-        from gpupoor.run.session import RunFailed
-
-        if debug:
-            raise
-        if isinstance(exc, RunFailed):
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from None
-        if isinstance(exc, OSError) and exc.errno is not None:
-            message, code = _file_system_error(exc)
-            typer.echo(f"error: {message}", err=True)
-            raise typer.Exit(code) from None
-        typer.echo(f"error: {type(exc).__name__}: {exc}\n  (run again with --debug for the traceback)", err=True)
-        raise typer.Exit(1) from None
-    raise typer.Exit(code)
-
-
-# A path that cannot be used as named is bad input (exit 2); a full disk or quota, an I/O error, is the
-# environment's (exit 1). Either way: the path, what the system said, what to do.
-_PATH_ERRNOS = {errno.EACCES: "this user may not use that path as the command needs (read, write or enter it): "
-                "choose one you can, or fix its permissions", errno.EPERM: "the operation is not permitted on that "
-                "path for this user: choose another location, or fix its permissions",
-                errno.EROFS: "the file system is read-only: choose a location on a writable one"}
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _file_system_error(exc: OSError) -> tuple[str, int]:
-    """The one-line message and exit code for an OSError that reached the command: its path, its meaning, what
-    to do."""
-    from gpupoor.storage.files import blocking_file
-
-    path = Path(exc.filename) if exc.filename else None
-    where = f"{path}: " if path else ""
-    what = f"{where}{exc.strerror} (errno {errno.errorcode.get(exc.errno, exc.errno)})"
-    if exc.errno in _FULL_ERRNOS:
-        folder = next((parent for parent in path.parents if parent.is_dir()), Path.cwd()) if path else Path.cwd()
-        return (f"{what}\n  hint: free space on that file system (df -h {folder}) or write somewhere else, then "
-                "run the command again"), 1
-    if exc.errno in _PATH_ERRNOS:
-        return f"{what}\n  hint: {_PATH_ERRNOS[exc.errno]}", EXIT_BAD_INPUT
-    blocker = blocking_file(path) if path is not None and exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
-    if blocker is not None:
-        where = "" if blocker == path else where
-        return (f"{where}{blocker} is a file, not a directory\n  hint: remove or rename it, or choose another "
-                "location"), EXIT_BAD_INPUT
-    return f"{what}\n  (run again with --debug for the traceback)", 1
 
 
 @app.command()
@@ -247,7 +137,7 @@ def train(
         result = train_from_recipe(loaded, output_dir, smoke=smoke, started=started, plan=plan, stop=stop)
         return exit_code(report_finished(result))
 
-    _guarded(debug, _with_stop_requests(action))
+    guarded(debug, with_stop_requests(action))
 
 
 @app.command()
@@ -282,7 +172,7 @@ def resume(
                                                     started=started, stop=stop,
                                                     invocation=recipe_overrides(None, time_limit, profile))))
 
-    _guarded(debug, _with_stop_requests(action))
+    guarded(debug, with_stop_requests(action))
 
 
 @app.command()
@@ -304,7 +194,7 @@ def status(
                             hint=f"gpupoor resume {run_dir} writes final/ again from the last checkpoint")
         return 0
 
-    _guarded(debug, action)
+    guarded(debug, action)
 
 
 @app.command()
@@ -328,7 +218,7 @@ def report(
         typer.echo(f"wrote {written} ({written.stat().st_size / 1024:.0f} KiB)")
         return 0
 
-    _guarded(debug, action)
+    guarded(debug, action)
 
 
 @app.command("merge-lora")
@@ -362,7 +252,7 @@ def merge_lora(
               say=typer.echo)
         return 0
 
-    _guarded(debug, action)
+    guarded(debug, action)
 
 
 @app.command()
@@ -402,7 +292,7 @@ def export(
                    force=force, work_dir=work_dir)
         return 0
 
-    _guarded(debug, action)
+    guarded(debug, action)
 
 
 @app.command()
@@ -439,7 +329,7 @@ def generate(
                        warn=_warn)
         return 0
 
-    _guarded(debug, action)
+    guarded(debug, action)
 
 
 @app.command()
@@ -465,7 +355,7 @@ def chat(
                   write=write, force=force, warn=_warn)
         return 0
 
-    _guarded(debug, action)
+    guarded(debug, action)
 
 
 @app.command()
@@ -516,9 +406,9 @@ def validate(
                 typer.echo(f"{path}: error: {type(exc).__name__}: {exc}\n  (run again with --debug for the "
                            "traceback)", err=True)
                 crashed += 1
-        return 1 if crashed else EXIT_BAD_INPUT if failed else 0
+        return EXIT_FAILED if crashed else EXIT_BAD_INPUT if failed else 0
 
-    _guarded(debug, action)
+    guarded(debug, action)
 
 
 @app.command()
@@ -566,7 +456,7 @@ def plan(
         return plan_recipe(recipe, set_ or [], device, limit, processes, nodes, as_json, fit, say=typer.echo,
                            timing=timing)
 
-    _guarded(debug, action)
+    guarded(debug, action)
 
 
 @app.command()
@@ -587,7 +477,7 @@ def tokenize(
         typer.echo(tokenize_recipe(recipe, set_ or [], output, _warn))
         return 0
 
-    _guarded(debug, action)
+    guarded(debug, action)
 
 
 @app.command()

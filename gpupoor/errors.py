@@ -9,9 +9,11 @@ import contextlib
 import signal
 import threading
 
+EXIT_FAILED = 1  # a run that cannot go on (RunFailed), or any other error
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3  # gpupoor plan: the recipe is predicted not to fit the memory
 EXIT_RESUMABLE = 75  # stopped early on purpose (signal, time limit); `gpupoor resume` continues
+EXIT_INTERRUPTED = 130  # Ctrl-C (the shell's code for SIGINT)
 
 
 class UserError(Exception):
@@ -24,6 +26,10 @@ class UserError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
+
+
+class RunFailed(Exception):
+    """Training cannot go on (diverged, disk full); the last committed checkpoint is intact. Exit 1."""
 
 
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)

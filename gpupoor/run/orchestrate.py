@@ -25,10 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpupoor.errors import UserError
+from gpupoor.errors import RunFailed, UserError
 from gpupoor.recipe.loading import LoadedRecipe
 from gpupoor.recipe.schema import Recipe
-from gpupoor.run.session import RunFailed, RunResult, Session, check_launch, smoke_recipe
+from gpupoor.run.session import RunResult, Session, check_launch, smoke_recipe
 from gpupoor.storage.rundir import (RunLock, check_run_dir, check_writable, end_session, portable_recipe,
                                     resolve_run_dir, stored_recipe)
 

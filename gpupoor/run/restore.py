@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpupoor.errors import UserError
+from gpupoor.errors import RunFailed, UserError
 from gpupoor.recipe.schema import Recipe
-from gpupoor.run.session import RunFailed, Session
+from gpupoor.run.session import Session
 
 
 def check_checkpoint_matches(session: Session, checkpoint) -> None:

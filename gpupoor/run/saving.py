@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpupoor.run.session import RunFailed, Session
+from gpupoor.errors import RunFailed
+from gpupoor.run.session import Session
 
 
 ASSUMED_WRITE_BYTES_PER_S = 100 * 2**20  # save-time guess until the first checkpoint is measured

@@ -30,9 +30,6 @@ class RunResult:
     steps: int
 
 
-class RunFailed(Exception):
-    """Training cannot go on (diverged, disk full); the last committed checkpoint is intact."""
-
 
 
 def check_launch(environ=os.environ) -> None:

@@ -46,10 +46,10 @@ def test_a_full_disk_while_tokenize_writes_names_the_output(make_recipe, tmp_pat
 def test_file_system_errors_name_the_path_and_what_to_do(tmp_path, code, errno_name, expected):
     import errno
 
-    from gpupoor.cli import _file_system_error
+    from gpupoor.outcome import file_system_error
 
     number = getattr(errno, errno_name)
-    message, exit_code = _file_system_error(OSError(number, os.strerror(number), str(tmp_path / "x")))
+    message, exit_code = file_system_error(OSError(number, os.strerror(number), str(tmp_path / "x")))
     assert exit_code == code
     assert message.startswith(f"{tmp_path / 'x'}: {os.strerror(number)} (errno {errno_name})") and expected in message
 
@@ -57,10 +57,10 @@ def test_file_system_errors_name_the_path_and_what_to_do(tmp_path, code, errno_n
 def test_a_file_in_the_way_is_named(tmp_path):
     import errno
 
-    from gpupoor.cli import _file_system_error
+    from gpupoor.outcome import file_system_error
 
     (tmp_path / "plain").write_text("x")
     for number, path, where in ((errno.ENOTDIR, tmp_path / "plain" / "out", f"{tmp_path / 'plain' / 'out'}: "),
                                 (errno.EEXIST, tmp_path / "plain", "")):
-        message, exit_code = _file_system_error(OSError(number, os.strerror(number), str(path)))
+        message, exit_code = file_system_error(OSError(number, os.strerror(number), str(path)))
         assert exit_code == 2 and message.startswith(f"{where}{tmp_path / 'plain'} is a file, not a directory")
