@@ -44,10 +44,11 @@ def deep(model: str, steps: int, **keys) -> dict:
             "training.max_steps": steps, "training.epochs": None, "logging.progress": "none", **keys}
 
 
-def real(steps: int | None, **keys) -> dict:
-    from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+REAL_MODEL = "<the real model, dequantized>"  # resolved when a recipe is written: importing needs no model
 
-    return {"extends": str(REAL_RECIPE), "model.name_or_path": str(dequantized_copy(real_model_path())),
+
+def real(steps: int | None, **keys) -> dict:
+    return {"extends": str(REAL_RECIPE), "model.name_or_path": REAL_MODEL,
             "data.path": str(DATA / "iso-dates-train.jsonl"), "data.eval_path": None, "precision": "fp32",
             "training.max_steps": steps, "logging.progress": "none", **keys}
 
@@ -115,6 +116,10 @@ ACCURACY = {
 
 
 def recipe(name: str, settings: dict) -> Path:
+    if settings.get("model.name_or_path") == REAL_MODEL:
+        from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+
+        settings = {**settings, "model.name_or_path": str(dequantized_copy(real_model_path()))}
     return write_recipe(WORK / "recipes" / f"{name}.yaml", settings)
 
 
