@@ -85,7 +85,7 @@ def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -
     per_token = 6 * shape.hidden + 3 * shape.intermediate + shape.q + 2 * shape.kv
     work.append(Work("elementwise", "elementwise", per_token * t * (layers + 2 * active + recompute),
                      f"norms, rotary, activation and residuals: {per_token:,} values a token and layer"))
-    if s.precision in ("bf16", "fp16"):  # each norm computes in fp32: the hidden state cast there and back
+    if s.half:  # each norm computes in fp32: the hidden state cast there and back
         casts = 2 * 2 * shape.hidden * t * (layers + 2 * active + recompute)
         work.append(Work("casts", "casts", casts, "half precision: each norm's input cast to fp32 and back"))
     if s.bits is not None:

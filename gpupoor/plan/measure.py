@@ -19,7 +19,6 @@ from pathlib import Path
 MAX_COUNTED_BATCHES = 2000
 PROBE_REPEATS = 10
 PROBE_SECONDS = 0.05  # each probe matmul about this long: tens of milliseconds in all
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def data_facts(recipe_json: dict, sampler: str) -> dict:
@@ -75,9 +74,7 @@ def matmul_rate(device: str, precision: str, threads: int | None, m: int, k: int
     import torch
     import torch.nn.functional as F
 
-    if threads:
-        torch.set_num_threads(threads)
-    dtype = getattr(torch, DTYPES[precision])
+    dtype = _prepare(threads, precision)
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(n, k, device=device, dtype=dtype)
     return 2 * m * k * n / _best_time(lambda: F.linear(x, w), device)
@@ -90,9 +87,7 @@ def lora_rate(device: str, precision: str, threads: int | None, m: int, k: int, 
     import torch
     import torch.nn.functional as F
 
-    if threads:
-        torch.set_num_threads(threads)
-    dtype = getattr(torch, DTYPES[precision])
+    dtype = _prepare(threads, precision)
     x = torch.randn(m, k, device=device, dtype=dtype)
     a = torch.randn(rank, k, device=device, dtype=dtype)
     b = torch.randn(n, rank, device=device, dtype=dtype)
@@ -109,9 +104,7 @@ def attention_rate(device: str, precision: str, threads: int | None, heads: int,
 
     from gpupoor.model.packed_attention import PerExampleAttention
 
-    if threads:
-        torch.set_num_threads(threads)
-    dtype = getattr(torch, DTYPES[precision])
+    dtype = _prepare(threads, precision)
     q, k, v = (torch.randn(count * length, h, head_dim, device=device, dtype=dtype, requires_grad=True)
                for h in (heads, kv_heads, kv_heads))
     grad = torch.randn(count * length, heads, head_dim, device=device, dtype=dtype)
@@ -135,9 +128,7 @@ def values_rate(device: str, precision: str, threads: int | None, m: int, hidden
     import torch
     import torch.nn.functional as F
 
-    if threads:
-        torch.set_num_threads(threads)
-    dtype = getattr(torch, DTYPES[precision])
+    dtype = _prepare(threads, precision)
     x, gate, up = (torch.randn(m, n, device=device, dtype=dtype) for n in (hidden, intermediate, intermediate))
 
     def once():
@@ -152,8 +143,7 @@ def optimizer_rate(threads: int | None, params: int = 2**21) -> float:
     run's precision): a layer's worth of tensors, their gradients and moments."""
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
+    _prepare(threads)
     weights = [torch.zeros(params // 8, requires_grad=True) for _ in range(8)]
     for w in weights:
         w.grad = torch.randn_like(w)
@@ -167,8 +157,7 @@ def call_seconds(threads: int | None, chain: int = 20) -> float:
     import torch
     import torch.nn.functional as F
 
-    if threads:
-        torch.set_num_threads(threads)
+    _prepare(threads)
     x = torch.randn(8, 64, requires_grad=True)
     weights = [torch.randn(64, 64, requires_grad=True) for _ in range(chain)]
 
@@ -179,6 +168,17 @@ def call_seconds(threads: int | None, chain: int = 20) -> float:
         y.sum().backward()
 
     return _best_time(once, "cpu") / chain
+
+
+def _prepare(threads: int | None, precision: str = "fp32"):
+    """The probe's thread count set, and its dtype (training's map of precisions)."""
+    import torch
+
+    from gpupoor.hardware import DTYPES
+
+    if threads:
+        torch.set_num_threads(threads)
+    return DTYPES[precision]
 
 
 def _best_time(once, device: str) -> float:

@@ -13,7 +13,7 @@ weights, the data), the first step's warm-up and each checkpoint save (its bytes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from gpupoor.decisions import count_steps
 from gpupoor.plan.flops import BatchFacts, Work, step_work, total_flops
@@ -61,8 +61,7 @@ class Rates:
         return 1 / (getattr(self, which) or self.matmul)
 
     def to_json(self) -> dict:
-        return {"matmul": self.matmul, "lora": self.lora, "attention": self.attention, "values": self.values,
-                "optimizer": self.optimizer, "call": self.call}
+        return asdict(self)
 
 
 # Loading: seconds per GiB of weight file read (and converted or quantized), beyond a fixed part.
