@@ -16,6 +16,7 @@ import typer
 
 from gpupoor import __version__
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_FAILED, UserError
+from gpupoor.export.formats import DEFAULT_FORMAT, format_help, quant_help
 from gpupoor.outcome import guarded, with_stop_requests
 from gpupoor.quiet import flags_show_no_type
 from gpupoor.run.startup import started_by_command_line
@@ -258,10 +259,8 @@ def merge_lora(
 @app.command()
 def export(
     source: Path = typer.Argument(..., help="A run directory, a PEFT adapter directory or a model directory."),
-    quant: list[str] = typer.Option(["q8_0"], "--quant", "-q", metavar="TYPE", help="f32 | f16 | bf16 | q8_0 | q6_k | q5_k_m | "
-                                    "q5_1 | q5_0 | q4_k_m | q4_1 | q4_0 | iq4_nl; repeat for one file each, from "
-                                    "one merge."),
-    fmt: str = typer.Option("gguf", "--format", help="gguf (llama.cpp, Ollama, LM Studio)."),
+    quant: list[str] = typer.Option([], "--quant", "-q", metavar="TYPE", show_default=False, help=quant_help()),
+    fmt: str = typer.Option(DEFAULT_FORMAT, "--format", help=format_help()),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="The .gguf file to write (with several "
                                           "--quant, -QUANT is added before .gguf). Default: RUN_DIR/gguf/NAME-QUANT"
                                           ".gguf, or beside a model directory. Must not exist."),
@@ -288,8 +287,8 @@ def export(
 
         quiet_libraries()
         # SIGTERM / SIGHUP come out as gpupoor.errors.Terminated: _guarded says them and exits 143 / 129.
-        run_export(source, quant, fmt, output, checkpoint, eval_file, eval_tokens, quality, say=typer.echo,
-                   force=force, work_dir=work_dir)
+        run_export(source, quants=quant, fmt=fmt, output=output, checkpoint=checkpoint, eval_file=eval_file,
+                   eval_tokens=eval_tokens, quality=quality, say=typer.echo, force=force, work_dir=work_dir)
         return 0
 
     guarded(debug, action)

@@ -19,13 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from gpupoor.errors import UserError
-from gpupoor.model.gguf import INSTALL
 
 if TYPE_CHECKING:
     from gpupoor.export.space import SpacePlan
-
-FORMATS = ("gguf",)
-MIN_GGUF = (0, 18)  # the oldest gguf whose files (Gemma 3, Phi-3 metadata) read back exactly
+    from gpupoor.export.writer import ExportWriter, Written
 
 
 @dataclass
@@ -46,29 +43,7 @@ class ExportSource:
     is_adapter: bool
     config: dict  # the model's config.json (the base's, for an adapter)
     name: str
-
-
-def check_request(fmt: str, quants: list[str]) -> list[str]:
-    """The quant names, deduplicated in order, or a UserError for an unknown format or quant."""
-    from gpupoor.export.quant_types import QUANTS
-
-    if fmt not in FORMATS:
-        raise UserError(f"--format {fmt!r}: gpupoor exports {', '.join(FORMATS)}",
-                        hint="merged safetensors: gpupoor merge-lora")
-    unknown = [q for q in quants if q not in QUANTS]
-    if unknown:
-        raise UserError(f"--quant {unknown[0]!r} is not a GGUF type gpupoor writes",
-                        hint="use one or more of " + ", ".join(QUANTS))
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        installed = version("gguf")
-    except PackageNotFoundError:
-        raise UserError("GGUF export needs the gguf package, which is not installed", hint=INSTALL) from None
-    if tuple(int(part) for part in installed.split(".")[:2] if part.isdigit()) < MIN_GGUF:
-        raise UserError(f"GGUF export needs gguf {'.'.join(map(str, MIN_GGUF))} or newer (this is {installed})",
-                        hint="pip install -U gguf")
-    return list(dict.fromkeys(quants)) or ["q8_0"]
+    base: str | None = None  # an adapter's base model (adapter_config.json's base_model_name_or_path)
 
 
 def resolve_source(path: Path, checkpoint: str) -> ExportSource:
@@ -94,49 +69,28 @@ def resolve_source(path: Path, checkpoint: str) -> ExportSource:
     else:
         config = json.loads((weights.path / "config.json").read_text())
     name = (weights.run_dir or weights.path).resolve().name
-    return ExportSource(weights.path, weights.run_dir, weights.is_adapter, config, name)
+    return ExportSource(weights.path, weights.run_dir, weights.is_adapter, config, name,
+                        base if weights.is_adapter else None)
 
 
-def same_grid_notes(source: ExportSource, quants: list[str]) -> list[str]:
-    """A LoRA trained on a GGUF base: the base's weights sit on that file's grid, and re-quantizing the merged
-    weights interacts with it. At the base's own type a small update rounds back to the base's weights; on a grid
-    that maps onto it (q5_1 over Q4_1) every level moves the same way. On the real demo (SmolLM2's Q4_1 file) q4_1
-    and q5_1 cost far more than q4_0, q5_0 or q4_k_m: docs/export.md."""
-    from gpupoor.export.quant_types import QUANTS
-    from gpupoor.model.gguf import is_gguf, read_gguf
-
-    if not source.is_adapter:
-        return []
-    base = json.loads((source.weights_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not (is_gguf(base) and Path(base).is_file()):
-        return []
-    base_type = read_gguf(Path(base)).quantization.split(", ")[0]
-    if base_type in ("F32", "F16", "BF16"):  # unquantized: no grid for the merged weights to round back to
-        return []
-    notes = [f"the base {Path(base).name} is {base_type}: --quant {quant} rounds the merged weights to that same grid, "
-             "where a small fine-tuning update can round back to the base's own weights"
-             for quant in quants if QUANTS[quant].base == base_type]
-    notes.append(f"the base {Path(base).name} is quantized ({base_type}): its weights sit on that grid, and "
-                 "re-quantizing them can undo or distort the fine-tuning update (on the real demo's Q4_1 base, "
-                 "q4_1 and q5_1 cost far more than q4_0, q5_0 or q4_k_m; docs/export.md). Read the quality "
-                 "table before choosing")
-    return notes
-
-
-def output_paths(source: ExportSource, quants: list[str], output: Path | None) -> tuple[dict[str, Path], Path]:
-    """Where each quant's file goes: --output (with -QUANT before .gguf when there are several), else RUN_DIR/gguf/
-    or beside a model directory, none existing yet; and the quality table's JSON (NAME.quality.json)."""
+def output_paths(source: ExportSource, quants: list[str], output: Path | None,
+                 writer: ExportWriter) -> tuple[dict[str, Path], Path]:
+    """Where each quant's file goes: --output (with -QUANT before the suffix when there are several), else
+    RUN_DIR/FORMAT/ or beside a model directory, none existing yet; and the quality table's JSON
+    (NAME.quality.json)."""
+    suffix = writer.suffix
     if output is not None:
         output = output.expanduser().absolute()
         if output.is_dir():
-            raise UserError(f"--output {output} is a directory", hint="give a file name ending in .gguf")
-        if output.suffix != ".gguf":
-            raise UserError(f"--output {output}: a GGUF file's name ends in .gguf", hint=f"e.g. {output}.gguf")
-        paths = {q: output if len(quants) == 1 else output.with_name(f"{output.stem}-{q}.gguf") for q in quants}
+            raise UserError(f"--output {output} is a directory", hint=f"give a file name ending in {suffix}")
+        if output.suffix != suffix:
+            raise UserError(f"--output {output}: a {writer.name.upper()} file's name ends in {suffix}",
+                            hint=f"e.g. {output}{suffix}")
+        paths = {q: output if len(quants) == 1 else output.with_name(f"{output.stem}-{q}{suffix}") for q in quants}
         table = output.with_name(f"{output.stem}.quality.json")
     else:
-        folder = source.run_dir.absolute() / "gguf" if source.run_dir else source.weights_dir.resolve().parent
-        paths = {q: folder / f"{source.name}-{q}.gguf" for q in quants}
+        folder = source.run_dir.absolute() / writer.name if source.run_dir else source.weights_dir.resolve().parent
+        paths = {q: folder / f"{source.name}-{q}{suffix}" for q in quants}
         table = folder / f"{source.name}.quality.json"
     for path in paths.values():
         if path.exists():
@@ -170,16 +124,20 @@ def model_directory(source: ExportSource, scratch_parent: Path, say: Callable[[s
         yield merged
 
 
-def export(path: Path, quants: list[str], fmt: str = "gguf", output: Path | None = None,
+def export(path: Path, *, quants: list[str], fmt: str = "gguf", output: Path | None = None,
            checkpoint: str = "final", eval_file: Path | None = None, eval_tokens: int = 16384,
            quality: bool = True, say: Callable[[str], None] = print, force: bool = False,
            work_dir: Path | None = None) -> list[QualityRow]:
+    """Every file of `quants` in format `fmt` from the model at `path`, and (`quality`) the table of what each
+    cost in perplexity."""
     from gpupoor.errors import termination_raised
-    from gpupoor.export.architectures import check_rope, family_of
+    from gpupoor.export.formats import export_format
     from gpupoor.export.quality import read_eval_file
     from gpupoor.storage.rundir import check_writable
 
-    quants = check_request(fmt, quants)
+    writer = export_format(fmt)
+    quants = writer.check_quants(quants)
+    writer.check_installed()
     # Read now, not after the files are written: a bad --eval found then would leave files a corrected rerun
     # is refused for.
     eval_text = read_eval_file(eval_file) if quality and eval_file is not None else None
@@ -189,11 +147,10 @@ def export(path: Path, quants: list[str], fmt: str = "gguf", output: Path | None
 
         check_base_unchanged(source.weights_dir, None, force, lambda text: say(f"warning: {text}"),
                              "the exported model")
-    family = family_of(source.config, str(path))
-    check_rope(source.config, str(path))
-    for note in same_grid_notes(source, quants):
+    writer.check_model(source.config, str(path))
+    for note in writer.notes(source.base, quants):
         say(f"note: {note}")
-    paths, table = output_paths(source, quants, output)
+    paths, table = output_paths(source, quants, output, writer)
     if quality and eval_file is None and source.run_dir is None:
         raise UserError(f"{path} is not a run, so there is no eval set to measure the quantization cost on",
                         hint="pass --eval FILE (plain text, or JSONL rows with a \"text\" field), or --no-quality")
@@ -202,12 +159,12 @@ def export(path: Path, quants: list[str], fmt: str = "gguf", output: Path | None
     work = work_dir.expanduser().absolute() if work_dir is not None else folder
     if work_dir is not None:
         check_writable(work, f"--work-dir {work}", hint="give --work-dir a writable directory")
-    space = _space_plan(source, quants, work, folder, say)
+    space = _space_plan(source, quants, work, folder, writer, say)
     progress = Progress(space, writing=work if source.is_adapter else None)  # the merge comes first
     with termination_raised(), _said_if_stopped(progress, say), _disk_full_said(progress), \
             _folder_removed_if_empty(folder), _folder_removed_if_empty(work), \
             model_directory(source, work, say) as model_dir:
-        rows = _write_and_measure(model_dir, source, paths, table, family.gguf_arch, progress, say,
+        rows = _write_and_measure(model_dir, source, writer, paths, table, progress, say,
                                   (eval_file, eval_text, eval_tokens) if quality else None)
     return rows
 
@@ -221,7 +178,8 @@ class Progress:
     writing: Path | None = None  # the file (or the merge's folder) being written
 
 
-def _space_plan(source: ExportSource, quants: list[str], work: Path, folder: Path, say: Callable[[str], None]):
+def _space_plan(source: ExportSource, quants: list[str], work: Path, folder: Path, writer: ExportWriter,
+                say: Callable[[str], None]):
     """Remove what killed exports left in the folders, then refuse when a disk lacks room for this export."""
     from gpupoor.export.space import plan_space, sweep_export_leftovers
     from gpupoor.hardware import DTYPES
@@ -230,35 +188,32 @@ def _space_plan(source: ExportSource, quants: list[str], work: Path, folder: Pat
 
     sweep_export_leftovers([folder, work], say)
     base_copy = 0  # a GGUF base is dequantized into the work directory before the merge, in the run's precision
-    if source.is_adapter:
-        base = json.loads((source.weights_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if base and is_gguf(base):
-            base_copy = DTYPES[read_manifest(source.weights_dir).get("precision") or "fp32"].itemsize
-    space = plan_space(source.config, quants, source.is_adapter, base_copy, work, folder)
+    if source.is_adapter and source.base and is_gguf(source.base):
+        base_copy = DTYPES[read_manifest(source.weights_dir).get("precision") or "fp32"].itemsize
+    space = plan_space(source.config, quants, writer.file_bytes, source.is_adapter, base_copy, work, folder)
     if space is not None:
         space.check()
     return space
 
 
-def _write_and_measure(model_dir: Path, source: ExportSource, paths: dict[str, Path], table: Path, gguf_arch: str,
-                       progress: Progress, say: Callable[[str], None], evaluation: tuple | None) -> list[QualityRow]:
-    """Each file, a Modelfile beside each, and (`evaluation`: the eval file, its text, the token cap) the table."""
-    from gpupoor.export.gguf_file import write_gguf
-    from gpupoor.export.quant_types import QUANTS
-
+def _write_and_measure(model_dir: Path, source: ExportSource, writer: ExportWriter, paths: dict[str, Path],
+                       table: Path, progress: Progress, say: Callable[[str], None],
+                       evaluation: tuple | None) -> list[QualityRow]:
+    """Each file, its companions beside it (GGUF: a Modelfile), and (`evaluation`: the eval file, its text, the
+    token cap) the table."""
     written = []
     for quant, target in paths.items():
         progress.writing = target
-        file = write_gguf(model_dir, target, QUANTS[quant], name=source.name)
+        file = writer.write(model_dir, target, quant, name=source.name)
         progress.finished.append(file.path)
         say(f"wrote {file.path} ({file.size_bytes / 2**20:.1f} MiB, {file.bits_per_weight:.2f} bits/weight)")
         written.append(file)
     progress.writing = table.parent
-    write_modelfiles(model_dir, written, gguf_arch, source.run_dir, say)
+    write_companions(model_dir, written, writer, source, say)
     if evaluation is None:
         return [QualityRow(f.quant, f.path.name, f.size_bytes, round(f.bits_per_weight, 3), None, None,
                            dict(f.types)) for f in written]
-    return measure(model_dir, source, written, *evaluation, table, say)
+    return measure(model_dir, source, writer, written, *evaluation, table, say)
 
 
 @contextlib.contextmanager
@@ -307,11 +262,12 @@ def _disk_full_said(progress: Progress):
                         "(--work-dir, --output), and export again") from None
 
 
-def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Path | None, eval_text: str | None,
-            eval_tokens: int, table: Path, say: Callable[[str], None]) -> list[QualityRow]:
+def measure(model_dir: Path, source: ExportSource, writer: ExportWriter, written: list[Written],
+            eval_file: Path | None, eval_text: str | None, eval_tokens: int, table: Path,
+            say: Callable[[str], None]) -> list[QualityRow]:
     """Perplexity of the full-precision model and of each file read back (on `eval_text`, read from `eval_file`
     before any work, else the run's eval set), printed as a table and written as JSON beside the files."""
-    from gpupoor.export.quality import file_eval_text, perplexity_of_gguf, perplexity_of_model_dir, run_eval_text
+    from gpupoor.export.quality import file_eval_text, perplexity_of_model_dir, run_eval_text
     from gpupoor.hardware import dtype_of, resolve_inference_precision
     from gpupoor.model.load import load_tokenizer
     from gpupoor.recipe.schema import ModelSection
@@ -329,7 +285,7 @@ def measure(model_dir: Path, source: ExportSource, written: list, eval_file: Pat
     parameters = written[0].parameters
     rows = [QualityRow("full precision", None, 4 * parameters, 32.0, round(reference, 4), 0.0)]
     for file in written:
-        value = perplexity_of_gguf(file.path, text, model_dir, dtype)
+        value = writer.perplexity(file.path, text, model_dir, dtype)
         rows.append(QualityRow(file.quant, file.path.name, file.size_bytes, round(file.bits_per_weight, 3),
                                round(value, 4), round(100 * (value / reference - 1), 3), dict(file.types)))
     say(render_table(rows))
@@ -368,19 +324,21 @@ def render_table(rows: list[QualityRow]) -> str:
     return "\n".join(lines)
 
 
-def write_modelfiles(model_dir: Path, written: list, gguf_arch: str, run_dir: Path | None,
+def write_companions(model_dir: Path, written: list[Written], writer: ExportWriter, source: ExportSource,
                      say: Callable[[str], None]) -> None:
-    """An Ollama Modelfile beside each GGUF (`ollama create NAME -f FILE.Modelfile`), in the prompt format the run
-    trained on."""
-    from gpupoor.export.modelfile import modelfile
+    """What a runtime needs beside each file (GGUF: an Ollama Modelfile, `ollama create NAME -f FILE`), in the
+    prompt format the run trained on."""
     from gpupoor.storage.rundir import stored_recipe
 
-    sources = stored_recipe(run_dir).data.sources() if run_dir else []
+    sources = stored_recipe(source.run_dir).data.sources() if source.run_dir else []
     trained_format = sources[0].format if len(sources) == 1 else None
+    names = []
     for file in written:
-        target = file.path.with_name(f"{file.path.name.removesuffix('.gguf')}.Modelfile")
-        _write_text(target, modelfile(file.path.name, model_dir, gguf_arch, trained_format))
-    say(f"wrote an Ollama Modelfile beside each file (ollama create NAME -f {target.name})")
+        for target, text in writer.companions(model_dir, file, source.config, trained_format).items():
+            _write_text(target, text)
+            names.append(target.name)
+    if names:
+        say(f"wrote beside the files: {', '.join(names)}")
 
 
 def _write_text(target: Path, text: str) -> None:

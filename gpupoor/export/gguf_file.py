@@ -13,7 +13,7 @@ import errno
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,9 @@ from gpupoor.errors import UserError
 from gpupoor.export.architectures import (Family, check_rope, extra_tensors, family_of, to_llama_cpp_layout,
                                           write_hyperparameters)
 from gpupoor.export.gguf_tokenizer import write_tokenizer
-from gpupoor.export.quant_types import Quant, encode, nbytes, tensor_type
+from gpupoor.export.quant_types import encode, nbytes, tensor_type
+from gpupoor.export.quants import Quant
+from gpupoor.export.writer import Written
 from gpupoor.storage.files import ran_out_of_space, writer_tag
 from gpupoor.storage.shards import weight_files
 
@@ -35,21 +37,6 @@ class Planned:
     shape: tuple[int, ...]
     qtype: object  # gguf.GGMLQuantizationType
     shard: Path | None = None  # the safetensors file holding it (None: computed, not read: rope_freqs)
-
-
-@dataclass
-class Written:
-    path: Path
-    quant: str
-    size_bytes: int  # the file, metadata (tokenizer) included
-    tensor_bytes: int
-    parameters: int
-    types: Counter = field(default_factory=Counter)  # GGML type name -> tensors of that type
-
-    @property
-    def bits_per_weight(self) -> float:
-        """Of the tensors alone: a small model's tokenizer would otherwise count as weights."""
-        return 8 * self.tensor_bytes / self.parameters
 
 
 def read_config(model_dir: Path) -> dict:

@@ -80,9 +80,10 @@ class SpacePlan:
         return f"free space there, or {merge}write the files elsewhere with --output, and export again"
 
 
-def plan_space(config: dict, quants: list[str], merges: bool, base_copy_bytes_per_parameter: int,
-               work_dir: Path, folder: Path) -> SpacePlan | None:
+def plan_space(config: dict, quants: list[str], file_bytes: Callable[[int, int, str], int], merges: bool,
+               base_copy_bytes_per_parameter: int, work_dir: Path, folder: Path) -> SpacePlan | None:
     """The bytes this export writes where (None when the config's shape is not one gpupoor can count).
+    `file_bytes(parameters, head_parameters, quant)`: the format's size of one file (ExportWriter.file_bytes).
     `base_copy_bytes_per_parameter`: a GGUF base is dequantized into the work directory before the merge too."""
     from gpupoor.plan.shape import shape_from_config
 
@@ -92,24 +93,8 @@ def plan_space(config: dict, quants: list[str], merges: bool, base_copy_bytes_pe
         return None
     merge_bytes = 4 * shape.total_params if merges else 0
     base_copy_bytes = base_copy_bytes_per_parameter * shape.total_params if merges else 0
-    file_bytes = sum(_file_bytes(shape.total_params, shape.embedding_params, quant) for quant in quants)
-    return SpacePlan(work_dir, folder, merge_bytes, file_bytes, base_copy_bytes)
-
-
-def _file_bytes(parameters: int, head_parameters: int, quant: str) -> int:
-    """About the size of one GGUF file: the head (or the tied embedding) at the head's type, the rest at the
-    quant's own (the _M mixes' extra bits and the fallbacks of rows a block does not divide add a few percent)."""
-    import gguf
-
-    from gpupoor.export.quant_types import QUANTS
-
-    def bits(type_name: str) -> float:
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-        return 8 * size / block
-
-    spec = QUANTS[quant]
-    head_bits = bits(spec.output or spec.base)
-    return int(((parameters - head_parameters) * bits(spec.base) + head_parameters * head_bits) / 8)
+    files = sum(file_bytes(shape.total_params, shape.embedding_params, quant) for quant in quants)
+    return SpacePlan(work_dir, folder, merge_bytes, files, base_copy_bytes)
 
 
 def _existing(path: Path) -> Path:

@@ -68,7 +68,7 @@ def test_a_run_on_a_quantized_gguf_base_is_warned_about_the_bases_grid(tmp_path,
     """The base is a Q8_0 file gpupoor itself exported: training reads it (dequantized), and exporting the run
     says that its weights sit on that grid, and which requested type is that very grid."""
     from gpupoor.export.gguf_file import write_gguf
-    from gpupoor.export.quant_types import QUANTS
+    from gpupoor.export.quants import QUANTS
 
     base = tmp_path / "base-q8_0.gguf"
     write_gguf(tiny_model, base, QUANTS["q8_0"], name="tiny base")

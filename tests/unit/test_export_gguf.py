@@ -48,7 +48,7 @@ def tiny_models(tmp_path_factory, tokenizer):
 
 def write(model_dir: Path, quant: str, folder: Path) -> Path:
     from gpupoor.export.gguf_file import write_gguf
-    from gpupoor.export.quant_types import QUANTS
+    from gpupoor.export.quants import QUANTS
 
     target = folder / f"model-{quant}.gguf"
     write_gguf(model_dir, target, QUANTS[quant], name="tiny test model")
@@ -396,13 +396,9 @@ def test_a_built_in_model_directory_exports_as_the_model_it_is(tiny_models, tmp_
 
 def test_an_unquantized_gguf_base_gets_no_grid_note(tiny_gguf, tmp_path):
     """An F32 (or F16, BF16) base has no grid that re-quantizing could round the merged weights back onto."""
-    from gpupoor.commands.export import ExportSource, same_grid_notes
+    from gpupoor.export.gguf_writer import GGUFWriter
 
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_gguf)}))
-    source = ExportSource(adapter, None, True, {}, "run")
-    assert same_grid_notes(source, ["f32", "f16", "q8_0", "q4_0"]) == []
+    assert GGUFWriter().notes(str(tiny_gguf), ["f32", "f16", "q8_0", "q4_0"]) == []
 
 
 def test_an_export_of_a_model_directory_measures_on_eval_text(tiny_models, tmp_path):
