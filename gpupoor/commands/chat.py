@@ -76,7 +76,7 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
         if keeps_history:
             history.append({"role": "user", "content": line})
             messages = ([{"role": "system", "content": system}] if system else []) + history
-            row = {encoder.format.names.messages: messages}
+            row = {encoder.format.names.messages_field: messages}
         else:
             row = encoder.format.prompt_row(line)
         ids = encoder.encode_prompt(row, "chat")

@@ -227,8 +227,7 @@ def _bytes_of(path: Path) -> int:
 
 def source_format(source: SourceSection, data: DataSection) -> Format:
     """The format of a source's rows, with its field names."""
-    names = FieldNames(source.text_field, source.messages_field, source.conversations_field, data.sharegpt_roles)
-    return FORMATS[source.format](names)
+    return FORMATS[source.format](FieldNames.of(source, data.sharegpt_roles))
 
 
 def _check_tokenizer_renders(loaded: LoadedRecipe, formats: str) -> None:

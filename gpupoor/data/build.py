@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -10,7 +10,7 @@ import torch
 from gpupoor.data.dataset import TokenizedDataset, TokenStats, cache_key, concat_datasets, data_identity
 from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.data.encoder import Encoder
-from gpupoor.data.formats import FORMATS
+from gpupoor.data.formats import FieldNames, sequences_per_example
 from gpupoor.data.loading import DataSource, check_held_out, resolve_source
 from gpupoor.data.mixture import Mixture, Source, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing
@@ -60,9 +60,8 @@ def make_encoder(data: DataSection, tokenizer, source: SourceSection | None = No
     """The encoder of one source (its format and field names), or of the data section's own settings."""
     source = source or (data.sources() or [None])[0]
     fields = source if source is not None else data
-    return Encoder(tokenizer, fields.format, data.max_length, data.train_on_prompt, text_field=fields.text_field,
-                   messages_field=fields.messages_field, chat_template=data.chat_template,
-                   conversations_field=fields.conversations_field, sharegpt_roles=data.sharegpt_roles)
+    return Encoder(tokenizer, fields.format, data.max_length, data.train_on_prompt, chat_template=data.chat_template,
+                   **asdict(FieldNames.of(fields, data.sharegpt_roles)))
 
 
 def _tokenized(source: DataSource, limit: int | None, encoder: Encoder, tokenizer,
@@ -146,12 +145,12 @@ def build_data(data: DataSection, tokenizer, *, micro_batch_size: int, seed: int
     evals = [part.eval for part in parts if part.eval is not None]
     evaluation = concat_datasets(evals) if evals else None
     kind = sampler or (data.sampler if data.sampler != "auto" else "random")
-    pairs = bool(sources) and all(FORMATS[source.format].pairs for source in sources)
-    # A pair is two sequences of up to max_length each: packed rows hold at least one whole pair.
-    plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length * (2 if pairs else 1), mixture)
+    sequences = sequences_per_example(source.format for source in sources)
+    # Packed rows hold at least one whole example (a pair: both sequences).
+    plan = BatchPlan(train.lengths, micro_batch_size, seed, kind, data.max_length * sequences, mixture)
     fingerprint = parts[0].fingerprint if data.datasets is None else _mixture_fingerprint(mixture, parts)
     return DataBundle(train, evaluation, plan, all(part.hit for part in parts), fingerprint, warnings, mixture,
-                      [part.train.stats for part in parts], pairs)
+                      [part.train.stats for part in parts], sequences == 2)
 
 
 def _from_tokenized_dir(data: DataSection, tokenizer, micro_batch_size: int, seed: int, base_dir: Path,

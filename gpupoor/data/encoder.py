@@ -24,11 +24,13 @@ class Encoder:
     """Row -> Encoded, for one format, tokenizer and max_length."""
 
     def __init__(self, tokenizer, fmt: str, max_length: int, train_on_prompt: bool = False, *,
-                 text_field: str = "text", messages_field: str = "messages", chat_template: str | None = None,
-                 conversations_field: str = "conversations", sharegpt_roles: dict[str, str] | None = None):
+                 chat_template: str | None = None, sharegpt_roles: dict[str, str] | None = None,
+                 **field_names: str):
+        """`field_names`: the rows' field names by their recipe keys (gpupoor.recipe.schema.FIELD_KEYS:
+        text_field=..., messages_field=..., conversations_field=...); unset ones keep their defaults."""
         self.tokenizer = tokenizer
-        self.format = FORMATS[fmt](FieldNames(text_field, messages_field, conversations_field,
-                                              dict(SHAREGPT_ROLES if sharegpt_roles is None else sharegpt_roles)))
+        self.format = FORMATS[fmt](FieldNames(**field_names, sharegpt_roles=dict(
+            SHAREGPT_ROLES if sharegpt_roles is None else sharegpt_roles)))
         self.max_length = max_length
         self.train_on_prompt = train_on_prompt
         # A template name becomes its shipped text, so the cache key follows the text, not the name.

@@ -16,7 +16,7 @@ from gpupoor.data.row_fields import (chat_messages, preference_parts, sharegpt_m
                                      tokenized_example)
 from gpupoor.data.templates import missing_template_error
 from gpupoor.errors import UserError
-from gpupoor.recipe.schema import SHAREGPT_ROLES
+from gpupoor.recipe.schema import FIELD_KEYS, SHAREGPT_ROLES
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{with_input}. Write a response that appropriately completes "
@@ -33,12 +33,18 @@ def alpaca_prompt(instruction: str, input_text: str = "") -> str:
 
 @dataclass
 class FieldNames:
-    """A source's names for its rows' fields (data.text_field, messages_field, conversations_field and
-    data.sharegpt_roles)."""
-    text: str = "text"
-    messages: str = "messages"
-    conversations: str = "conversations"
+    """A source's names for its rows' fields: one attribute per recipe key of gpupoor.recipe.schema.FIELD_KEYS,
+    under the key's own name, and data.sharegpt_roles."""
+    text_field: str = "text"
+    messages_field: str = "messages"
+    conversations_field: str = "conversations"
     sharegpt_roles: dict[str, str] = field(default_factory=lambda: dict(SHAREGPT_ROLES))
+
+    @classmethod
+    def of(cls, section, sharegpt_roles: dict[str, str] | None = None) -> "FieldNames":
+        """The names a recipe section (a resolved source, or `data`) gives."""
+        return cls(**{key: getattr(section, key) for key in FIELD_KEYS},
+                   sharegpt_roles=dict(SHAREGPT_ROLES if sharegpt_roles is None else sharegpt_roles))
 
 
 class Format:
@@ -91,7 +97,7 @@ class Format:
     def cache_fields(self) -> dict:
         """The field settings in the tokenization cache key. The first cache version hashed text_field and
         messages_field for every format; settings added since are None where they do not apply."""
-        return {"text_field": self.names.text, "messages_field": self.names.messages,
+        return {"text_field": self.names.text_field, "messages_field": self.names.messages_field,
                 "conversations_field": None, "sharegpt_roles": None}
 
     def warnings(self, rows: list, key: str, limit: int) -> list[str]:
@@ -106,16 +112,16 @@ class Text(Format):
     name = "text"
 
     def check(self, row: dict, where: str, *, needs_assistant: bool = True) -> None:
-        string_field(row, self.names.text, where, self.name)
+        string_field(row, self.names.text_field, where, self.name)
 
     def segments(self, row: dict, where: str, encoder) -> list[Segment]:
-        return [(string_field(row, self.names.text, where, self.name), True)]
+        return [(string_field(row, self.names.text_field, where, self.name), True)]
 
     def prompt_segments(self, row: dict, where: str, encoder) -> list[Segment]:
-        return [(string_field(row, self.names.text, where, self.name), False)]
+        return [(string_field(row, self.names.text_field, where, self.name), False)]
 
     def prompt_row(self, text: str) -> dict:
-        return {self.names.text: text}
+        return {self.names.text_field: text}
 
 
 class PromptAndResponse(Format):
@@ -203,22 +209,22 @@ class Chat(Conversation):
 
     @property
     def conversation_field(self) -> str:
-        return self.names.messages
+        return self.names.messages_field
 
     def messages(self, row: dict, where: str, *, needs_assistant: bool = True) -> list[dict]:
-        return chat_messages(row, where, self.names.messages, needs_assistant=needs_assistant)
+        return chat_messages(row, where, self.names.messages_field, needs_assistant=needs_assistant)
 
     def prompt_row(self, text: str) -> dict:
-        return {self.names.messages: [{"role": "user", "content": text}]}
+        return {self.names.messages_field: [{"role": "user", "content": text}]}
 
     def as_prompt(self, row: dict) -> dict:
         """The trailing assistant turns (the expected answer) dropped, so the model writes its own."""
-        if not isinstance(row.get(self.names.messages), list):
+        if not isinstance(row.get(self.names.messages_field), list):
             return row
-        messages = list(row[self.names.messages])
+        messages = list(row[self.names.messages_field])
         while messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
             messages.pop()
-        return {**row, self.names.messages: messages}
+        return {**row, self.names.messages_field: messages}
 
 
 class ShareGPT(Conversation):
@@ -228,18 +234,18 @@ class ShareGPT(Conversation):
 
     @property
     def conversation_field(self) -> str:
-        return self.names.conversations
+        return self.names.conversations_field
 
     def messages(self, row: dict, where: str, *, needs_assistant: bool = True) -> list[dict]:
-        return sharegpt_messages(row, where, self.names.conversations, roles=self.names.sharegpt_roles,
+        return sharegpt_messages(row, where, self.names.conversations_field, roles=self.names.sharegpt_roles,
                                  needs_assistant=needs_assistant)
 
     def prompt_row(self, text: str) -> dict:
         user = next((name for name, role in self.names.sharegpt_roles.items() if role == "user"), "human")
-        return {self.names.conversations: [{"from": user, "value": text}]}
+        return {self.names.conversations_field: [{"from": user, "value": text}]}
 
     def cache_fields(self) -> dict:
-        return {**super().cache_fields(), "conversations_field": self.names.conversations,
+        return {**super().cache_fields(), "conversations_field": self.names.conversations_field,
                 "sharegpt_roles": self.names.sharegpt_roles}
 
 
@@ -262,7 +268,7 @@ class Tokenized(Format):
                         hint="give prompts in a text format (e.g. generate --format text)")
 
     def prompt_row(self, text: str) -> dict:
-        return {self.names.text: text}  # refused by prompt_segments, as any prompt of this format
+        return {self.names.text_field: text}  # refused by prompt_segments, as any prompt of this format
 
     def encode(self, row: dict, where: str, encoder) -> Encoded:
         """The row's ids and labels as they are. data.train_on_prompt still means every token is trained."""
@@ -353,3 +359,11 @@ def _answers_equal(row) -> bool:
 # data.format's values and their classes.
 FORMATS: dict[str, type[Format]] = {format_.name: format_ for format_ in
                                     (Text, Alpaca, Completion, Chat, ShareGPT, Tokenized, Preference)}
+
+
+def sequences_per_example(formats) -> int:
+    """How many sequences of up to data.max_length one example is: 2 when every source holds preference pairs
+    (chosen and rejected, batched whole), else 1. The one rule the collation, the packer's row length and the
+    memory and time plans read (recipe.rules keeps pairs and the preference objectives together)."""
+    formats = list(formats)
+    return 2 if formats and all(FORMATS[name].pairs for name in formats) else 1

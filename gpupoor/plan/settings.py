@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gpupoor.decisions import (CpuBf16, FusedPaths, choose_attention, choose_fused_loss, choose_fused_paths, choose_precision,
                                choose_reference, choose_sampler, choose_strategy)
+from gpupoor.data.formats import sequences_per_example
 from gpupoor.methods import METHODS
 from gpupoor.plan.device import GpuFacts
 from gpupoor.plan.shape import LINEARS, Shape
@@ -132,7 +133,7 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
     training = resolve_training(shape, recipe.peft)
     # Preference pairs: two sequences of up to max_length per example (padded: twice the rows; packed: rows
     # twice as long), and DPO's reference forward.
-    pairs = 2 if recipe.training.objective != "sft" else 1
+    pairs = sequences_per_example(source.format for source in recipe.data.sources())
     reference = choose_reference(recipe.training.objective, recipe.preference.reference, recipe.peft.method).value
     mapped = device == "cpu" and shape.file_dtype == precision
     return Settings(device=device, precision=precision, attention=attention, sampler=sampler,

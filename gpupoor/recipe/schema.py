@@ -96,6 +96,9 @@ class ModelSection(_Section):
 
 # The data formats' names: gpupoor.data.formats.FORMATS has one class per name (the schema comes before data/, so
 # the two lists are tied by tests/unit/test_formats.py, not by an import). The Literal is this tuple.
+# The keys naming a row's fields: set on `data`, or per source (unset there: `data`'s). gpupoor.data.formats.FieldNames
+# holds one attribute per key, under the same name, so a new field name is one key here, its two Fields, and its use.
+FIELD_KEYS = ("text_field", "messages_field", "conversations_field")
 DATA_FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion", "tokenized", "preference")
 DataFormat = Literal[DATA_FORMATS]
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -226,7 +229,7 @@ class DataSection(_Section):
     def sources(self) -> list["SourceSection"]:
         """The training sources with every unset key taken from this section: `datasets`, or `path` as a
         mixture of one (named `data`). Names are unique (a repeated stem gets -2, -3)."""
-        inherited = ("format", "split", "text_field", "messages_field", "conversations_field")
+        inherited = ("format", "split", *FIELD_KEYS)
         if self.datasets is None:
             if self.path is None:
                 return []

@@ -568,3 +568,31 @@ def test_the_schemas_format_names_are_the_format_table():
 
     assert get_args(DataFormat) == DATA_FORMATS
     assert set(DATA_FORMATS) == set(FORMATS)
+
+
+def test_a_rows_field_names_are_the_schemas_field_keys():
+    """One list per fact: FIELD_KEYS is what a source inherits from `data`, what FieldNames holds under the same
+    names, and what the encoder takes; a source's own name wins over `data`'s."""
+    from dataclasses import fields
+
+    from gpupoor.data.formats import FieldNames
+    from gpupoor.recipe.schema import FIELD_KEYS, DataSection, SourceSection
+
+    assert tuple(f.name for f in fields(FieldNames) if f.name != "sharegpt_roles") == FIELD_KEYS
+    assert set(FIELD_KEYS) <= set(DataSection.model_fields) & set(SourceSection.model_fields)
+    data = DataSection(datasets=[{"path": "a.jsonl", "format": "sharegpt", "conversations_field": "turns"},
+                                 {"path": "b.jsonl", "format": "chat"}], messages_field="dialogue")
+    first, second = (FieldNames.of(source, data.sharegpt_roles) for source in data.sources())
+    assert (first.conversations_field, first.messages_field) == ("turns", "dialogue")
+    assert (second.conversations_field, second.messages_field) == ("conversations", "dialogue")
+    with pytest.raises(TypeError):  # a name the encoder does not know is not silently dropped
+        FieldNames(prompt_field="q")
+
+
+def test_rows_per_example_are_decided_once_for_data_and_plan():
+    """A preference pair is two sequences of up to max_length: the sampler's packed row length and the plan's
+    rows both read gpupoor.data.formats.sequences_per_example."""
+    from gpupoor.data.formats import sequences_per_example
+
+    assert sequences_per_example(["preference"]) == 2 and sequences_per_example(["preference", "preference"]) == 2
+    assert sequences_per_example(["chat", "preference"]) == 1 and sequences_per_example([]) == 1
