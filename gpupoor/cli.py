@@ -5,7 +5,9 @@ instant."""
 
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
 import os
 import sys
 import time
@@ -51,20 +53,42 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 LAUNCH = "Launch several processes (torchrun's options; exit 75 kept)"
-NPROC_OPTION = typer.Option(None, "--nproc-per-node", min=1, rich_help_panel=LAUNCH, help=(
-    "Start N training processes on this machine through torchrun's launcher (torch.distributed.run) and exit "
-    "with gpupoor's code for all of them: 75 when every process stopped with a checkpoint, where torchrun says 1."))
-NNODES_OPTION = typer.Option("1", "--nnodes", rich_help_panel=LAUNCH,
-                             help="Machines taking part: run the same command on each (with --nproc-per-node).")
-NODE_RANK_OPTION = typer.Option(0, "--node-rank", min=0, rich_help_panel=LAUNCH,
-                                help="This machine's number, 0 to NNODES-1 (with --master-addr).")
-MASTER_ADDR_OPTION = typer.Option("127.0.0.1", "--master-addr", rich_help_panel=LAUNCH,
-                                  help="The address of node 0, which every node reaches.")
-MASTER_PORT_OPTION = typer.Option(None, "--master-port", min=1, max=65535, rich_help_panel=LAUNCH,
-                                  help="A free port on node 0 (default 29500; one machine alone picks a free one).")
-RDZV_ENDPOINT_OPTION = typer.Option(None, "--rdzv-endpoint", rich_help_panel=LAUNCH, help=(
-    "HOST:PORT where the nodes meet (torchrun's c10d rendezvous), instead of --master-addr and --node-rank."))
-LAUNCH_PARAMS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint")
+# name -> (its type, its typer option): added to train and resume by `launch_options`, declared only here.
+LAUNCH_OPTIONS = {
+    "nproc_per_node": (Optional[int], typer.Option(None, "--nproc-per-node", min=1, rich_help_panel=LAUNCH, help=(
+        "Start N training processes on this machine through torchrun's launcher (torch.distributed.run) and exit "
+        "with gpupoor's code for all of them: 75 when every process stopped with a checkpoint, where torchrun "
+        "says 1."))),
+    "nnodes": (str, typer.Option("1", "--nnodes", rich_help_panel=LAUNCH, help="Machines taking part: run the "
+                                 "same command on each (with --nproc-per-node).")),
+    "node_rank": (int, typer.Option(0, "--node-rank", min=0, rich_help_panel=LAUNCH,
+                                    help="This machine's number, 0 to NNODES-1 (with --master-addr).")),
+    "master_addr": (str, typer.Option("127.0.0.1", "--master-addr", rich_help_panel=LAUNCH,
+                                      help="The address of node 0, which every node reaches.")),
+    "master_port": (Optional[int], typer.Option(None, "--master-port", min=1, max=65535, rich_help_panel=LAUNCH,
+                                                help="A free port on node 0 (default 29500; one machine alone "
+                                                "picks a free one).")),
+    "rdzv_endpoint": (Optional[str], typer.Option(None, "--rdzv-endpoint", rich_help_panel=LAUNCH, help=(
+        "HOST:PORT where the nodes meet (torchrun's c10d rendezvous), instead of --master-addr and --node-rank."))),
+}
+LAUNCH_PARAMS = tuple(LAUNCH_OPTIONS)
+
+
+def launch_options(command):
+    """The command with the launch options (LAUNCH_OPTIONS) after its own, for typer to parse. The command itself
+    does not take them: `_launch_if_asked` reads them from its context."""
+    signature = inspect.signature(command, eval_str=True)
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+             for name, (kind, option) in LAUNCH_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def with_launch_options(*args, **kwargs):
+        return command(*args, **{key: value for key, value in kwargs.items() if key not in LAUNCH_OPTIONS})
+
+    with_launch_options.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *added])
+    with_launch_options.__annotations__ = {**{p.name: p.annotation for p in signature.parameters.values()},
+                                           **{p.name: p.annotation for p in added}}
+    return with_launch_options
 
 
 def _launch_if_asked(context: typer.Context, debug: bool) -> None:
@@ -93,6 +117,7 @@ def _warn(text: str) -> None:
 
 
 @app.command()
+@launch_options
 def train(
     context: typer.Context,
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
@@ -108,12 +133,6 @@ def train(
                                            "trajectory are refused) instead of refusing: one command line for a "
                                            "batch job that is requeued after preemption."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
-    nproc_per_node: Optional[int] = NPROC_OPTION,
-    nnodes: str = NNODES_OPTION,
-    node_rank: int = NODE_RANK_OPTION,
-    master_addr: str = MASTER_ADDR_OPTION,
-    master_port: Optional[int] = MASTER_PORT_OPTION,
-    rdzv_endpoint: Optional[str] = RDZV_ENDPOINT_OPTION,
 ) -> None:
     """Train from a recipe into a new run directory (or, with --resume-if-present, continue the run there)."""
 
@@ -142,6 +161,7 @@ def train(
 
 
 @app.command()
+@launch_options
 def resume(
     context: typer.Context,
     run_dir: Path = typer.Argument(..., help="The run directory `gpupoor train` wrote."),
@@ -152,12 +172,6 @@ def resume(
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
     profile: Optional[int] = typer.Option(None, "--profile", min=1, help=PROFILE_HELP),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
-    nproc_per_node: Optional[int] = NPROC_OPTION,
-    nnodes: str = NNODES_OPTION,
-    node_rank: int = NODE_RANK_OPTION,
-    master_addr: str = MASTER_ADDR_OPTION,
-    master_port: Optional[int] = MASTER_PORT_OPTION,
-    rdzv_endpoint: Optional[str] = RDZV_ENDPOINT_OPTION,
 ) -> None:
     """Continue a run exactly from its newest valid checkpoint."""
     started = time.monotonic()

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from gpupoor import __version__
 from gpupoor.cli import app
 
-from conftest import shipped_recipes
+from conftest import invoke, shipped_recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -101,3 +101,15 @@ def test_every_command_has_dash_h_and_no_flag_shows_a_value_type():
             flags = [opt for param in commands[name].params if isinstance(param, click.Option) and param.is_flag
                      for opt in param.opts]
             assert all(flag in result.output for flag in flags), name
+
+
+def test_train_and_resume_take_the_launch_options_declared_once():
+    """gpupoor.cli.LAUNCH_OPTIONS is added to both commands (launch_options), so their help and parsing agree."""
+    from gpupoor.cli import LAUNCH_OPTIONS
+
+    for command in ("train", "resume"):
+        output = invoke(command, "--help").output
+        for name in LAUNCH_OPTIONS:
+            assert f"--{name.replace('_', '-')}" in output, (command, name)
+    result = invoke("resume", "no-such-run", "--nnodes", "2")  # parsed, then refused without --nproc-per-node
+    assert result.exit_code == 2 and "--nnodes without --nproc-per-node" in result.output
