@@ -117,7 +117,7 @@ def test_flash_attention_packing_equals_one_by_one(tiny_model, tokenizer):
 
     from gpupoor.data.build import collate_packed
     from gpupoor.data.assembly import IGNORE_INDEX
-    from test_packing import TEXTS, _dataset
+    from support.packing import TEXTS, _dataset
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="flash_attention_2",
                                                  dtype=torch.bfloat16).cuda()
@@ -148,7 +148,7 @@ def _two_gpus():
 def test_fsdp_on_two_gpus_trains_like_one_and_resumes(make_recipe, tmp_path, settings):
     """nccl, FSDP2 in half precision (fp16: ShardedGradScaler), CPU offload; stopped on rank 1 and resumed."""
     _two_gpus()
-    from test_distributed import exit_codes, losses, one_process, torchrun
+    from support.distributed import exit_codes, losses, one_process, torchrun
 
     recipe = make_recipe(training={"device": "cuda", "max_steps": 4, "micro_batch_size": 2})
     sets = [arg for setting in settings for arg in ("--set", setting)]
@@ -181,7 +181,7 @@ def test_fused_layers_in_bf16_on_gpu_match_the_plain_modules():
     import torch
 
     from gpupoor.model.fast_paths import apply_fast_paths
-    from test_fused_layers import VOCAB, tiny_family, with_lora
+    from support.fused_layers import VOCAB, tiny_family, with_lora
 
     plain = with_lora(tiny_family("llama", dtype=torch.bfloat16)).cuda()
     for param in plain.parameters():

@@ -9,7 +9,7 @@ import pytest
 from gpupoor.cli import app
 from gpupoor.commands.validate import PREFLIGHT_ROWS
 
-from test_bad_input import SURROGATE_ROWS, runner, surrogate_recipe
+from support.bad_input import SURROGATE_ROWS, runner, surrogate_recipe
 
 
 @pytest.mark.parametrize("fmt", ["alpaca", "chat"])

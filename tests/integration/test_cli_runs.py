@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpupoor.cli import app
 
-from test_cli import runner
+from support.cli import runner
 
 
 def test_bad_recipe_is_exit_2_without_traceback(make_recipe, tmp_path):

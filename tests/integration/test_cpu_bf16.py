@@ -19,18 +19,12 @@ import pytest
 import torch
 
 from conftest import PEFT_METHODS, alpaca_rows, invoke, losses, read_metrics, reference_runs, write_jsonl
-from test_methods import final_tensors
+from support.methods import final_tensors
+from support.cpu_bf16 import GRAD_REL, LOSS_REL, U
 
-U = 2.0 ** -8
 # The logits of the built model under autocast against its fp32 build (norm of the difference over the norm):
 # measured <= 4.9e-3 over the 5 methods (1.25 U: a few roundings per layer that do not cancel). Bound 8 U = 3.1e-2.
 LOGITS_REL = 8 * U
-# The first step's gradient norm (the whole backward, before any update): measured <= 4.2e-3 (1.1 U). Bound 8 U.
-GRAD_REL = 8 * U
-# The first step's loss: measured <= 3.6e-5 (U / 108). It is far closer than the logits because it is an fp32
-# log-softmax averaged over ~100 target tokens, whose bf16 errors have random signs, and the tiny random model's
-# logits are small (|logit| < 0.5), so the loss sits near ln(vocab) and moves little. Bound U / 8 = 4.9e-4, 13x.
-LOSS_REL = U / 8
 # How far the loss falls in 3 steps on one repeated batch, bf16 over fp32: measured within 0.5% at these learning
 # rates (Adam's first update is lr x sign(gradient): where bf16 flips the sign of a tiny gradient component the
 # runs part, so a far larger rate parts them more: `full` at 2e-2 measured 15%). Bound 5%, 10x.
@@ -175,7 +169,7 @@ def test_distillation_in_bf16_learns(make_recipe, few_rows, tiny_tied_model, tmp
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo"])
 def test_preference_objectives_train_in_bf16(objective, make_recipe, tmp_path):
-    from test_preference import dpo_recipe, pair_rows
+    from support.preference import dpo_recipe, pair_rows
 
     pairs = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(24))
     recipe = dpo_recipe(lambda name, **sections: make_recipe(name, precision="bf16", **sections), pairs,

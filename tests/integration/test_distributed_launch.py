@@ -7,7 +7,7 @@ import torch
 
 from conftest import invoke, read_metrics
 
-from test_distributed import recipe
+from support.distributed import recipe
 
 
 def test_launch_exit_codes_and_options_without_nproc_per_node(make_recipe):

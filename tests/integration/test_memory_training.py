@@ -6,7 +6,7 @@ import pytest
 
 from gpupoor.cli import app
 
-from test_memory import _run, runner
+from support.memory import _run, runner
 
 
 def test_fused_and_plain_training_agree_with_accumulation(make_recipe, tmp_path):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 import pytest
-from test_merge import assert_merges_as_trained_only_into_the_dequantized_base
+from support.merge import assert_merges_as_trained_only_into_the_dequantized_base
 
-from test_merge_methods import train_run
+from support.merge_methods import train_run
 
 
 @pytest.mark.parametrize("method", ["dora", "ia3"])

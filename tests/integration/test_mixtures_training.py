@@ -6,7 +6,7 @@ import pytest
 
 from conftest import alpaca_rows, invoke, read_metrics, write_jsonl
 
-from test_mixtures import two_sources
+from support.mixtures import two_sources
 
 
 def test_eval_is_reported_per_source_and_overall(make_recipe, two_sources, tmp_path):

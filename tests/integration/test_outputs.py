@@ -16,18 +16,6 @@ from gpupoor.cli import app
 
 runner = CliRunner()
 
-# What a type cell of docs/recipe.md may contain: type names, quoted literals, numbers, null, brackets.
-TYPE_TOKEN = re.compile(r'\s*(?:\\\||\[|\]|,|bool|int|float|str|list|tuple|dict|mapping|null|true|false|-?\d+|"[^"|]*")\s*')
-
-
-def _type_cells(reference: str) -> dict[str, str]:
-    cells = {}
-    for line in reference.splitlines():
-        match = re.match(r"\| `([\w.\[\]]+)` \| (.*?) \| ", line)
-        if match:
-            cells[match.group(1)] = match.group(2)
-    return cells
-
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tiny_model) -> Path:

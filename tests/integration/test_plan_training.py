@@ -8,7 +8,7 @@ from gpupoor.recipe.loading import load_recipe
 
 from conftest import read_metrics
 
-from test_plan import runner, small_gpu
+from support.plan import runner, small_gpu
 
 
 def test_preflight_stops_train_and_validate_before_loading_on_a_gpu_that_is_too_small(small_gpu, make_recipe, tmp_path):

@@ -10,7 +10,7 @@ import torch
 from conftest import invoke, read_metrics, write_jsonl
 from gpupoor.data.encoder import Encoder
 
-from test_preference import _one_thread, dpo_recipe, pair_rows, pairs_file, steps
+from support.preference import _one_thread, dpo_recipe, pair_rows, pairs_file, steps
 
 
 def test_pairs_are_the_unit_of_accumulation(make_recipe, pairs_file, tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from conftest import alpaca_rows, invoke, write_jsonl
+from support.report import BAD_LINES, insert_bad_line
 
 pytest.importorskip("matplotlib")
 
@@ -249,17 +250,6 @@ def test_a_run_with_no_step_logged_has_nothing_to_plot(runs, tmp_path, metrics):
     result = invoke("report", run)
     assert result.exit_code == 2 and "nothing to plot yet" in result.output, result.output
     assert not (run / "report.html").exists()
-
-
-# Lines of metrics.jsonl that are not records: what a hand edit or a disk error leaves (#25).
-BAD_LINES = {"null": b"null", "list": b"[1, 2]", "string": b'"a string"', "binary": b"\xff\xfe\x00garbage",
-             "no step": b'{"loss": 1.5}', "by source": b'{"step": 2, "examples_by_source": 3}'}
-
-
-def insert_bad_line(run: Path, line: bytes, at: int = 3) -> None:
-    """Put `line` at line number `at` of the run's metrics.jsonl."""
-    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
-    (run / "metrics.jsonl").write_bytes(b"".join(lines[:at - 1] + [line + b"\n"] + lines[at - 1:]))
 
 
 @pytest.mark.parametrize("kind", BAD_LINES)

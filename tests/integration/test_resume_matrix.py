@@ -12,14 +12,14 @@ import torch
 
 from conftest import invoke, read_metrics
 from gpupoor.optimizers import OPTIMIZERS as OPTIMIZER_TABLE
-from test_methods import METHODS, final_tensors
-from test_mixtures import mixture_recipe
-from test_preference import close, dpo_recipe
-from test_resume import EXACT
+from support.methods import METHODS, final_tensors
+from support.mixtures import mixture_recipe
+from support.preference import close, dpo_recipe
+from support.resume import EXACT
 # fixtures the cases ask for by name (request.getfixturevalue)
-from test_distill import teacher
-from test_mixtures import two_sources
-from test_preference import _one_thread, pairs_file  # _one_thread: autouse, as for the DPO test
+from support.distill import teacher
+from support.mixtures import two_sources
+from support.preference import _one_thread, pairs_file  # _one_thread: autouse, as for the DPO test
 
 # The methods' recipe. 48 rows, micro batch 4, accumulation 2: 6 optimizer steps per epoch; 8 steps cross an
 # epoch boundary.

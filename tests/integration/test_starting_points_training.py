@@ -13,7 +13,7 @@ from gpupoor.recipe.loading import load_recipe
 
 from conftest import invoke
 
-from test_starting_points import STARTS, STILL, assert_close, final_eval_loss, foreign_adapter, tensors, train
+from support.starting_points import STARTS, STILL, assert_close, final_eval_loss, foreign_adapter, tensors, train
 
 
 @pytest.mark.parametrize("name", sorted(STARTS))

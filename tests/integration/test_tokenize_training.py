@@ -8,7 +8,7 @@ import yaml
 
 from conftest import invoke
 
-from test_tokenize import _build_reads_tokenized_dirs, mixture_recipe
+from support.tokenize import _build_reads_tokenized_dirs, mixture_recipe
 
 
 @pytest.mark.skipif(not _build_reads_tokenized_dirs(), reason="build_data does not read data.tokenized_path yet")

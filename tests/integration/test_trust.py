@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import invoke, read_metrics, reference_runs
 from gpupoor.train.optim import lr_factor
+from support.trust import full_disk_on
 
 
 def flip_byte(path: Path, where: float = 0.5) -> None:
@@ -152,12 +153,6 @@ def test_extending_a_finished_run_follows_the_new_schedule_without_new_warmup(ma
 # Signals and time limits end in exit 75 (requeue) or 2 (bad input), never a bare 143 or an endless requeue
 
 
-def _train_process(recipe: Path, run: Path, fault: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GPUPOOR_FAULT": fault}
-    return subprocess.run([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run)],
-                          env=env, capture_output=True, text=True)
-
-
 def test_a_bad_time_limit_names_the_option(make_recipe):
     result = invoke("train", make_recipe(), "--time-limit", "5 parsecs")
     assert result.exit_code == 2 and "--time-limit '5 parsecs': not a positive duration" in result.output
@@ -187,22 +182,6 @@ def test_an_output_dir_that_cannot_be_created(make_recipe, tmp_path, where):
     assert result.exit_code == 2, result.output
     assert f"cannot create the run directory {target}" in result.output and "Traceback" not in result.output
     assert not target.exists()
-
-
-def full_disk_on(monkeypatch, name_prefix: str) -> None:
-    """fsync of a file whose name starts with `name_prefix` fails as on a full disk (naming no file, as it does)."""
-    import errno
-
-    import gpupoor.storage.files
-
-    real = gpupoor.storage.files.fsync_file
-
-    def fsync_file(path: Path) -> None:
-        if path.name.startswith(name_prefix):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(path)
-
-    monkeypatch.setattr(gpupoor.storage.files, "fsync_file", fsync_file)
 
 
 def test_a_full_disk_at_start_names_the_file_and_exits_1(make_recipe, tmp_path, monkeypatch):

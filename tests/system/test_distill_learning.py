@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import invoke
 
-from test_distill import teacher
+from support.distill import teacher
 
 
 def _kl_to_teacher(student_dir, adapter_dir, teacher_dir, rows) -> float:

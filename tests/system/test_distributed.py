@@ -20,23 +20,9 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import alpaca_rows, has_a_step, invoke, read_metrics, signalled_once, write_jsonl
+from support.distributed import RECIPE, TORCHRUN, exit_codes, losses, one_process, recipe, torchrun
 
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 FSDP = ["--set", "distributed.strategy=fsdp"]
-
-
-def _run(command: list, fault: str = "", timeout: int = 300,
-         env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GPUPOOR_FAULT": fault, **(env_extra or {})}
-    return subprocess.run([str(c) for c in command], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def torchrun(*args, fault: str = "", env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    return _run([TORCHRUN, "--nproc_per_node", "2", "-m", "gpupoor", *args], fault, env_extra=env_extra)
-
-
-def one_process(*args, fault: str = "") -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "gpupoor", *args], fault)
 
 
 def _free_port() -> int:
@@ -70,10 +56,6 @@ def aborting_teardown(folder: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
 
 
-def losses(run: Path) -> list[tuple]:
-    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(run) if "loss" in r or "eval_loss" in r]
-
-
 def adapter(run: Path, where: str = "final") -> dict[str, torch.Tensor]:
     return load_file(run / where / "adapter_model.safetensors")
 
@@ -83,34 +65,6 @@ def close(a: dict, b: dict, tolerance: float = 1e-5) -> bool:
     reduce-scatter instead of in-place accumulation)."""
     return a.keys() == b.keys() and all(
         (a[k].double() - b[k].double()).norm() <= tolerance * b[k].double().norm() + 1e-12 for k in a)
-
-
-def exit_codes(result: subprocess.CompletedProcess) -> list[int]:
-    """Each process's exit code from torchrun's failure report (torchrun itself exits 1 when any failed)."""
-    return [int(line.split(":")[1].split()[0]) for line in result.stderr.splitlines()
-            if line.strip().startswith("exitcode") and ":" in line]
-
-
-# The module's recipe (4 steps, eval at 2 and 4, checkpoints every 2) on 48 alpaca rows and the tiny model: one
-# recipe for all its runs, so the runs that are never interrupted are trained once (`straight`).
-RECIPE = {"data": {"format": "alpaca", "max_length": 128, "sampler": "random", "eval_rows": 6},
-          "peft": {"rank": 4},
-          "training": {"micro_batch_size": 2, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
-                       "warmup_steps": 0, "eval_every_steps": 2},
-          "checkpoint": {"every_steps": 2, "time_limit": "1h"}, "logging": {"progress": "none"}, "seed": 0}
-
-
-@pytest.fixture(scope="module")
-def recipe(once_per_session, tiny_model) -> Path:
-    """RECIPE as a file, written once per test session (every worker's straight runs train from it)."""
-    def write(root: Path) -> None:
-        root.mkdir()
-        data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
-        recipe = {"model": {"name_or_path": str(tiny_model)}, **RECIPE,
-                  "data": {"path": str(data), **RECIPE["data"]}}
-        (root / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-
-    return once_per_session(["test_distributed recipe", RECIPE], write) / "recipe.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -518,7 +472,6 @@ def test_an_fsdp_stop_before_the_first_step_resumes_exactly(recipe, straight, tm
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_bf16_on_two_processes_trains_like_one_process_accumulating(straight, strategy):
@@ -526,7 +479,7 @@ def test_bf16_on_two_processes_trains_like_one_process_accumulating(straight, st
     one process casts them under autocast) end where one process accumulating their two micro-batches ends. Both
     multiply the same bf16 values and add the two gradients in fp32 (commutative for two): measured bitwise here.
     Bounds: bf16's tolerances of tests/integration/test_cpu_bf16.py (the losses U / 8, the adapter 8 U)."""
-    from test_cpu_bf16 import GRAD_REL, LOSS_REL
+    from support.cpu_bf16 import GRAD_REL, LOSS_REL
 
     changes = ("--set", "precision=bf16", "--set", "training.max_steps=2")
     one, two = straight("one", *changes), straight(strategy, *changes)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from test_memory import HEAP_PROBE, REUSE_PROBE
+from support.memory import HEAP_PROBE, REUSE_PROBE
 
 
 def test_peak_memory_is_this_processes_own_after_a_fork():

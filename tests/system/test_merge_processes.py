@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from test_merge import lora_run, merge, workdir
+from support.merge import lora_run, merge, workdir
 
 
 def test_merged_directory_is_complete_and_standard(lora_run, tmp_path):

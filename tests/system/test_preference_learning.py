@@ -7,7 +7,7 @@ import json
 from conftest import invoke, read_metrics, write_jsonl
 from gpupoor.data.encoder import Encoder
 
-from test_preference import _one_thread
+from support.preference import _one_thread
 
 
 def test_dpo_on_the_demo_task_raises_reward_and_greedy_accuracy(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import invoke, read_metrics
 
-from test_preference import _one_thread, dpo_recipe, pairs_file
+from support.preference import _one_thread, dpo_recipe, pairs_file
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 from conftest import adapter, assert_same_run, has_a_step, invoke, losses, read_metrics, run_cli, signalled_once
 from gpupoor.storage.checkpoint import STAGES
 
-from test_resume import references, straight
+from support.resume import references, straight
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import invoke, read_metrics
 
-from test_trackers import REPORT_ALL, _quiet_wandb, mlflow_history, steps_and_losses, tensorboard_scalars
+from support.trackers import REPORT_ALL, _quiet_wandb, mlflow_history, steps_and_losses, tensorboard_scalars
 
 
 def test_every_tracker_gets_every_record_offline_and_a_resume_continues_the_same_runs(make_recipe, tmp_path,

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import invoke, read_metrics
 
-from test_trust import _train_process
+from support.trust import _train_process
 
 
 def test_an_eval_lost_to_a_crash_after_its_checkpoint_is_run_again(make_recipe, tmp_path, monkeypatch):

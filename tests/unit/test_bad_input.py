@@ -14,8 +14,8 @@ from gpupoor.data.encoder import Encoder
 from gpupoor.errors import UserError
 from gpupoor.commands.validate import PREFLIGHT_ROWS
 from gpupoor.recipe.loading import load_recipe
+from support.bad_input import ASSISTANT, LONE, SURROGATE_ROWS, USER, runner, surrogate_recipe
 
-runner = CliRunner()
 
 MINIMAL = "model:\n  name_or_path: some/model\ndata:\n  path: train.jsonl\n"  # lines 1-4
 
@@ -106,8 +106,6 @@ def test_validate_checks_the_next_recipe_after_a_crash(make_recipe, monkeypatch)
 # 2. Chat rows ------------------------------------------------------------------------------------------------
 
 SYSTEM = {"role": "system", "content": "be brief"}
-USER = {"role": "user", "content": "sort lists"}
-ASSISTANT = {"role": "assistant", "content": "done"}
 
 BAD_CHATS = {
     "assistant_first": ([SYSTEM, ASSISTANT, USER, ASSISTANT],
@@ -157,34 +155,6 @@ def test_tool_role_is_allowed(make_recipe, tmp_path):
 
 
 # 2b. Lone surrogates ---------------------------------------------------------------------------------------
-
-# A lone UTF-16 surrogate escape: valid JSON, no character; a tokenizer cannot encode it (a TypeError naming no
-# row before). Each format: a good row, then one whose FIELD holds "\ud800" (json.dumps writes it escaped).
-LONE = "x\ud800y"
-SURROGATE_ROWS = {  # format -> (good row, bad row, the field named, extra data settings, training settings)
-    "text": ({"text": "sort lists"}, {"text": LONE}, "text", {}, {}),
-    "alpaca": ({"instruction": "sort", "output": "done"}, {"instruction": "sort", "output": LONE}, "output", {}, {}),
-    "completion": ({"prompt": "sort", "completion": "done"}, {"prompt": LONE, "completion": "done"}, "prompt", {},
-                   {}),
-    "chat": ({"messages": [USER, ASSISTANT]}, {"messages": [USER, {"role": "assistant", "content": LONE}]},
-             "messages[1].content", {"chat_template": "chatml"}, {}),
-    "sharegpt": ({"conversations": [{"from": "human", "value": "sort"}, {"from": "gpt", "value": "done"}]},
-                 {"conversations": [{"from": "human", "value": LONE}, {"from": "gpt", "value": "done"}]},
-                 "conversations[0].value", {"chat_template": "chatml"}, {}),
-    "preference": ({"prompt": "sort", "chosen": "done", "rejected": "no"},
-                   {"prompt": "sort", "chosen": "done", "rejected": LONE}, "rejected", {}, {"objective": "dpo"}),
-}
-
-
-def surrogate_recipe(make_recipe, tmp_path, fmt: str, suffix: str = ".jsonl"):
-    good, bad, _, data, training = SURROGATE_ROWS[fmt]
-    path = tmp_path / f"lone{suffix}"
-    if suffix == ".jsonl":
-        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    else:
-        path.write_text("[\n" + json.dumps(good) + ",\n" + json.dumps(bad) + "\n]\n")
-    assert "\\ud800" in path.read_text()
-    return make_recipe(data={"path": str(path), "format": fmt, **data}, training=training)
 
 
 @pytest.mark.parametrize("fmt", sorted(SURROGATE_ROWS))

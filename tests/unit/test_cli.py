@@ -13,9 +13,9 @@ from gpupoor import __version__
 from gpupoor.cli import app
 
 from conftest import invoke, shipped_recipes
+from support.cli import runner
 
 ROOT = Path(__file__).resolve().parents[2]
-runner = CliRunner()
 
 
 def test_version():

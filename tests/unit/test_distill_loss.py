@@ -13,6 +13,7 @@ from conftest import masked_batch
 from gpupoor.objectives.distill import (check_vocabularies, distill_loss_sum, linear_distill_sum, plain_distill_loss_sum)
 from gpupoor.errors import UserError
 from gpupoor.objectives.cross_entropy import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
+from support.distill_loss import _largest_allocation_and_peak
 
 WEIGHTS = [0.0, 0.5, 1.0]
 TEMPERATURES = [1.0, 2.0]
@@ -248,23 +249,6 @@ def test_chunked_on_models_equals_one_chunk(monkeypatch, tiny_model, same_size_t
 
 
 # ------------------------------------------------------------------------------------------------- memory
-
-
-def _largest_allocation_and_peak(run) -> tuple[int, int]:
-    """The largest single allocation and the peak of new live memory (bytes) while `run()` runs: every event
-    of the CPU allocator that the profiler records (inside kernels too), with the running total it keeps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if type(event.extra_fields).__name__ == "_ExtraFields_Allocation":
-            allocations.append((event.extra_fields.alloc_size, event.extra_fields.total_allocated))
-    assert allocations, "the profiler recorded no allocations"
-    return max(size for size, _ in allocations), max(total for _, total in allocations)
 
 
 def test_the_fused_loss_never_allocates_the_full_logits(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 
 from gpupoor.errors import UserError
 from gpupoor.model.kernels import apply_kernels
-from test_fused_layers import VOCAB, tiny_family, with_lora
+from support.fused_layers import VOCAB, tiny_family, with_lora
 
 
 def _loss_and_grads(model, ids):

@@ -13,8 +13,7 @@ import gpupoor.decisions as decisions
 from conftest import masked_batch, read_metrics
 from gpupoor.cli import app
 from gpupoor.objectives.cross_entropy import find_fused_head, fused_loss_sum, linear_cross_entropy_sum, plain_loss_sum
-
-runner = CliRunner()
+from support.memory import runner
 
 
 @pytest.mark.parametrize("weight_grad", [False, True])
@@ -112,13 +111,6 @@ def test_fused_loss_falls_back_when_the_head_is_adapted(tiny_model):
     assert head is None and "adapted" in why
 
 
-def _run(make_recipe, tmp_path, name, **sections):
-    result = runner.invoke(app, ["train", str(make_recipe(f"{name}.yaml", **sections)), "--output-dir",
-                                 str(tmp_path / name)])
-    assert result.exit_code == 0, result.output
-    return [r for r in read_metrics(tmp_path / name) if "loss" in r], result.output
-
-
 @pytest.mark.parametrize("mode", [True, "offload"])
 def test_activation_checkpointing_gives_bitwise_equal_lora_gradients(tiny_model, tokenizer, mode):
     from gpupoor.model.build import build_model
@@ -144,50 +136,6 @@ def test_activation_checkpointing_gives_bitwise_equal_lora_gradients(tiny_model,
 def test_max_gpu_memory_must_be_a_size(make_recipe):
     result = runner.invoke(app, ["validate", str(make_recipe(memory={"max_gpu_memory": "lots"}))])
     assert result.exit_code == 2 and "memory.max_gpu_memory" in result.output and "10GiB" in result.output
-
-
-HEAP_PROBE = """
-import ctypes, sys
-from gpupoor.train.heap import malloc_trim
-
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-
-def anon_mib():
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")) / 1024
-
-libc.free(libc.malloc(16 * 2**20))  # a freed mmapped block raises glibc's mmap threshold to 16 MiB, as torch's do
-blocks = [libc.malloc(2**20) for _ in range(200)]  # now served from the heap
-for block in blocks:
-    ctypes.memset(block, 1, 2**20)  # resident
-for block in blocks[:-1]:  # the last one stays: the heap's top cannot shrink past it
-    libc.free(block)
-before = anon_mib()
-trim = malloc_trim() if sys.argv[1] == "trim" else (lambda: None)
-trim()
-print(before, anon_mib())
-"""
-
-
-REUSE_PROBE = """
-import ctypes, resource, sys
-from gpupoor.train.heap import serve_tensors_from_heap
-
-pinned = serve_tensors_from_heap() if sys.argv[1] == "pinned" else False
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-size = 24 * 2**20  # an intermediate-wide activation of the real model (4,096 tokens x 1,536 x fp32)
-block = libc.malloc(size)
-ctypes.memset(block, 1, size)
-libc.free(block)  # what a step does with an activation; the next step asks for the same size again
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-block = libc.malloc(size)
-ctypes.memset(block, 2, size)
-print(int(pinned), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-"""
 
 
 def test_the_heap_is_trimmed_only_when_the_resident_size_creeps_up():

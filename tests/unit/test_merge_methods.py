@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from conftest import alpaca_rows, write_jsonl
 from gpupoor.cli import app
-from test_merge import assert_merges_as_trained_only_into_the_dequantized_base
+from support.merge import assert_merges_as_trained_only_into_the_dequantized_base
+from support.merge_methods import runner
 
-runner = CliRunner()
 PROBE = torch.tensor([[1, 5, 9, 17, 33, 60, 2, 7, 11, 90], [3, 8, 13, 21, 34, 55, 89, 144, 233, 377]])
 
 
@@ -192,15 +192,3 @@ def test_broken_or_unknown_adapters_are_refused(tiny_model, tmp_path):
         assert result.exit_code == 2 and message in result.output, (path.name, result.output)
 
 
-def train_run(root: Path, model: Path, name: str, method: str, **sections) -> Path:
-    data = write_jsonl(root / f"{name}.jsonl", alpaca_rows(32))
-    recipe = {"model": {"name_or_path": str(model)}, "data": {"path": str(data), "format": "alpaca", "max_length": 128},
-              "peft": {"method": method, **({} if method == "ia3" else {"rank": 4})},
-              "training": {"micro_batch_size": 4, "max_steps": 6, "learning_rate": 2e-2, "cpu_threads": 1,
-                           "warmup_steps": 0},
-              "logging": {"progress": "none"}, "seed": 0, **sections}
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    result = runner.invoke(app, ["train", str(path), "--output-dir", str(root / name)])
-    assert result.exit_code == 0, result.output
-    return root / name

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import invoke
 
-from test_methods import BATCH, _build, _saved_bytes
+from support.methods import BATCH, _build, _saved_bytes
 
 
 def test_a_quantized_base_cannot_be_fully_fine_tuned(make_recipe):

@@ -11,19 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import alpaca_rows, invoke, read_metrics, write_jsonl
 from gpupoor.data.mixture import Mixture, Source, source_counts
-
-
-@pytest.fixture()
-def two_sources(tmp_path):
-    return (write_jsonl(tmp_path / "main.jsonl", alpaca_rows(40, seed=0)),
-            write_jsonl(tmp_path / "extra.jsonl", alpaca_rows(40, seed=5)))
-
-
-def mixture_recipe(make_recipe, two_sources, **overrides):
-    main, extra = two_sources
-    sources = [{"path": str(main), "weight": 3}, {"path": str(extra), "name": "extra", "weight": 1}]
-    data = {"path": None, "datasets": sources, **overrides.pop("data", {})}
-    return make_recipe(data=data, **overrides)
+from support.mixtures import two_sources
 
 
 def test_source_counts_by_weight_rows_and_epochs():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_outputs import TYPE_TOKEN, _type_cells
+from support.outputs import TYPE_TOKEN, _type_cells
 
 
 def test_recipe_reference_renders_types_as_yaml_values():

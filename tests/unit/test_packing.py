@@ -10,6 +10,7 @@ from gpupoor.data.build import collate_packed
 from gpupoor.data.dataset import TokenizedDataset, TokenStats
 from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.data.sampler import BatchPlan
+from support.packing import TEXTS, _dataset
 
 
 def test_packed_plan_holds_every_example_once_within_the_budget():
@@ -21,23 +22,6 @@ def test_packed_plan_holds_every_example_once_within_the_budget():
     fill = sum(lengths) / (len(epoch0) * 4 * 128)
     assert fill > 0.95  # first-fit-decreasing leaves little room unused
     assert epoch0 == BatchPlan(lengths, 4, 3, "packed", 128).epoch(0) and epoch0 != plan.epoch(1)
-
-
-def _dataset(tokenizer, texts):
-    pieces = []
-    for text in texts:
-        ids = torch.tensor([tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False).input_ids
-                           + [tokenizer.eos_token_id], dtype=torch.int32)
-        target = torch.ones(len(ids), dtype=torch.uint8)
-        target[:3] = 0  # a short prompt
-        pieces.append((ids, target))
-    offsets = torch.tensor([0] + [len(ids) for ids, _ in pieces]).cumsum(0)
-    return TokenizedDataset(torch.cat([ids for ids, _ in pieces]), torch.cat([t for _, t in pieces]), offsets,
-                            TokenStats())
-
-
-TEXTS = ["the model learns to stop", "sort lists", "every token counts toward the loss when the answer is done",
-         "resume data memory speed"]
 
 
 def test_packed_rows_restart_positions_and_mask_example_starts(tokenizer):

@@ -26,37 +26,7 @@ from gpupoor.data.encoder import Encoder
 from gpupoor.data.loading import Row
 from gpupoor.objectives.cross_entropy import find_fused_head
 from gpupoor.objectives.preference import PreferenceLoss, Reference, frozen_head
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread, as the runs' recipes use: two threads on two busy cores are many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def pair_rows(count: int, seed: int = 0) -> list[dict]:
-    """Pairs of different lengths: a prompt, two different answers."""
-    rng = random.Random(seed)
-
-    def words(low, high):
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
-
-    rows = []
-    for _ in range(count):
-        chosen = words(1, 9)
-        rejected = words(1, 9)
-        rows.append({"prompt": words(2, 10), "chosen": chosen, "rejected": rejected if rejected != chosen else
-                     rejected + " stop"})
-    return rows
-
-
-def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-9) -> bool:
-    """Equal up to `rel` of b's norm."""
-    a, b = a.detach(), b.detach()
-    return float((a - b).norm()) <= rel * max(float(b.norm()), 1e-30)
+from support.preference import _one_thread, close, pair_rows, pairs_file
 
 
 # ------------------------------------------------------------------------------ the formulas, written out
@@ -184,7 +154,7 @@ def test_loss_and_gradient_match_the_formula(tiny_model, pair_data, tokenizer, m
 def test_the_log_probabilities_never_allocate_the_full_logits(monkeypatch):
     """Forward and backward of per-sequence log-probabilities hold one chunk of logits at a time (the backward
     recomputes them), never a tokens x vocabulary tensor."""
-    from test_distill_loss import _largest_allocation_and_peak
+    from support.distill_loss import _largest_allocation_and_peak
 
     vocab, tokens, width = 16384, 512, 16
     monkeypatch.setattr(preference, "loss_chunk_tokens", lambda vocab: 32)
@@ -233,26 +203,6 @@ def test_the_adapter_off_reference_is_deterministic_under_the_base_models_dropou
     reference = Reference(policy, frozen_head(policy, fused), adapter_off=True)
     assert torch.equal(reference.logps(batch), reference.logps(batch))
     assert all(module.training for module in policy.modules())
-
-
-# ------------------------------------------------------------------------------------------- runs end to end
-@pytest.fixture()
-def pairs_file(tmp_path):
-    return write_jsonl(tmp_path / "pairs.jsonl", pair_rows(24))
-
-
-def dpo_recipe(make_recipe, pairs_file, name: str, **sections):
-    """A DPO recipe on the tiny model; keyword sections are merged over these."""
-    merged = {"data": {"path": str(pairs_file), "format": "preference", "max_length": 64, "sampler": "random"},
-              "training": {"objective": "dpo", "micro_batch_size": 2, "max_steps": 4},
-              "preference": {"beta": 0.5}}
-    for key, value in sections.items():
-        merged[key] = {**merged.get(key, {}), **value}
-    return make_recipe(name, **merged)
-
-
-def steps(run) -> list[dict]:
-    return [record for record in read_metrics(run) if "loss" in record]
 
 
 # ----------------------------------------------------------------------------------------- rules and data

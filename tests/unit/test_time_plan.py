@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gpupoor.plan.flops import BatchFacts, step_work, total_flops
 from gpupoor.plan.time import COEFFICIENTS, RATE_OF_KIND, Rates, TimePlan, count_saves, predict_step_s
 from gpupoor.recipe.schema import Recipe
-from test_plan import tiny_llama_with, tiny_settings
+from support.plan import tiny_llama_with, tiny_settings
 
 BATCH, SEQ = 2, 16
 

@@ -20,6 +20,7 @@ from gpupoor.data.loading import DataSource, Row, iter_rows, read_rows
 from gpupoor.data.tokenize import (encode_rows, load_tokenized_dir, stream_tokenize, tokenize_source,
                                    write_tokenized_dir)
 from gpupoor.errors import UserError
+from support.tokenize import mixture_recipe
 
 
 words = _sentence  # random words from the test vocabulary
@@ -266,15 +267,6 @@ def test_rows_stream_from_every_reader(tmp_path, monkeypatch):
 # gpupoor tokenize and data.tokenized_path
 
 
-@pytest.fixture()
-def mixture_recipe(make_recipe, tmp_path):
-    write_jsonl(tmp_path / "extra.jsonl", [{"prompt": r["instruction"] + "\n", "completion": r["output"]}
-                                           for r in alpaca_rows(20, seed=5)])
-    data = {"path": None, "datasets": [{"path": str(tmp_path / "train.jsonl"), "eval_rows": 6, "weight": 2},
-                                       {"path": str(tmp_path / "extra.jsonl"), "format": "completion", "weight": 1}]}
-    return make_recipe("mixture.yaml", data=data)
-
-
 @pytest.mark.parametrize("kind", ["single", "mixture"])
 def test_tokenize_writes_a_verified_directory_with_the_examples_of_the_raw_data(make_recipe, mixture_recipe,
                                                                                 tmp_path, tokenizer, kind):
@@ -334,9 +326,3 @@ def test_tokenize_refuses_to_replace_a_directory_it_did_not_write(make_recipe, t
     assert (out / "notes.txt").read_text() == "keep me"
 
 
-def _build_reads_tokenized_dirs() -> bool:
-    import inspect
-
-    from gpupoor.data import build
-
-    return "load_tokenized_dir" in inspect.getsource(build)

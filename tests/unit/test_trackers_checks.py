@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import invoke
 
-from test_trackers import _quiet_wandb
+from support.trackers import _quiet_wandb
 
 
 def test_a_tracker_that_is_not_installed_is_exit_2_at_validate_with_the_pip_command(make_recipe, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import invoke
 
-from test_trust import full_disk_on
+from support.trust import full_disk_on
 
 
 @pytest.mark.parametrize("where", ["under-a-file", "proc"])
