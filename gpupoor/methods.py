@@ -24,6 +24,15 @@ class Method:
     magnitude: bool = False  # a learned magnitude per output feature, the weight's row norm recomputed each step
     scaling_vector: bool = False  # one learned vector per module: over its input (feed-forward modules) or output
     fused: bool = False  # model.fused_layers' LoRA linears and gated MLP compute it
+    title: str = ""  # how a model card and messages name it ("LoRA")
+    # What peft saves per adapted module, by the role gpupoor.model.merge gives it: (role, the tensor name's suffix).
+    # Empty: not merged into a base (merge-lora and export refuse it).
+    saved_tensors: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def merges(self) -> bool:
+        """merge-lora and export can fold it into the base's weights."""
+        return bool(self.saved_tensors)
 
     @property
     def adapter(self) -> bool:
@@ -40,12 +49,23 @@ class Method:
 
 
 METHODS: dict[str, Method] = {method.name: method for method in (
-    Method("lora", "low-rank adapters (rank, alpha, dropout).", "LORA", low_rank=True, fused=True),
+    Method("lora", "low-rank adapters (rank, alpha, dropout).", "LORA", low_rank=True, fused=True, title="LoRA",
+           saved_tensors=(("A", "lora_A.weight"), ("B", "lora_B.weight"))),
     Method("dora", "LoRA with a learned magnitude per output (peft's use_dora; closer to full tuning; a per-step "
-           "weight norm makes it slower).", "LORA", low_rank=True, magnitude=True),
+           "weight norm makes it slower).", "LORA", low_rank=True, magnitude=True, title="DoRA",
+           saved_tensors=(("A", "lora_A.weight"), ("B", "lora_B.weight"), ("m", "lora_magnitude_vector"))),
     Method("ia3", "learned scales on attention keys/values and the MLP's down projection (far fewer parameters "
-           "than LoRA).", "IA3", scaling_vector=True),
+           "than LoRA).", "IA3", scaling_vector=True, title="IA3", saved_tensors=(("l", "ia3_l"),)),
     Method("full", "the model's own weights train (checkpoints and final/ hold the whole model; pair it with "
-           "8-bit AdamW and gradient checkpointing on small hardware; no quantized base).", None),
+           "8-bit AdamW and gradient checkpointing on small hardware; no quantized base).", None,
+           title="full fine-tuning"),
 )}
 METHOD_NAMES = tuple(METHODS)
+
+
+def method_of_adapter(config: dict) -> Method | None:
+    """The method an adapter_config.json describes: its peft_type, and for LoRA whether peft's use_dora is on;
+    None for a peft type gpupoor does not train."""
+    kinds = [method for method in METHODS.values() if method.adapter and method.peft_type == config.get("peft_type")]
+    # use_dora is a LoraConfig key: another type's config carrying it is still that type
+    return next((m for m in kinds if m.magnitude == bool(config.get("use_dora"))), kinds[0] if kinds else None)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import UserError
+from gpupoor.methods import METHODS, method_of_adapter
 from gpupoor.recipe.schema import PeftSection
 from gpupoor.storage.checkpoint import ADAPTER, ADAPTER_CONFIG
 from gpupoor.storage.run_weights import named_weights
@@ -99,8 +100,8 @@ def refuse_full_with_adapter(peft_cfg: PeftSection) -> None:
 
 def adapter_method(config: dict) -> str:
     """The peft.method an adapter_config.json describes (or its peft_type, lower case, for another kind)."""
-    kind = str(config.get("peft_type", "?")).lower()
-    return "dora" if kind == "lora" and config.get("use_dora") else kind
+    method = method_of_adapter(config)
+    return method.name if method else str(config.get("peft_type", "?")).lower()
 
 
 def _leaves(targets) -> list[str] | None:
@@ -118,7 +119,7 @@ def _config_mismatches(peft_cfg: PeftSection, config: dict, built_targets=None,
     if method != peft_cfg.method:
         return [("peft.method", peft_cfg.method, method)]  # the rest means something else in another method
     found = []
-    if method in ("lora", "dora"):
+    if METHODS[method].low_rank:
         found += [("peft.rank", peft_cfg.rank, config.get("r")),
                   ("peft.alpha", peft_cfg.effective_alpha, config.get("lora_alpha"))]
         if built_targets is not None:

@@ -28,6 +28,7 @@ import torch
 from gpupoor.decisions import evaluates_in_train_mode
 from gpupoor.errors import UserError
 from gpupoor.hardware import DTYPES
+from gpupoor.methods import METHODS, Method, method_of_adapter
 from gpupoor.model.gguf import is_gguf
 from gpupoor.model.identity import check_base_unchanged, config_facts
 from gpupoor.storage.checkpoint import read_manifest
@@ -160,15 +161,16 @@ class AdapterWeights:
         from safetensors.torch import load_file
 
         self.config = json.loads((adapter_dir / "adapter_config.json").read_text())
-        peft_type = self.config.get("peft_type")
-        if peft_type not in ("LORA", "IA3"):
-            raise UserError(f"{adapter_dir}: only LoRA, DoRA and IA3 adapters can be merged (this is {peft_type})")
-        self.kind = "IA3" if peft_type == "IA3" else "DoRA" if self.config.get("use_dora") else "LoRA"
+        method = method_of_adapter(self.config)
+        if method is None or not method.merges:
+            *others, last = [m.title for m in METHODS.values() if m.merges]
+            mergeable = f"{', '.join(others)} and {last}" if others else last
+            raise UserError(f"{adapter_dir}: only {mergeable} adapters can be merged (this is "
+                            f"{self.config.get('peft_type')})")
+        self.method, self.kind = method, method.title
         self.fan_in_fan_out = bool(self.config.get("fan_in_fan_out"))
         # role -> the saved tensor's name after the module's (peft drops the adapter name when saving)
-        roles = {"l": "ia3_l"} if self.kind == "IA3" else {"A": "lora_A.weight", "B": "lora_B.weight"}
-        if self.kind == "DoRA":
-            roles["m"] = "lora_magnitude_vector"
+        roles = dict(method.saved_tensors)
         patterns = {role: rf"(.+)\.{re.escape(suffix)}" + ("(?:\\.weight)?" if role == "m" else "")
                     for role, suffix in roles.items()}
         parts: dict[str, dict[str, torch.Tensor]] = {}  # module name -> its adapter tensors by role
@@ -192,7 +194,7 @@ class AdapterWeights:
             if missing:
                 raise UserError(f"{adapter_dir}: the adapter is incomplete: {module} has no {', '.join(missing)}")
             self.required.add(f"{module}.weight")
-            if self.kind == "IA3":
+            if method.scaling_vector:
                 feedforward = self._feedforward(module)
                 self.updates[f"{module}.weight"] = self._ia3(module, tensors["l"], feedforward)
                 if not feedforward:  # peft scales an output-scaled module's bias too (when it has one)
@@ -223,7 +225,7 @@ class AdapterWeights:
                 raise ShapeMismatch(f"update for {module}.weight", tuple(_oriented(delta, self.fan_in_fan_out).shape),
                                     tuple(_oriented(weight, self.fan_in_fan_out).shape))
             merged = weight + delta
-            if self.kind == "DoRA":
+            if self.method.magnitude:
                 magnitude = tensors["m"].float().flatten()
                 if magnitude.shape[0] != merged.shape[0]:
                     raise ShapeMismatch(f"magnitude of {module}", tuple(magnitude.shape), (merged.shape[0],))
@@ -295,8 +297,11 @@ def _run_recipe(run_dir: Path | None) -> dict:
     return stored_recipe(run_dir).model_dump(mode="json")
 
 
-def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: str | None, kind: str = "LoRA") -> str:
+def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: str | None,
+               method: Method = METHODS["lora"]) -> str:
     from gpupoor.storage.model_card import card_text
+
+    kind, low_rank = method.title, method.low_rank
 
     lines = [f"# {kind} fine-tune of {base}, merged", "",
              f"Base model `{base}` with a {kind} adapter trained by gpupoor merged into its weights ({dtype}). "
@@ -309,7 +314,7 @@ def model_card(base: str, recipe: dict, metrics: dict, dtype: str, qlora_base: s
         data, peft, training = recipe.get("data", {}), recipe.get("peft", {}), recipe.get("training", {})
         lines += ["## Training recipe", "", "| setting | value |", "|---|---|",
                   f"| data | `{data.get('path')}` ({data.get('format')}, max_length {data.get('max_length')}) |",
-                  f"| {kind} | targets {peft.get('target_modules')} |" if kind == "IA3" else
+                  f"| {kind} | targets {peft.get('target_modules')} |" if not low_rank else
                   f"| {kind} | rank {peft.get('rank')}, alpha {peft.get('alpha') or 2 * (peft.get('rank') or 0)}, "
                   f"targets {peft.get('target_modules')} |",
                   f"| precision | {recipe.get('precision')} |",
@@ -494,7 +499,7 @@ def _write_model_files(plan: MergePlan, out_dir: Path, config, untied: bool, sou
     (out_dir / "README.md").write_text(model_card(plan.base_name, recipe, metrics,
                                                   str(plan.target_dtype).removeprefix("torch."),
                                                   qlora_base if plan.quantization.get("bits") else None,
-                                                  plan.adapter.kind))
+                                                  plan.adapter.method))
 
 
 def verify_merge(source: RunWeights, merged: Path, base: str | None = None) -> float:

@@ -47,3 +47,20 @@ def test_what_an_adapted_linear_trains():
     assert METHODS["ia3"].adapter_params(8, 64, 32) == 32
     assert METHODS["ia3"].adapter_params(8, 64, 32, feedforward=True) == 64
     assert METHODS["full"].adapter_params(8, 64, 32) == 0 and not METHODS["full"].adapter
+
+
+def test_an_adapter_config_names_its_method_and_what_merge_reads():
+    """method_of_adapter reads peft_type and use_dora the way peft writes them; each mergeable method names the
+    tensors AdapterWeights looks for, and merge-lora refuses the others by name."""
+    from gpupoor.methods import METHODS, method_of_adapter
+
+    assert method_of_adapter({"peft_type": "LORA"}).name == "lora"
+    assert method_of_adapter({"peft_type": "LORA", "use_dora": True}).name == "dora"
+    assert method_of_adapter({"peft_type": "IA3"}).name == "ia3"
+    assert method_of_adapter({"peft_type": "IA3", "use_dora": True}).name == "ia3"  # a LoraConfig key, ignored
+    assert method_of_adapter({"peft_type": "LOHA"}) is None
+    for method in METHODS.values():
+        assert method.merges == method.adapter, method.name  # every adapter gpupoor trains can be merged today
+        suffixes = dict(method.saved_tensors).values()
+        assert all(s.startswith(("lora_", "ia3_")) for s in suffixes), method.name
+        assert ("lora_magnitude_vector" in suffixes) == method.magnitude
