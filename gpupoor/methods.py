@@ -61,6 +61,8 @@ METHODS: dict[str, Method] = {method.name: method for method in (
            title="full fine-tuning"),
 )}
 METHOD_NAMES = tuple(METHODS)
+_ADAPTERS = [method.name for method in METHODS.values() if method.adapter]
+ADAPTER_METHODS = f"{', '.join(_ADAPTERS[:-1])} or {_ADAPTERS[-1]}"  # "lora, dora or ia3", for messages
 
 
 def method_of_adapter(config: dict) -> Method | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.methods import METHODS, method_of_adapter
+from gpupoor.methods import ADAPTER_METHODS, METHODS, method_of_adapter
 from gpupoor.recipe.schema import PeftSection
 from gpupoor.storage.checkpoint import ADAPTER, ADAPTER_CONFIG
 from gpupoor.storage.run_weights import named_weights
@@ -95,7 +95,7 @@ def refuse_full_with_adapter(peft_cfg: PeftSection) -> None:
         raise UserError(f"peft.init_adapter = {peft_cfg.init_adapter!r}: peft.method full trains the model's own "
                         "weights and cannot start from an adapter",
                         hint="merge the adapter into the base (gpupoor merge-lora ADAPTER OUT) and set "
-                        "model.name_or_path to OUT; or train with method lora, dora or ia3")
+                        f"model.name_or_path to OUT; or train with method {ADAPTER_METHODS}")
 
 
 def adapter_method(config: dict) -> str:

@@ -18,7 +18,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from gpupoor.decisions import choose_reference
 from gpupoor.errors import UserError
-from gpupoor.methods import METHODS
+from gpupoor.methods import ADAPTER_METHODS, METHODS
 from gpupoor.optimizers import FSDP_OPTIMIZERS
 
 # A source's amount per epoch (`rows`, `epochs`) is at most this many passes over it: an epoch's order is held in
@@ -83,7 +83,7 @@ def _no_quantized_full_tuning(peft, quantization) -> None:
     if peft.method == "full" and quantization.bits is not None:
         _refuse_at("quantization", quantization.model_dump(exclude_unset=True),
                    "a quantized base cannot be fully fine-tuned (peft.method: full): bitsandbytes weights do not "
-                   "train. Use lora, dora or ia3 on a quantized base (QLoRA), or unset quantization.bits")
+                   f"train. Use {ADAPTER_METHODS} on a quantized base (QLoRA), or unset quantization.bits")
 
 
 def _fsdp_combinations(distributed, training, memory) -> None:
