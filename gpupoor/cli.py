@@ -17,6 +17,7 @@ from typing import Optional
 import typer
 
 from gpupoor import __version__
+from gpupoor.commands.eval import METRIC_HELP
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_FAILED, UserError
 from gpupoor.export.formats import DEFAULT_FORMAT, format_help, quant_help
 from gpupoor.outcome import guarded, with_stop_requests
@@ -308,6 +309,41 @@ def export(
     guarded(debug, action)
 
 
+@app.command("eval")
+def evaluate(
+    source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
+    data: Path = typer.Option(..., "--data", help="Held-out rows in the run's format (JSONL or any data file "
+                              "training reads), each with its expected answer (alpaca: output; chat: the last "
+                              "assistant turn; completion: completion)."),
+    metric: list[str] = typer.Option([], "--metric", "-m", show_default=False, help="How an answer is scored "
+                                     "(repeatable; default exact): " + METRIC_HELP + "."),
+    checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
+    general: bool = typer.Option(False, "--general", help="Also ask a few questions any instruction-tuned base "
+                                 "answers, to see what fine-tuning broke."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Score only the first N rows."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="The longest answer, in tokens."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="The JSON report. Default: "
+                                          "RUN_DIR/eval/NAME.json, or eval-NAME.json beside the data."),
+    force: bool = typer.Option(False, "--force", help="Go on when the base model changed since the run trained "
+                               "on it (by default that is refused, exit 2)."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Score the base and the tuned model side by side on held-out rows: greedy answers in the run's format,
+    each metric, the eval loss, and the first rows where they differ; written as JSON beside the run."""
+
+    def action() -> int:
+        from gpupoor.commands.eval import evaluate as run_eval
+        from gpupoor.quiet import quiet_libraries
+
+        quiet_libraries()
+        run_eval(source, data=data, metrics=metric, checkpoint=checkpoint, general=general, limit=limit,
+                 max_new_tokens=max_new_tokens, output=output, force=force, say=typer.echo,
+                 progress=lambda text: typer.echo(text, err=True))
+        return 0
+
+    guarded(debug, action)
+
+
 @app.command()
 def generate(
     source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
@@ -354,9 +390,14 @@ def chat(
     base: Optional[str] = typer.Option(None, "--base", help="Base model for an adapter (default: the one it names)."),
     force: bool = typer.Option(False, "--force", help="Go on when the base model changed since the run trained "
                                "on it (by default that is refused, exit 2)."),
+    history: Optional[bool] = typer.Option(None, "--history/--no-history", show_default=False, help="A chat run: "
+                                           "carry the conversation from turn to turn, or answer each turn alone. "
+                                           "Default: as the run's training rows were (conversations, or single "
+                                           "exchanges)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
-    """Talk to the tuned model in its run's format, answers streamed; /system TEXT, /reset, /exit."""
+    """Talk to the tuned model in its run's format, answers streamed: a chat run's turns, an alpaca run's
+    instructions (/input TEXT: their input), a completion run's prompts; /system TEXT, /reset, /exit."""
 
     def action() -> int:
         from gpupoor.commands.chat import StdinLines, chat as chat_loop
@@ -365,7 +406,7 @@ def chat(
         quiet_libraries()
         write = lambda text: typer.echo(text, nl=False)  # noqa: E731
         chat_loop(source, checkpoint, base, max_new_tokens, temperature, read=StdinLines(sys.stdin.buffer, write),
-                  write=write, force=force, warn=_warn)
+                  write=write, force=force, warn=_warn, history=history)
         return 0
 
     guarded(debug, action)

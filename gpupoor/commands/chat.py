@@ -1,7 +1,10 @@
-"""`gpupoor chat`: talk to a tuned model in the terminal, in the format its run trained on. A chat-format run keeps
-the conversation (rendered with its chat template each turn, the answer streamed as it is generated); a run of
-another format (alpaca, text, completion) answers each message on its own. `/system TEXT` sets a system prompt
-and starts over, `/reset` starts over, `/exit` (or end of input) leaves."""
+"""`gpupoor chat`: talk to a tuned model in the terminal, in the format its run trained on, which decides what a
+line is: a chat run's user turn (rendered with its chat template, the answer streamed as it is generated), an
+alpaca run's instruction (`/input TEXT` sets the input that goes with it, as the rows had one), a completion or
+text run's prompt. A chat run whose rows were single exchanges answers each turn alone, as it trained (`--history`
+carries the conversation; a run of multi-turn rows carries it by default); the banner says which. `/system TEXT`
+sets a chat run's system prompt and starts over, `/reset` starts over, `/exit` (or end of input) leaves; a command
+that does not apply to the run's format says so."""
 
 from __future__ import annotations
 
@@ -10,7 +13,36 @@ from typing import Callable
 
 from gpupoor.errors import UserError
 
-HELP = "/system TEXT: set the system prompt (and start over)   /reset: start over   /exit: leave"
+COMMANDS = {"/system": "/system TEXT: set the system prompt (and start over)",
+            "/input": "/input TEXT: the input that goes with each instruction (/input alone: none)",
+            "/reset": "/reset: start over", "/exit": "/exit: leave"}
+ROWS_LOOKED_AT = 200  # a chat run's first training rows, read to tell single exchanges from conversations
+
+
+def commands_for(format_name: str) -> list[str]:
+    """The commands that apply to a run of this format."""
+    own = {"chat": ["/system"], "alpaca": ["/input"]}.get(format_name, [])
+    return own + ["/reset", "/exit"]
+
+
+def trained_on_conversations(source: Path, checkpoint: str) -> bool | None:
+    """Whether a chat run's training rows hold more than one user turn (of the first ROWS_LOOKED_AT of its first
+    source); None when that cannot be read (not a run, the data moved)."""
+    from gpupoor.data.loading import iter_rows, resolve_source
+    from gpupoor.storage.rundir import stored_recipe
+    from gpupoor.storage.run_weights import locate_weights
+
+    try:
+        run_dir = locate_weights(source, checkpoint).run_dir
+        if run_dir is None:
+            return None
+        data = stored_recipe(run_dir).data
+        first = data.sources()[0]
+        rows = iter_rows(resolve_source(first.path, run_dir, first.split or "train", "data.path"), ROWS_LOOKED_AT)
+        return any(sum(isinstance(m, dict) and m.get("role") == "user" for m in row.fields.get(
+            first.messages_field) or []) > 1 for row in rows)
+    except (UserError, OSError, IndexError):
+        return None
 
 
 class StdinLines:
@@ -36,8 +68,9 @@ class StdinLines:
 
 def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, temperature: float,
          read: Callable[[str], str], write: Callable[[str], None], force: bool = False,
-         warn: Callable[[str], None] = print) -> None:
-    """The loop: `read(prompt)` returns a line (EOFError ends), `write` prints without a newline of its own."""
+         warn: Callable[[str], None] = print, history: bool | None = None) -> None:
+    """The loop: `read(prompt)` returns a line (EOFError ends), `write` prints without a newline of its own.
+    `history`: carry a chat run's conversation (None: as its training rows were)."""
     import torch
     from transformers import TextStreamer
 
@@ -45,11 +78,12 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
 
     generator = load_generator(source, checkpoint, base, None, force=force, warn=warn)
     model, tokenizer, encoder = generator.model, generator.tokenizer, generator.encoder
-    keeps_history = encoder.format.name == "chat"
-    how = "chat template" if keeps_history else f"{encoder.format.name} format: each message is answered on its own"
+    fmt = encoder.format.name
+    keeps_history, how = _how_turns_are_read(fmt, source, checkpoint, history)
+    allowed = commands_for(fmt)
     computing = f"; {generator.precision_note}" if generator.precision_note else ""
-    write(f"chatting with {source} ({how}{computing}); {HELP}\n")
-    system, history = None, []
+    write(f"chatting with {source} ({how}{computing}); {'   '.join(COMMANDS[c] for c in allowed)}\n")
+    system, turns, given_input = None, [], None
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     while True:
         try:
@@ -62,29 +96,41 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
             continue
         if not line:
             continue
-        if line in ("/exit", "/quit"):
+        command = line.split()[0] if line.startswith("/") else None
+        if command in ("/exit", "/quit"):
             return
-        if line == "/reset" or line.startswith("/system"):
-            if line.startswith("/system"):
+        if command in COMMANDS and command not in allowed:
+            write(f"({command} does not apply to the {fmt} format this run trained on: " + {
+                "/system": "its prompts have no system turn", "/input": "its rows have no input field"}[command]
+                + ")\n")
+            continue
+        if command in ("/reset", "/system"):
+            if command == "/system":
                 system = line.removeprefix("/system").strip() or None
-            history = []
+            turns = []
             write("(started over" + (f"; system prompt: {system}" if system else "") + ")\n")
             continue
-        if line.startswith("/"):
-            write(f"unknown command {line.split()[0]}; {HELP}\n")
+        if command == "/input":
+            given_input = line.removeprefix("/input").strip() or None
+            write(f"(input: {given_input})\n" if given_input else "(no input)\n")
             continue
-        if keeps_history:
-            history.append({"role": "user", "content": line})
-            messages = ([{"role": "system", "content": system}] if system else []) + history
+        if command is not None:
+            write(f"unknown command {command}; {'   '.join(COMMANDS[c] for c in allowed)}\n")
+            continue
+        if fmt == "chat":
+            turns = (turns if keeps_history else []) + [{"role": "user", "content": line}]
+            messages = ([{"role": "system", "content": system}] if system else []) + turns
             row = {encoder.format.names.messages_field: messages}
         else:
             row = encoder.format.prompt_row(line)
+            if given_input is not None:  # alpaca: the instruction's input, as the training rows gave one
+                row["input"] = given_input
         ids = encoder.encode_prompt(row, "chat")
         try:
             new_tokens, capped = cap_new_tokens(model, [ids], max_new_tokens)
         except UserError as exc:  # the conversation outgrew the context: the session goes on
             write(f"({exc.message}; /reset starts over)\n")
-            history = history[:-1]
+            turns = turns[:-1]
             continue
         write("model> ")
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
@@ -98,5 +144,22 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
             write("(empty answer: the model ended its turn at once)\n")
         if capped:
             write(f"(note: {capped})\n")
-        if keeps_history:
-            history.append({"role": "assistant", "content": answer})
+        if fmt == "chat":
+            turns.append({"role": "assistant", "content": answer})
+
+
+def _how_turns_are_read(fmt: str, source: Path, checkpoint: str, history: bool | None) -> tuple[bool, str]:
+    """(does a chat run carry the conversation, the banner's words for how a line is read)."""
+    if fmt == "alpaca":
+        return False, "alpaca format: each line is an instruction, answered on its own; /input TEXT gives it an input"
+    if fmt != "chat":
+        return False, f"{fmt} format: each line is a prompt, answered on its own"
+    if history is not None:
+        return history, "chat template; " + ("the conversation is carried (--history)" if history else
+                                             "each turn is answered alone (--no-history)")
+    conversations = trained_on_conversations(source, checkpoint)
+    if conversations is False:
+        return False, ("chat template; each turn is answered alone, as the run's rows were single exchanges "
+                       "(--history carries the conversation)")
+    return True, "chat template; the conversation is carried" + (
+        ", as the run's rows were conversations" if conversations else "") + " (--no-history: each turn alone)"

@@ -85,6 +85,13 @@ class Format:
         """A row of a prompts file (generate --file) as the row whose prompt is rendered."""
         return row
 
+    def expected_answer(self, row: dict, where: str) -> str:
+        """The answer a held-out row expects after its prompt (`gpupoor eval` compares the model's with it)."""
+        raise UserError(f"{where}: a {self.name} row holds no answer apart from its prompt, so there is nothing to "
+                        "compare a generated answer with",
+                        hint="evaluate on rows with an answer: alpaca (output), completion, chat or sharegpt (the "
+                        "last assistant turn)")
+
     def encode(self, row: dict, where: str, encoder) -> Encoded:
         """The training example of a row."""
         return encoder.encode_segments(self.segments(row, where, encoder))
@@ -143,6 +150,9 @@ class PromptAndResponse(Format):
     def prompt_segments(self, row: dict, where: str, encoder) -> list[Segment]:
         return [(self.prompt(row, where), False)]
 
+    def expected_answer(self, row: dict, where: str) -> str:
+        return self.response(row, where)
+
 
 class Alpaca(PromptAndResponse):
     """{"instruction", "input" (optional), "output"}, the prompt in Alpaca's template."""
@@ -200,6 +210,14 @@ class Conversation(Format):
 
     def conversation(self, row: dict, where: str) -> list[dict] | None:
         return self.messages(row, where, needs_assistant=False)
+
+    def expected_answer(self, row: dict, where: str) -> str:
+        """The trailing assistant turn, which prompt_segments leaves out."""
+        messages = self.messages(row, where, needs_assistant=False)
+        if len(messages) < 2 or messages[-1]["role"] != "assistant":
+            raise UserError(f"{where}: the conversation does not end with an assistant turn, the answer to compare "
+                            "with", hint="end each held-out conversation with the expected assistant reply")
+        return messages[-1]["content"]
 
 
 class Chat(Conversation):

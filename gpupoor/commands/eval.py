@@ -1,0 +1,218 @@
+"""`gpupoor eval`: the base and the tuned model side by side on held-out rows in the run's own format.
+
+Each row's prompt is rendered and tokenized exactly as training did (the run's format, template and field names);
+both models answer it greedily; each answer is scored against the row's expected one (`Format.expected_answer`)
+by one or more metrics; and both models' eval loss on the rows' answers is measured (teacher-forced, as training's
+eval). For an adapter the base column is the same weights with the adapter switched off, so the two columns
+differ only by what training learned. `--general` adds a few questions any instruction-tuned base answers, to
+show what fine-tuning broke. The table is printed and written as JSON beside the run (RUN/eval/NAME.json)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from gpupoor.errors import UserError
+
+# Questions a base instruction model answers and a word any sensible answer contains (as the real demo's judge).
+GENERAL = (("What is the capital of France?", "paris"), ("What is the opposite of hot?", "cold"))
+BATCH = 16
+METRIC_HELP = ("exact (the answer equals the expected one, spaces trimmed), contains (holds it), json (parses as "
+               "JSON), regex:PATTERN (matches PATTERN anywhere), or module:function (your function(answer, expected, "
+               "row) returning a bool or a number in [0, 1])")
+
+
+@dataclass
+class Metric:
+    name: str
+    score: Callable[[str, str, dict], float]
+
+
+def _json_ok(answer: str) -> bool:
+    try:
+        json.loads(answer)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_metric(spec: str) -> Metric:
+    """One --metric value as a scoring function, or a UserError saying what is allowed."""
+    builtin = {"exact": lambda a, e, row: a.strip() == e.strip(), "contains": lambda a, e, row: e.strip() in a,
+               "json": lambda a, e, row: _json_ok(a)}
+    if spec in builtin:
+        rule = builtin[spec]
+        return Metric(spec, lambda a, e, row: float(rule(a, e, row)))
+    if spec.startswith("regex:"):
+        try:
+            pattern = re.compile(spec[len("regex:"):])
+        except re.error as exc:
+            raise UserError(f"--metric {spec!r}: not a regular expression ({exc})") from None
+        return Metric(spec, lambda a, e, row: float(pattern.search(a) is not None))
+    module, _, name = spec.partition(":")
+    if not (module and name):
+        raise UserError(f"--metric {spec!r} is not a metric gpupoor knows", hint=f"use {METRIC_HELP}")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"--metric {spec!r}: cannot import {name} from {module} ({exc})",
+                        hint="put the module on PYTHONPATH (or in the current directory) and name its function") \
+            from None
+
+    def call(answer: str, expected: str, row: dict) -> float:
+        value = float(function(answer, expected, row))
+        if not 0.0 <= value <= 1.0:
+            raise UserError(f"--metric {spec}: returned {value}; a metric returns a bool or a number in [0, 1]")
+        return value
+
+    return Metric(spec, call)
+
+
+@dataclass
+class HeldOut:
+    """One held-out row: where it is, its prompt's ids, the answer it expects, and its ids and labels for the loss."""
+
+    where: str
+    row: dict
+    prompt: list[int]
+    expected: str
+    example: tuple  # (input_ids, labels) tensors, training's encoding of the whole row
+
+
+def read_held_out(path: Path, encoder, limit: int | None) -> list[HeldOut]:
+    """The rows of a JSONL (or any data file training reads) in the run's format, each checked; errors name
+    file:line."""
+    import torch
+
+    from gpupoor.data.loading import read_rows, resolve_source
+
+    rows = read_rows(resolve_source(str(path), Path.cwd(), "train", "--data"), limit)
+    if not rows:
+        raise UserError(f"--data {path}: no rows in it", hint="give held-out rows in the run's format")
+    held_out = []
+    for row in rows:
+        fields = dict(row.fields)
+        expected = encoder.format.expected_answer(fields, row.where)
+        encoded = encoder.encode(fields, row.where)
+        held_out.append(HeldOut(row.where, fields, encoder.encode_prompt(fields, row.where), expected,
+                                (torch.tensor(encoded.input_ids), torch.tensor(encoded.labels))))
+    return held_out
+
+
+@dataclass
+class Column:
+    """One model's results."""
+
+    name: str
+    answers: list[str]
+    scores: dict[str, list[float]]  # metric -> one score per row
+    eval_loss: float
+    general: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def mean(self, metric: str) -> float:
+        values = self.scores[metric]
+        return sum(values) / len(values)
+
+    @property
+    def general_kept(self) -> int:
+        return sum(word in answer.lower() for (_, word), answer in zip(GENERAL, self.general))
+
+
+def score_model(name: str, generator, rows: list[HeldOut], metrics: list[Metric], general: list[list[int]],
+                max_new_tokens: int, say: Callable[[str], None]) -> Column:
+    """`generator`'s model answers every row (a line of progress per batch, with the time left), is scored, and
+    its eval loss measured."""
+    from gpupoor.commands.generate import cap_new_tokens, complete
+    from gpupoor.export.quality import mean_nll
+
+    started = time.monotonic()
+    prompts = [row.prompt for row in rows]
+    new_tokens, _ = cap_new_tokens(generator.model, prompts + general, max_new_tokens)
+    answers: list[str] = []
+    for start in range(0, len(prompts), BATCH):
+        answers += complete(generator.model, generator.tokenizer, prompts[start:start + BATCH], new_tokens)
+        done, spent = len(answers), time.monotonic() - started
+        say(f"{name}: {done}/{len(prompts)} rows answered, {spent:.0f} s"
+            + (f", about {spent / done * (len(prompts) - done):.0f} s left" if done < len(prompts) else ""))
+    scores = {m.name: [m.score(answer, row.expected, row.row) for answer, row in zip(answers, rows)]
+              for m in metrics}
+    loss, _ = mean_nll(generator.model, [row.example for row in rows])
+    general_answers = complete(generator.model, generator.tokenizer, general, new_tokens) if general else []
+    return Column(name, answers, scores, loss, general_answers, time.monotonic() - started)
+
+
+def evaluate(source: Path, *, data: Path, metrics: list[str], checkpoint: str = "final", general: bool = False,
+             limit: int | None = None, max_new_tokens: int = 64, output: Path | None = None,
+             force: bool = False, say: Callable[[str], None] = print,
+             progress: Callable[[str], None] = print) -> dict:
+    """The eval report of the model at `source` on the rows of `data` (see the module's doc); written as JSON."""
+    from gpupoor.commands.generate import load_generator
+    from gpupoor.storage.files import write_text_atomic
+
+    chosen = [parse_metric(spec) for spec in dict.fromkeys(metrics or ["exact"])]
+    generator = load_generator(source, checkpoint, force=force, warn=lambda text: say(f"warning: {text}"))
+    rows = read_held_out(data, generator.encoder, limit)
+    general_prompts = [generator.encoder.encode_prompt(generator.encoder.format.prompt_row(question), "--general")
+                       for question, _ in GENERAL] if general else []
+    if generator.precision_note:
+        say(generator.precision_note)
+    columns = []
+    switch = getattr(generator.model, "disable_adapter", None)  # a peft model: the base is the adapter off
+    if switch is not None:
+        with switch():
+            columns.append(score_model("base", generator, rows, chosen, general_prompts, max_new_tokens, progress))
+    else:
+        say("no base column: this is a whole model, not an adapter on a base (evaluate the base model directory "
+            "on its own to compare)")
+    columns.append(score_model("tuned", generator, rows, chosen, general_prompts, max_new_tokens, progress))
+    report = {"data": str(data), "rows": len(rows), "metrics": [m.name for m in chosen],
+              "columns": [{k: v for k, v in asdict(c).items() if k != "answers"} | {
+                  "means": {m.name: c.mean(m.name) for m in chosen}} for c in columns],
+              "examples": [{"where": row.where, "expected": row.expected,
+                            **{c.name: c.answers[i] for c in columns}} for i, row in enumerate(rows)]}
+    say(render(report, columns, chosen, rows, general))
+    target = output or _default_output(source, data)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(target, json.dumps(report, indent=2) + "\n")
+    say(f"wrote {target}")
+    return report
+
+
+def _default_output(source: Path, data: Path) -> Path:
+    """RUN/eval/NAME.json for a run directory; else eval-NAME.json beside the data file."""
+    name = f"{data.stem}.json"
+    return source / "eval" / name if (source / "recipe.yaml").is_file() else data.with_name(f"eval-{name}")
+
+
+def render(report: dict, columns: list[Column], metrics: list[Metric], rows: list[HeldOut], general: bool,
+           examples: int = 5) -> str:
+    """A plain table a terminal shows as it is: one line per figure, one column per model; then the first rows
+    whose answers differ between the models (or, with one model, the first rows it got wrong)."""
+    names = [c.name for c in columns]
+    width = max(24, *(len(m.name) + 2 for m in metrics))
+    lines = [f"{'':{width}}" + "".join(f"{name:>16}" for name in names)]
+    for m in metrics:
+        lines.append(f"{m.name:{width}}" + "".join(
+            f"{f'{sum(c.scores[m.name]):.0f}/{len(rows)} ({c.mean(m.name):.0%})':>16}" for c in columns))
+    lines.append(f"{'eval loss':{width}}" + "".join(f"{c.eval_loss:>16.4f}" for c in columns))
+    if general:
+        lines.append(f"{'general questions kept':{width}}" + "".join(
+            f"{f'{c.general_kept}/{len(GENERAL)}':>16}" for c in columns))
+        for i, (question, word) in enumerate(GENERAL):
+            lines.append(f"  {question} (must say {word!r}): " + "; ".join(
+                f"{c.name} {c.general[i]!r}" for c in columns))
+    first = metrics[0].name
+    differing = [i for i in range(len(rows)) if (len({c.answers[i] for c in columns}) > 1 if len(columns) > 1
+                                                 else columns[0].scores[first][i] < 1)]
+    if differing:
+        lines.append(f"first rows where {'the models differ' if len(columns) > 1 else 'the answer is not ' + first}:")
+    for i in differing[:examples]:
+        lines.append(f"  {rows[i].where}: expected {rows[i].expected!r}; " + "; ".join(
+            f"{c.name} {c.answers[i]!r}" for c in columns))
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""`gpupoor eval`: both models on held-out rows in the run's format, scored, with their eval loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import alpaca_rows, invoke, write_jsonl
+from support.merge import train_run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model):
+    return train_run(tmp_path_factory.mktemp("eval"), tiny_model, "lora")
+
+
+def test_eval_scores_the_base_and_the_tuned_model_on_the_runs_rows(run, tmp_path, monkeypatch):
+    """On the rows it trained on, the adapter's loss is below the base's (the same weights with the adapter off);
+    each metric's count agrees with the answers in the JSON; a user's metric function is called per row."""
+    (tmp_path / "my_metric.py").write_text("def short(answer, expected, row):\n    return len(answer) < 20\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = run.parent / "lora.jsonl"  # the run's training rows
+    result = invoke("eval", run, "--data", data, "--metric", "exact", "--metric", "contains", "--metric",
+                    "my_metric:short", "--limit", "8", "--max-new-tokens", "8", "--general")
+    assert result.exit_code == 0, result.output
+    report = json.loads((run / "eval" / "lora.json").read_text())
+    base, tuned = report["columns"]
+    assert (base["name"], tuned["name"], report["rows"]) == ("base", "tuned", 8)
+    assert tuned["eval_loss"] < base["eval_loss"]
+    for column in (base, tuned):
+        answers = [example[column["name"]] for example in report["examples"]]
+        expected = [example["expected"] for example in report["examples"]]
+        assert column["scores"]["exact"] == [float(a == e.strip()) for a, e in zip(answers, expected)]
+        assert column["scores"]["my_metric:short"] == [float(len(a) < 20) for a in answers]
+        assert len(column["general"]) == 2
+    assert "eval loss" in result.output and "general questions kept" in result.output
+
+
+def test_eval_refuses_what_it_cannot_score(run, tmp_path):
+    text_rows = write_jsonl(tmp_path / "text.jsonl", [{"text": "no answer here"}])
+    result = invoke("eval", run, "--data", text_rows)  # the run is alpaca: the row lacks its fields
+    assert result.exit_code == 2 and "text.jsonl:1" in result.output
+    rows = write_jsonl(tmp_path / "rows.jsonl", alpaca_rows(2))
+    result = invoke("eval", run, "--data", rows, "--metric", "bleu")
+    assert result.exit_code == 2 and "--metric 'bleu'" in result.output and "regex:PATTERN" in result.output
+    result = invoke("eval", run, "--data", rows, "--metric", "regex:([")
+    assert result.exit_code == 2 and "not a regular expression" in result.output
