@@ -345,6 +345,33 @@ def evaluate(
 
 
 @app.command()
+def serve(
+    source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
+    checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
+    host: str = typer.Option("localhost", "--host", help="The address to listen on (localhost: this machine only)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="The port to listen on."),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where an adapter is merged into its base "
+                                            "first (removed at exit). Default: the system's temporary folder."),
+    force: bool = typer.Option(False, "--force", help="Go on when the base model changed since the run trained "
+                               "on it (by default that is refused, exit 2)."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Serve the tuned model over an OpenAI-compatible HTTP API (transformers' server: /v1/chat/completions,
+    /v1/completions, /v1/models, streaming) with the run's chat template, until Ctrl-C."""
+
+    def action() -> int:
+        from gpupoor.commands.serve import serve as run_server
+        from gpupoor.quiet import quiet_libraries
+
+        quiet_libraries()
+        run_server(source, checkpoint=checkpoint, host=host, port=port, work_dir=work_dir, force=force,
+                   say=lambda text: typer.echo(text, err=True))
+        return 0
+
+    guarded(debug, action)
+
+
+@app.command()
 def generate(
     source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt (the instruction, user turn or text)."),

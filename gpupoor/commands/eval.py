@@ -212,7 +212,8 @@ def render(report: dict, columns: list[Column], metrics: list[Metric], rows: lis
                                                  else columns[0].scores[first][i] < 1)]
     if differing:
         lines.append(f"first rows where {'the models differ' if len(columns) > 1 else 'the answer is not ' + first}:")
+    here = f"{Path.cwd()}/"
     for i in differing[:examples]:
-        lines.append(f"  {rows[i].where}: expected {rows[i].expected!r}; " + "; ".join(
+        lines.append(f"  {rows[i].where.removeprefix(here)}: expected {rows[i].expected!r}; " + "; ".join(
             f"{c.name} {c.answers[i]!r}" for c in columns))
     return "\n".join(lines)

@@ -50,15 +50,9 @@ def resolve_source(path: Path, checkpoint: str) -> ExportSource:
     """The weights behind PATH (a run's final/ or step-N, an adapter, a model directory), verified, and the
     config of the model they make."""
     from gpupoor.model.merge import base_config
-    from gpupoor.storage.run_weights import locate_weights
+    from gpupoor.storage.run_weights import resolve_model
 
-    if not path.is_dir():
-        raise UserError(f"{path} is not a directory", hint="pass a run directory, an adapter or a model directory")
-    weights = locate_weights(path, checkpoint)
-    if not weights.is_adapter and not (weights.path / "config.json").is_file():
-        raise UserError(f"{path} is neither a gpupoor run directory, an adapter nor a model directory (no "
-                        "recipe.yaml, adapter_config.json or config.json)")
-    weights.verify()
+    weights = resolve_model(path, checkpoint)
     if weights.is_adapter:
         adapter = json.loads((weights.path / "adapter_config.json").read_text())
         base = adapter.get("base_model_name_or_path")

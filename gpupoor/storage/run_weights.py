@@ -43,6 +43,19 @@ def locate_weights(path: Path, checkpoint: str = "final") -> RunWeights:
     return RunWeights(path, None)
 
 
+def resolve_model(path: Path, checkpoint: str) -> RunWeights:
+    """A run dir (with --checkpoint final | step-N), an adapter or a model directory, verified against its manifest:
+    what export and serve turn into a model."""
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory", hint="pass a run directory, an adapter or a model directory")
+    weights = locate_weights(path, checkpoint)
+    if not weights.is_adapter and not (weights.path / "config.json").is_file():
+        raise UserError(f"{path} is neither a gpupoor run directory, an adapter nor a model directory (no "
+                        "recipe.yaml, adapter_config.json or config.json)")
+    weights.verify()
+    return weights
+
+
 def resolve_adapter(path: Path, checkpoint: str, check_files: bool = True) -> RunWeights:
     """A run dir (with --checkpoint final | step-N) or an adapter directory, verified against its manifest
     (unless `check_files` is off) before anything reads it."""

@@ -78,3 +78,14 @@ def test_demo_real_shortened_learns_the_task_and_keeps_the_general_answers(real_
     assert re.search(r"^general questions still answered\s+2/2\s+2/2$", output, re.MULTILINE), output
     assert code == 0 and output.splitlines()[-1].startswith(f"PASS: held-out exact match {before}/{LIMIT} -> "), \
         output
+
+    # `gpupoor eval` on the same run and rows agrees with the demo's independent judge (plain transformers + peft),
+    # computing in fp32 as the judge does (a greedy answer may still differ by a rounding: within a row)
+    monkeypatch.setenv("GPUPOOR_CPU_BF16", "none")
+    evaluated = invoke("eval", run, "--data", option(judge, "--eval"), "--limit", str(LIMIT), "--max-new-tokens",
+                       str(demo_real.MAX_NEW_TOKENS), "--general")
+    assert evaluated.exit_code == 0, evaluated.output
+    line = next(line for line in evaluated.output.splitlines() if line.startswith("exact "))
+    scored = [int(n) for n in re.findall(r"(\d+)/\d+ \(", line)]
+    assert abs(scored[0] - before) <= 1 and abs(scored[1] - after) <= 1, (evaluated.output, before, after)
+    assert re.search(r"^general questions kept\s+2/2\s+2/2$", evaluated.output, re.MULTILINE), evaluated.output
