@@ -1,7 +1,8 @@
 """The `gpupoor` command: typer's declarations, the options parsed and checked. What a verb does lives in
 gpupoor/commands/ (train and resume call the orchestrator from here); how every command ends (messages, exit
 codes, signals) in gpupoor/outcome.py. Heavy imports (torch, transformers) happen inside commands so --help is
-instant."""
+instant. It is longer than 600 lines because it declares every verb's options with their help, and nothing else:
+each command's body is one call."""
 
 from __future__ import annotations
 
@@ -366,6 +367,26 @@ def serve(
         quiet_libraries()
         run_server(source, checkpoint=checkpoint, host=host, port=port, work_dir=work_dir, force=force,
                    say=lambda text: typer.echo(text, err=True))
+        return 0
+
+    guarded(debug, action)
+
+
+@app.command("convert-recipe")
+def convert_recipe(
+    theirs: Path = typer.Argument(..., help="A LLaMA-Factory or axolotl training YAML."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="The gpupoor recipe to write. Default: "
+                                          "THEIRS.gpupoor.yaml beside it."),
+    force: bool = typer.Option(False, "--force", help="Replace the output if it exists."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
+) -> None:
+    """Write a gpupoor recipe from a LLaMA-Factory or axolotl YAML; every key it could not carry over is listed
+    at the top with the reason. Check the result with gpupoor validate."""
+
+    def action() -> int:
+        from gpupoor.commands.convert import convert_recipe as run_convert
+
+        run_convert(theirs, output=output, force=force, say=typer.echo)
         return 0
 
     guarded(debug, action)

@@ -1,0 +1,353 @@
+"""`gpupoor convert-recipe`: a LLaMA-Factory or axolotl YAML as a gpupoor recipe.
+
+Each of their keys goes where recipe/peer_keys.py (the table docs/migration.md shows) says it lives, with the value
+changed where the two tools spell it differently (`lora_target: all` is `all-linear`, `bf16: true` is
+`precision: bf16`, a `val_size` fraction becomes a count of rows). A LLaMA-Factory dataset name is looked up in its
+`dataset_info.json` (in `dataset_dir`, default `data/` beside the YAML) for its file and formatting. Every key that
+does not carry over is listed at the top of the written recipe with the reason: not needed in gpupoor (what it
+does is automatic), no equivalent, or a value that needs a person. Torch-free: it only reads YAML and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from gpupoor.errors import UserError
+from gpupoor.optimizers import OPTIMIZER_NAMES
+from gpupoor.recipe.peer_keys import PEER_KEYS, PEER_TEMPLATE_NAMES
+
+# Their keys gpupoor does not need: what they configure, gpupoor decides or does anyway.
+NOT_NEEDED = {
+    "do_train": "gpupoor train trains", "do_eval": "eval runs when there is eval data",
+    "overwrite_output_dir": "a new run needs an empty directory; `--resume-if-present` continues one",
+    "overwrite_cache": "the tokenized cache is keyed by the data, tokenizer and settings, so it never goes stale",
+    "preprocessing_num_workers": "tokenization uses the machine's cores", "dataloader_num_workers": "batches come from memory-mapped token ids",
+    "plot_loss": "report.html is drawn at the end (logging.report)",
+    "ddp_timeout": "processes that wait on each other are timed by torch's defaults",
+    "save_only_model": "checkpoints always hold what an exact resume needs",
+    "resume_from_checkpoint": "gpupoor resume RUN_DIR", "per_device_eval_batch_size": "eval uses the micro batch",
+    "eval_strategy": "eval runs every training.eval_every_steps (their eval_steps)", "quantization_method": "bitsandbytes is gpupoor's quantization",
+    "stage": None, "bf16": None, "fp16": None,  # (mapped below, by value)
+    "strict": "unknown keys are always refused, by name", "output_dir": None, "pad_to_sequence_len": "batches are padded or packed as needed",
+    "dataset_prepared_path": "the tokenized cache is automatic", "wandb_entity": "set by W&B's own login",
+}
+
+
+@dataclass
+class Converted:
+    out_dir: Path = Path(".")  # where the recipe is written: its file paths are relative to it
+    recipe: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # one per key not carried over: "key: value: why"
+
+    def set(self, dotted: str, value) -> None:
+        node = self.recipe
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+
+    def note(self, key: str, value, why: str) -> None:
+        self.notes.append(f"{key}: {json.dumps(value, default=str)}: {why}")
+
+
+def convert_file(path: Path, out_dir: Path | None = None) -> Converted:
+    """Their recipe at `path` converted (a UserError when it is not a YAML mapping); file paths relative to
+    `out_dir`, where the recipe will be written (default: beside theirs)."""
+    try:
+        theirs = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: cannot read it as YAML ({exc})") from None
+    if not isinstance(theirs, dict):
+        raise UserError(f"{path}: a recipe is a mapping of keys to values", hint="give a LLaMA-Factory or axolotl "
+                        "training YAML")
+    return convert(theirs, path.parent, out_dir or path.parent)
+
+
+def convert(theirs: dict, base_dir: Path, out_dir: Path) -> Converted:
+    out = Converted(out_dir=out_dir.absolute())
+    for key, value in theirs.items():
+        if value is None:
+            continue
+        if key in READ_WITH_OTHERS:
+            continue
+        if key in ("dataset", "datasets"):
+            _data(key, value, theirs, base_dir, out)
+        elif key in SPECIAL:
+            SPECIAL[key](key, value, theirs, out)
+        elif key in NOT_NEEDED and NOT_NEEDED[key]:
+            out.note(key, value, f"not needed in gpupoor: {NOT_NEEDED[key]}")
+        elif key in PEER_KEYS and not PEER_KEYS[key].note:
+            out.set(PEER_KEYS[key].ours, value)
+        else:
+            where = f" (gpupoor's {PEER_KEYS[key].ours}: {PEER_KEYS[key].note})" if key in PEER_KEYS else ""
+            out.note(key, value, f"no gpupoor equivalent carried over{where}; check docs/migration.md")
+    _method(theirs, out)
+    _template_unused_by_alpaca(theirs, out)
+    out.recipe = {section: out.recipe[section] for section in sorted(out.recipe, key=_section_order)}
+    return out
+
+
+def _template_unused_by_alpaca(theirs: dict, out: Converted) -> None:
+    """LLaMA-Factory renders alpaca rows through the chat template; gpupoor's alpaca format is the Alpaca prompt, where
+    a chat template would go unused: said, and left out."""
+    data = out.recipe.get("data", {})
+    formats = [source.get("format") for source in data.get("datasets", [data])]
+    if "chat_template" in data and formats and all(fmt == "alpaca" for fmt in formats):
+        key = "template" if "template" in theirs else "chat_template"
+        out.note(key, theirs[key], f"LLaMA-Factory renders alpaca rows through this chat template; gpupoor's "
+                 f"alpaca format trains them on the Alpaca prompt, so it was left out (to train through the "
+                 f"template, write the rows as chat rows and set data.format: chat, data.chat_template: "
+                 f"{data['chat_template']})")
+        del data["chat_template"]
+
+
+# Read with the keys they qualify (the data's, the method's).
+READ_WITH_OTHERS = ("dataset_dir", "val_size", "val_set_size", "max_samples", "use_dora", "quantization_bit",
+                    "load_in_4bit", "load_in_8bit")
+SECTIONS = ("model", "data", "peft", "quantization", "training", "preference", "precision", "memory", "checkpoint",
+            "logging", "output_dir")
+
+
+def _section_order(section: str) -> int:
+    """The order of gpupoor's own recipes."""
+    return SECTIONS.index(section) if section in SECTIONS else len(SECTIONS)
+
+
+def _method(theirs: dict, out: Converted) -> None:
+    """peft.method and quantization from finetuning_type / adapter, use_dora and the quantization keys."""
+    kind = str(theirs.get("finetuning_type") or theirs.get("adapter") or "lora").lower()
+    if kind == "freeze":
+        out.note("finetuning_type", "freeze", "gpupoor trains the last layers with peft.method full and "
+                 "peft.last_layers N: set them")
+        kind = "full"
+    method = {"qlora": "lora"}.get(kind, kind)
+    if method not in ("lora", "full", "ia3"):
+        out.note("finetuning_type" if "finetuning_type" in theirs else "adapter", kind, "not a method gpupoor "
+                 "trains (lora, dora, ia3, full)")
+        method = "lora"
+    out.set("peft.method", "dora" if theirs.get("use_dora") and method == "lora" else method)
+    bits = theirs.get("quantization_bit") or (4 if theirs.get("load_in_4bit") or kind == "qlora" else
+                                              8 if theirs.get("load_in_8bit") else None)
+    if bits:
+        out.set("quantization.bits", int(bits))
+
+
+def _targets(key, value, theirs, out):
+    if value in ("all", "all-linear") or value is True:
+        out.set("peft.target_modules", "all-linear")
+    elif value is not False:
+        out.set("peft.target_modules", [t.strip() for t in value.split(",")] if isinstance(value, str) else value)
+
+
+def _objective(key, value, theirs, out):
+    loss = theirs.get("pref_loss", "sigmoid")
+    objective = {"sft": "sft", "dpo": "orpo" if loss == "orpo" else "dpo", "orpo": "orpo"}.get(str(value))
+    if objective is None:
+        out.note(key, value, "gpupoor trains sft, dpo and orpo (pretraining is sft on format: text)")
+        return
+    out.set("training.objective", objective)
+    if loss not in ("sigmoid", "orpo", "ipo", "hinge"):
+        out.note("pref_loss", loss, "gpupoor's DPO losses are sigmoid, ipo and hinge (preference.loss_type)")
+    elif loss in ("ipo", "hinge"):
+        out.set("preference.loss_type", loss)
+
+
+def _precision(key, value, theirs, out):
+    if value == "auto":  # axolotl's: bf16 where the hardware has it, as gpupoor's auto
+        out.set("precision", "auto")
+    elif value:
+        out.set("precision", key)
+
+
+def _template(key, value, theirs, out):
+    named = PEER_TEMPLATE_NAMES.get(key, {}).get(value, value)
+    out.set("data.chat_template", named)
+    if named == value and value not in PEER_TEMPLATE_NAMES.get(key, {}).values():
+        out.note(key, value, "not a template name gpupoor ships: set data.chat_template to a name from docs/recipe.md "
+                 "or Jinja text (it was copied as it is)")
+
+
+def _epochs(key, value, theirs, out):
+    out.set("training.epochs", int(value) if float(value).is_integer() else float(value))
+
+
+def _attention(key, value, theirs, out):
+    chosen = {"fa2": "flash_attention_2", True: "flash_attention_2", "sdpa": "sdpa", "auto": "auto",
+              "disabled": "eager", False: "sdpa"}.get(value)
+    if chosen is None:
+        out.note(key, value, "gpupoor's model.attention is auto, flash_attention_2, sdpa or eager")
+    else:
+        out.set("model.attention", chosen)
+
+
+def _report(key, value, theirs, out):
+    wanted = [value] if isinstance(value, str) else list(value)
+    trackers = [t for t in wanted if t in ("tensorboard", "wandb", "mlflow")]
+    out.set("logging.report_to", trackers)
+    for other in set(wanted) - set(trackers) - {"none"}:
+        out.note(key, other, "gpupoor reports to tensorboard, wandb or mlflow (metrics.jsonl always)")
+
+
+def _packing(key, value, theirs, out):
+    if value:
+        out.set("data.sampler", "packed")
+
+
+def _output_dir(key, value, theirs, out):
+    out.set("output_dir", value)
+
+
+def _optimizer(key, value, theirs, out):
+    chosen = {"adamw_torch": "adamw", "adamw_hf": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit",
+              "adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit", "paged_adamw_32bit":
+              "paged_adamw_32bit", "adafactor": "adafactor", "sgd": "sgd", "lion_8bit": "lion_8bit"}.get(value)
+    if chosen in OPTIMIZER_NAMES:
+        out.set("training.optimizer", chosen)
+    else:
+        out.note(key, value, f"gpupoor's optimizers are {', '.join(OPTIMIZER_NAMES)}")
+
+
+def _scheduler(key, value, theirs, out):
+    if value in ("cosine", "linear", "constant"):
+        out.set("training.lr_scheduler", value)
+    elif value == "constant_with_warmup":
+        out.set("training.lr_scheduler", "constant")  # gpupoor's warmup applies to every schedule
+    else:
+        out.note(key, value, "gpupoor's schedules are cosine, linear and constant (each after its warmup)")
+
+
+def _simple(ours: str):
+    return lambda key, value, theirs, out: out.set(ours, value)
+
+
+def _eval_data(key, value, theirs, out):
+    out.note(key, value, "a held-out set: set data.eval_path to its file (or data.eval_rows to hold rows out)")
+
+
+SPECIAL = {"lora_target": _targets, "lora_target_modules": _targets, "lora_target_linear": _targets,
+           "stage": _objective, "rl": _objective, "bf16": _precision, "fp16": _precision, "template": _template,
+           "chat_template": _template, "num_train_epochs": _epochs, "num_epochs": _epochs,
+           "flash_attn": _attention, "flash_attention": _attention, "report_to": _report, "packing": _packing,
+           "sample_packing": _packing, "output_dir": _output_dir,
+           "lr_scheduler_type": _scheduler, "lr_scheduler": _scheduler, "optim": _optimizer, "optimizer": _optimizer, "pref_beta": _simple("preference.beta"),
+           "wandb_project": _simple("logging.project"), "eval_dataset": _eval_data,
+           "finetuning_type": lambda *a: None, "adapter": lambda *a: None, "pref_loss": lambda *a: None}
+
+
+# ------------------------------------------------------------------------------------------------------ the data
+LF_FORMATS = {"alpaca": "alpaca", "sharegpt": "sharegpt"}  # LLaMA-Factory's `formatting` -> data.format
+AXOLOTL_TYPES = {"alpaca": "alpaca", "sharegpt": "sharegpt", "chat_template": "chat", "completion": "completion",
+                 "text": "text"}
+
+
+def _data(key: str, value, theirs: dict, base_dir: Path, out: Converted) -> None:
+    """data.path / data.datasets, each source's format and field names, max_samples and val_size."""
+    if key == "dataset":
+        names = [name.strip() for name in str(value).split(",") if name.strip()]
+        sources = [_lf_source(name, theirs, base_dir, out) for name in names]
+    else:
+        sources = [_axolotl_source(entry, out) for entry in (value if isinstance(value, list) else [value])]
+    limit = theirs.get("max_samples")
+    held_out = theirs.get("val_size") or theirs.get("val_set_size")
+    for source in sources:
+        if limit:
+            source["max_rows"] = int(limit)
+        if held_out:
+            rows = _count_rows(out.out_dir / source["path"]) if held_out < 1 else None
+            if held_out >= 1:
+                source["eval_rows"] = int(held_out)
+            elif rows:
+                source["eval_rows"] = max(1, round(min(rows, limit or rows) * held_out))
+            else:
+                out.note("val_size", held_out, f"a fraction of {source['path']}, whose rows could not be counted "
+                         "here: set data.eval_rows to a number of rows")
+    if len(sources) == 1:
+        for name, setting in sources[0].items():
+            if name != "name":
+                out.set(f"data.{name}", setting)
+    elif sources:
+        out.set("data.datasets", sources)
+
+
+def _lf_source(name: str, theirs: dict, base_dir: Path, out: Converted) -> dict:
+    """One LLaMA-Factory dataset name, through dataset_info.json."""
+    folder = Path(theirs.get("dataset_dir") or "data")
+    candidates = [folder] if folder.is_absolute() else [base_dir / folder, Path.cwd() / folder]
+    info_path = next((c / "dataset_info.json" for c in candidates if (c / "dataset_info.json").is_file()), None)
+    info = json.loads(info_path.read_text(encoding="utf-8")) if info_path else {}
+    entry = info.get(name)
+    if not isinstance(entry, dict):
+        where = f"{info_path} has no entry {name!r}" if info_path else \
+            f"no dataset_info.json in {' or '.join(str(c) for c in candidates)}"
+        out.note("dataset", name, f"a LLaMA-Factory dataset name ({where}): data.path was set to the name; give "
+                 "the file instead")
+        return {"name": name, "path": name}
+    if entry.get("file_name"):
+        path = (info_path.parent / entry["file_name"]).absolute()
+        source = {"name": name, "path": os.path.relpath(path, out.out_dir)}
+    else:
+        source = {"name": name, "path": entry.get("hf_hub_url") or entry.get("ms_hub_url") or name}
+    formatting = entry.get("formatting", "alpaca")
+    columns, tags = entry.get("columns") or {}, entry.get("tags") or {}
+    if entry.get("ranking"):
+        source["format"] = "preference"
+        out.note("dataset", name, "LLaMA-Factory's ranking rows (instruction or conversations, chosen, rejected) "
+                 "become gpupoor's preference rows {prompt, chosen, rejected}: convert the rows to that shape")
+    elif formatting == "sharegpt" and tags.get("role_tag") == "role":  # OpenAI-style messages
+        source["format"], source["messages_field"] = "chat", columns.get("messages", "messages")
+    elif formatting in LF_FORMATS:
+        source["format"] = LF_FORMATS[formatting]
+        if formatting == "sharegpt" and columns.get("messages", "conversations") != "conversations":
+            source["conversations_field"] = columns["messages"]
+    else:
+        out.note("dataset", name, f"formatting {formatting!r}: gpupoor reads alpaca, sharegpt and chat rows")
+    renamed = {k: v for k, v in columns.items() if (k, v) not in (("prompt", "instruction"), ("query", "input"),
+                                                                  ("response", "output"), ("messages", "conversations"),
+                                                                  ("messages", "messages"), ("chosen", "chosen"),
+                                                                  ("rejected", "rejected"), ("system", "system"))}
+    if renamed and formatting == "alpaca":
+        out.note("dataset", name, f"columns {renamed}: gpupoor's alpaca rows are instruction, input, output: rename "
+                 "the columns")
+    return source
+
+
+def _axolotl_source(entry, out: Converted) -> dict:
+    if not isinstance(entry, dict) or "path" not in entry:
+        out.note("datasets", entry, "an axolotl dataset is {path, type, ...}")
+        return {"path": str(entry)}
+    kind = str(entry.get("type", "alpaca")).split(".")[0]
+    source = {"path": entry["path"], "format": AXOLOTL_TYPES.get(kind, "alpaca")}
+    if kind not in AXOLOTL_TYPES:
+        out.note("datasets", entry, f"type {kind!r}: gpupoor reads {', '.join(AXOLOTL_TYPES)} (set as alpaca)")
+    if entry.get("field_messages"):
+        source["messages_field"] = entry["field_messages"]
+    if entry.get("split"):
+        source["split"] = entry["split"]
+    return source
+
+
+def _count_rows(path: Path) -> int | None:
+    """Rows of a local .json (an array) or .jsonl file; None for anything else."""
+    try:
+        if path.suffix == ".jsonl":
+            return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+        if path.suffix == ".json":
+            rows = json.loads(path.read_text(encoding="utf-8"))
+            return len(rows) if isinstance(rows, list) else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def render(converted: Converted, source: Path) -> str:
+    """The recipe as YAML, the keys not carried over listed as comments above it."""
+    lines = [f"# Converted by gpupoor convert-recipe from {source.name}.",
+             "# Check it with: gpupoor validate THIS_FILE (and gpupoor plan THIS_FILE for its memory and time)."]
+    if converted.notes:
+        lines.append("# Not carried over, and why:")
+        lines += [f"#   {note}" for note in converted.notes]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(converted.recipe, sort_keys=False, allow_unicode=True)
