@@ -18,24 +18,7 @@ import yaml
 
 from gpupoor.errors import UserError
 from gpupoor.optimizers import OPTIMIZER_NAMES
-from gpupoor.recipe.peer_keys import PEER_KEYS, PEER_TEMPLATE_NAMES
-
-# Their keys gpupoor does not need: what they configure, gpupoor decides or does anyway.
-NOT_NEEDED = {
-    "do_train": "gpupoor train trains", "do_eval": "eval runs when there is eval data",
-    "overwrite_output_dir": "a new run needs an empty directory; `--resume-if-present` continues one",
-    "overwrite_cache": "the tokenized cache is keyed by the data, tokenizer and settings, so it never goes stale",
-    "preprocessing_num_workers": "tokenization uses the machine's cores", "dataloader_num_workers": "batches come from memory-mapped token ids",
-    "plot_loss": "report.html is drawn at the end (logging.report)",
-    "ddp_timeout": "processes that wait on each other are timed by torch's defaults",
-    "save_only_model": "checkpoints always hold what an exact resume needs",
-    "resume_from_checkpoint": "gpupoor resume RUN_DIR", "per_device_eval_batch_size": "eval uses the micro batch",
-    "eval_strategy": "eval runs every training.eval_every_steps (their eval_steps)", "quantization_method": "bitsandbytes is gpupoor's quantization",
-    "stage": None, "bf16": None, "fp16": None,  # (mapped below, by value)
-    "strict": "unknown keys are always refused, by name", "output_dir": None, "pad_to_sequence_len": "batches are padded or packed as needed",
-    "dataset_prepared_path": "the tokenized cache is automatic", "wandb_entity": "set by W&B's own login",
-}
-
+from gpupoor.recipe.peer_keys import NOT_NEEDED, PEER_KEYS, PEER_TEMPLATE_NAMES
 
 @dataclass
 class Converted:

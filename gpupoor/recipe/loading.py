@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from gpupoor.errors import UserError
-from gpupoor.recipe.peer_keys import peer_hint
+from gpupoor.recipe.peer_keys import NOT_NEEDED, peer_hint
 from gpupoor.recipe.schema import ADDED_MARK, Recipe, section_model
 
 
@@ -197,6 +197,17 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return list(model.model_fields) if model else []
 
 
+def _keys_named(name: str) -> list[str]:
+    """Every dotted recipe key whose last part is `name` (top-level and each section's, not list items')."""
+    found = [name] if name in Recipe.model_fields and section_model(Recipe.model_fields[name].annotation) is None \
+        else []
+    for section, info in Recipe.model_fields.items():
+        model = section_model(info.annotation)
+        if model is not None and name in model.model_fields:
+            found.append(f"{section}.{name}")
+    return found
+
+
 def _field_section(annotation) -> type[BaseModel] | None:
     """The section a field holds, or each item of a list of sections holds (`list[SourceSection] | None`)."""
     found = section_model(annotation)
@@ -206,7 +217,9 @@ def _field_section(annotation) -> type[BaseModel] | None:
     return found
 
 
-MAX_REPORTED_ERRORS = 10
+MAX_REPORTED_ERRORS = 50  # every error a person could fix in one pass; a runaway file is cut short
+# Values other tools' recipes put where gpupoor has a key of another spelling: (dotted key, their value) -> ours.
+PEER_VALUES = {("peft.target_modules", "all"): "all-linear"}
 MAX_VALUE_CHARS = 200
 
 
@@ -216,10 +229,54 @@ def _short(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _union_members_merged(errors: list[dict]) -> list[dict]:
+    """One error per key: pydantic reports a value that fits no member of a union once per member, with the
+    member's type appended to the location (`peft.target_modules.list[str]`, `....literal['all-linear']`); those
+    become one error at the key, their messages joined with "or"."""
+    merged: dict[tuple, dict] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        while loc and isinstance(loc[-1], str) and (loc[-1][:1].islower() and ("[" in loc[-1] or loc[-1] in
+                                                                              ("str", "int", "float", "bool"))):
+            loc = loc[:-1]
+        if loc in merged and loc != tuple(err["loc"]):
+            merged[loc]["msg"] += " or " + err["msg"].removeprefix("Input should be ")
+        else:
+            merged.setdefault(loc, {**err, "loc": loc})
+    return _list_items_merged(list(merged.values()))
+
+
+def _list_items_merged(errors: list[dict]) -> list[dict]:
+    """The same error in many items of one list (5000 numbers where names belong) as one error at the list."""
+    groups: dict[tuple, list[dict]] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        key = (loc[:-1], err["msg"]) if loc and isinstance(loc[-1], int) else (loc, err["msg"], id(err))
+        groups.setdefault(key, []).append(err)
+    merged = []
+    for group in groups.values():
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        shown = ", ".join(str(err["loc"][-1]) for err in group[:5]) + (", ..." if len(group) > 5 else "")
+        merged.append({**group[0], "loc": tuple(group[0]["loc"][:-1]), "input": f"{len(group)} items",
+                       "msg": f"items {shown} ({len(group)} in all): {group[0]['msg']}"})
+    return merged
+
+
+def _line_of(err: dict, lines: dict[str, str]) -> int:
+    """The file line an error is at (for listing them in file order; unknown: last)."""
+    key = ".".join(str(p) for p in err["loc"])
+    while key and key not in lines:  # the nearest enclosing key in the file, as _where points
+        key = key.rpartition(".")[0]
+    line = lines.get(key, "").rsplit(":", 1)[-1]
+    return int(line) if line.isdigit() else 10**9
+
+
 def format_validation_error(exc: ValidationError, source: str, lines: dict[str, str],
                             overridden: set[str]) -> str:
     messages = []
-    errors = exc.errors()
+    errors = sorted(_union_members_merged(exc.errors()), key=lambda err: _line_of(err, lines))
     for err in errors[:MAX_REPORTED_ERRORS]:
         where = _where(".".join(str(p) for p in err["loc"]), source, lines, overridden)
         loc = tuple(str(p) if len(str(p)) <= MAX_VALUE_CHARS else str(p)[: MAX_VALUE_CHARS - 3] + "..."
@@ -230,8 +287,12 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[str, 
             guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             msg = f"{where}: unknown key '{dotted}'"
             peer = peer_hint(str(loc[-1]), loc[:-1], err.get("input"))
-            if peer:  # a key from another tool's recipes: say where gpupoor has it, not a spelling guess
+            if str(loc[-1]) in NOT_NEEDED and NOT_NEEDED[str(loc[-1])]:
+                msg += f"; not needed in gpupoor ({NOT_NEEDED[str(loc[-1])]}): remove it"
+            elif peer:  # a key from another tool's recipes: say where gpupoor has it, not a spelling guess
                 msg += f"; {peer}"
+            elif _keys_named(str(loc[-1])):  # a key of another section (training.seed): where it is
+                msg += f"; it is {' or '.join(repr(k) for k in _keys_named(str(loc[-1])))}"
             elif guess:
                 parent = ".".join(str(p) for p in loc[:-1])
                 msg += f"; did you mean '{parent + '.' if parent else ''}{guess[0]}'?"
@@ -244,12 +305,23 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[str, 
             if named:  # a rule across sections names the key it is about: point there, not at the whole section
                 msg = f"{_where(named, source, lines, overridden)}: {detail}"
             else:
-                msg = f"{where}: '{dotted}' = {_short(err.get('input'))}: {detail}"
+                msg = f"{where}: '{dotted}' = {_short(err.get('input'))}: {detail}{_peer_value(dotted, err)}"
         messages.append(msg)
     if len(errors) > MAX_REPORTED_ERRORS:
         messages.append(f"... and {len(errors) - MAX_REPORTED_ERRORS} more errors")
     return "invalid recipe:\n  " + "\n  ".join(messages) + \
         "\n  see docs/recipe.md or `gpupoor schema` for every key"
+
+
+def _peer_value(dotted: str, err: dict) -> str:
+    """What gpupoor calls a value another tool's recipes use there, or how a fraction becomes a count."""
+    value = err.get("input")
+    if isinstance(value, str) and (dotted, value) in PEER_VALUES:
+        return f"; LLaMA-Factory's {value!r} is gpupoor's {PEER_VALUES[dotted, value]!r}"
+    if dotted.endswith("eval_rows") and isinstance(value, float) and 0 < value < 1:
+        return (f"; eval_rows is a number of rows, not a fraction (LLaMA-Factory's val_size): {value:g} of 1000 rows "
+                f"is {round(1000 * value)}")
+    return ""
 
 
 def _named_key(detail: str) -> str | None:

@@ -88,6 +88,24 @@ PEER_KEYS: dict[str, PeerKey] = {
 }
 
 
+# Their keys gpupoor does not need: what they configure, gpupoor decides or does anyway (None: mapped by value in
+# gpupoor/recipe/convert.py). The unknown-key error and convert-recipe say so instead of guessing a key.
+NOT_NEEDED = {
+    "do_train": "gpupoor train trains", "do_eval": "eval runs when there is eval data",
+    "overwrite_output_dir": "a new run needs an empty directory; `--resume-if-present` continues one",
+    "overwrite_cache": "the tokenized cache is keyed by the data, tokenizer and settings, so it never goes stale",
+    "preprocessing_num_workers": "tokenization uses the machine's cores", "dataloader_num_workers": "batches come from memory-mapped token ids",
+    "plot_loss": "report.html is drawn at the end (logging.report)",
+    "ddp_timeout": "processes that wait on each other are timed by torch's defaults",
+    "save_only_model": "checkpoints always hold what an exact resume needs",
+    "resume_from_checkpoint": "gpupoor resume RUN_DIR", "per_device_eval_batch_size": "eval uses the micro batch",
+    "eval_strategy": "eval runs every training.eval_every_steps (their eval_steps)", "quantization_method": "bitsandbytes is gpupoor's quantization",
+    "stage": None, "bf16": None, "fp16": None,  # (mapped below, by value)
+    "strict": "unknown keys are always refused, by name", "output_dir": None, "pad_to_sequence_len": "batches are padded or packed as needed",
+    "dataset_prepared_path": "the tokenized cache is automatic", "wandb_entity": "set by W&B's own login",
+}
+
+
 # Names too short or common to tell anywhere (`type`, `r`): told only in the gpupoor section where another tool
 # writes them. Keyed by (section, their key); a section's list items are `[]` (`data.datasets[]`: each entry).
 SECTION_PEER_KEYS: dict[tuple[str, str], PeerKey] = {

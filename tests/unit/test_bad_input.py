@@ -325,9 +325,34 @@ def test_huge_value_under_a_known_key_gives_a_short_error(tmp_path, value):
 
 
 def test_many_errors_are_capped(tmp_path):
+    """The same error in 5000 items of one list is one line; past MAX_REPORTED_ERRORS different errors, the rest
+    are counted, not printed."""
+    from gpupoor.recipe.loading import MAX_REPORTED_ERRORS
+
     items = ",".join(["1"] * 5000)
     message = error_of(write(tmp_path, MINIMAL + f"peft:\n  target_modules: [{items}]\n"))
-    assert "more errors" in message and len(message) < 4000
+    assert "items 0, 1, 2, 3, 4, ... (5000 in all): Input should be a valid string" in message
+    assert len(message) < 2000
+    keys = "".join(f"  unknown_{n}: 1\n" for n in range(MAX_REPORTED_ERRORS + 7))
+    message = error_of(write(tmp_path, MINIMAL + f"training:\n{keys}"))
+    assert "... and 7 more errors" in message
+
+
+def test_every_error_is_shown_at_once_in_file_order(tmp_path):
+    """A recipe of 30 mistakes gets all 30 (it got 10), in the order of the file's lines; another tool's keys and
+    values are told in gpupoor's terms."""
+    bad = "".join(f"  unknown_{n}: 1\n" for n in range(26))
+    message = error_of(write(tmp_path, "do_train: true\nmodel:\n  name_or_path: some/model\ndata:\n  path: t.jsonl\n"
+                             "  eval_rows: 0.1\npeft:\n  target_modules: all\n"
+                             f"training:\n{bad}  micro_batch_size: 0\n"))
+    lines = [line for line in message.splitlines() if "r.yaml:" in line]
+    assert len(lines) == 30, message
+    numbers = [int(line.split("r.yaml:")[1].split(":")[0]) for line in lines]
+    assert numbers == sorted(numbers)
+    assert "unknown key 'do_train'; not needed in gpupoor (gpupoor train trains): remove it" in message
+    assert "'peft.target_modules' = 'all': Input should be a valid list or 'all-linear'; LLaMA-Factory's 'all' is " \
+        "gpupoor's 'all-linear'" in message
+    assert "eval_rows is a number of rows, not a fraction" in message
 
 
 def test_huge_unknown_key_gives_a_short_error(tmp_path):
