@@ -446,11 +446,30 @@ def preflight(loaded: LoadedRecipe, whole: RowCheck | None = None) -> list[str]:
         warnings += check_model(recipe.distill.teacher, loaded.base_dir, "distill.teacher")
     warnings += check_training_data(loaded, whole)
     warnings += check_tokenizer_template(loaded)
+    warnings += silent_settings(recipe)
     if recipe.peft.init_adapter:  # (imports torch: only when there is an adapter to check)
         from gpupoor.model.init_adapter import check_init_adapter
 
         check_init_adapter(loaded)
     return warnings
+
+
+def silent_settings(recipe) -> list[str]:
+    """Settings that would otherwise change nothing, or change something else, without a word."""
+    from gpupoor.decisions import choose_sampler
+
+    said = []
+    sampler = choose_sampler(recipe.data.sampler, "sdpa", recipe.model.trust_remote_code)
+    if recipe.data.sampler == "auto" and recipe.model.trust_remote_code and sampler.value != "packed":
+        said.append(f"model.trust_remote_code: true turns packing off: data.sampler auto is {sampler.value} "
+                    f"({sampler.reason}); set data.sampler: packed if the model's own code isolates packed examples")
+    formats = sorted({source.format for source in recipe.data.sources()})
+    if recipe.data.chat_template and formats and not any(FORMATS[f].may_use_chat_template for f in formats):
+        said.append(f"data.chat_template ({recipe.data.chat_template}) is unused: format {', '.join(formats)} renders "
+                    "no chat template" + (" (alpaca rows are trained on the Alpaca prompt; for a chat template, "
+                                          "write them as chat rows with data.format: chat)" if "alpaca" in formats
+                                          else ""))
+    return said
 
 
 TRAINED_OPEN, TRAINED_CLOSE = "«", "»"  # around trained text in `validate --show`

@@ -28,14 +28,28 @@ def wrong_type(where: str, name: str, value, expected: str = "a string") -> User
     return UserError(f"{where}: field '{name}' is {_json_type(value)}{shown}, expected {expected}")
 
 
+# The fields that make a row of each format (the default field names), most specific first.
+FORMAT_FIELDS = (("preference", ("prompt", "chosen", "rejected")), ("completion", ("prompt", "completion")),
+                 ("alpaca", ("instruction", "output")), ("chat", ("messages",)), ("sharegpt", ("conversations",)),
+                 ("tokenized", ("input_ids",)), ("text", ("text",)))
+
+
+def format_of_fields(row: dict, fmt: str) -> str | None:
+    """The format whose fields the row has, when it is not `fmt` (alpaca rows under the default `format: text`)."""
+    return next((name for name, fields in FORMAT_FIELDS if name != fmt and all(f in row for f in fields)), None)
+
+
 def string_field(row: dict, name: str, where: str, fmt: str, *, required: bool = True) -> str:
     """A string field of a row (an optional one may be missing or null: then "")."""
     value = row.get(name)
     if value is None and (name not in row or not required):  # an optional field may be null (a parquet gap)
         if not required:
             return ""
+        other = format_of_fields(row, fmt)
         raise UserError(f"{where}: missing field '{name}' (format {fmt} needs it; the row has "
-                        f"{', '.join(map(repr, row)) or 'no fields'})")
+                        f"{', '.join(map(repr, row)) or 'no fields'})",
+                        hint=f"its fields are those of format {other}: set data.format: {other} (or the source's "
+                        "format in data.datasets)" if other else None)
     if not isinstance(value, str):
         raise wrong_type(where, name, value)
     return value
