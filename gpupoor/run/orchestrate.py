@@ -28,7 +28,7 @@ from pathlib import Path
 from gpupoor.errors import RunFailed, UserError
 from gpupoor.recipe.loading import LoadedRecipe
 from gpupoor.recipe.schema import Recipe
-from gpupoor.run.session import RunResult, Session, check_launch, smoke_recipe
+from gpupoor.run.session import SMOKE_FP16, RunResult, Session, check_launch, smoke_recipe
 from gpupoor.storage.rundir import (RunLock, check_run_dir, check_writable, end_session, portable_recipe,
                                     resolve_run_dir, stored_recipe)
 
@@ -43,6 +43,8 @@ def train_from_recipe(loaded: LoadedRecipe, output_dir: str | None = None, *, sm
     started = time.monotonic() if started is None else started
     recipe = portable_recipe(loaded)
     if smoke:
+        if recipe.precision == "fp16":
+            say(f"note: {SMOKE_FP16}")
         recipe = smoke_recipe(recipe)
     stem = (loaded.source.stem if loaded.source else "run") + ("-smoke" if smoke else "")
     temporary = smoke and not output_dir

@@ -65,7 +65,8 @@ def check_launch(environ=os.environ) -> None:
 
 
 def smoke_recipe(recipe: Recipe) -> Recipe:
-    """The same recipe shrunk for `--smoke`: a few rows, a few steps, CPU, fp32, no checkpoints."""
+    """The same recipe shrunk for `--smoke`: a few rows, a few steps, on the CPU, in the recipe's precision as the
+    CPU decides it (fp16, which needs a CUDA GPU: `auto`, see SMOKE_FP16), no checkpoints."""
     few = {"max_rows": min(recipe.data.max_rows or SMOKE_ROWS, SMOKE_ROWS)}
     sources = [source.model_copy(update={"max_rows": min(source.max_rows or SMOKE_ROWS, SMOKE_ROWS),
                                          "eval_rows": min(source.eval_rows, 4), "rows": None, "epochs": None})
@@ -80,8 +81,13 @@ def smoke_recipe(recipe: Recipe) -> Recipe:
         "eval_every_steps": None})
     checkpoint = recipe.checkpoint.model_copy(update={"every_steps": None, "every_minutes": None, "time_limit": None})
     model = recipe.model.model_copy(update={"attention": "auto"})  # flash-attn does not run on the CPU
-    return recipe.model_copy(update={"model": model, "data": data, "training": training, "precision": "fp32",
+    precision = "auto" if recipe.precision == "fp16" else recipe.precision
+    return recipe.model_copy(update={"model": model, "data": data, "training": training, "precision": precision,
                                      "checkpoint": checkpoint})
+
+
+SMOKE_FP16 = ("the recipe's precision fp16 trains on a CUDA GPU only; the smoke test on the CPU uses precision auto "
+              "(bf16 where the CPU has bf16 matrix units, else fp32)")
 
 
 def total_steps(recipe: Recipe, batches_per_epoch: int, processes: int = 1) -> int:

@@ -194,6 +194,18 @@ def test_smoke_runs_the_recipe_on_a_shrunken_model_and_leaves_nothing(make_recip
     assert not (tmp_path / "runs").exists()
 
 
+def test_smoke_runs_in_the_recipes_own_precision(make_recipe, tmp_path, monkeypatch):
+    """A bf16 recipe smokes in bf16 (on a CPU whose bf16 units are pinned), an fp32 one in fp32; an fp16 recipe,
+    which the CPU cannot train, says so and smokes in what auto chooses there."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPUPOOR_CPU_BF16", "AMX bf16:7.5")
+    for requested, computed in (("bf16", "bf16"), ("fp32", "fp32"), ("fp16", "bf16")):
+        result = train(make_recipe(f"{requested}.yaml", precision=requested), "--smoke")
+        assert result.exit_code == 0, result.output
+        assert f"precision {computed} (" in result.output, result.output
+        assert ("the recipe's precision fp16 trains on a CUDA GPU only" in result.output) == (requested == "fp16")
+
+
 def test_chat_and_text_formats_train(make_recipe, tmp_path):
     from conftest import write_jsonl
 
