@@ -142,7 +142,7 @@ def export(path: Path, *, quants: list[str], fmt: str = "gguf", output: Path | N
         check_base_unchanged(source.weights_dir, None, force, lambda text: say(f"warning: {text}"),
                              "the exported model")
     writer.check_model(source.config, str(path))
-    for note in writer.notes(source.base, quants):
+    for note in writer.notes(source.base, quants, source.config):
         say(f"note: {note}")
     paths, table = output_paths(source, quants, output, writer)
     if quality and eval_file is None and source.run_dir is None:

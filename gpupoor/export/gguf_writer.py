@@ -12,6 +12,23 @@ from gpupoor.export.writer import ExportWriter, Written
 from gpupoor.model.gguf import INSTALL
 
 MIN_GGUF = (0, 18)  # the oldest gguf whose files (Gemma 3, Phi-3 metadata) read back exactly
+# A quantized base's grid -> the other types whose levels it maps onto (a systematic shift, measured on the real
+# demo: docs/export.md). Its own type is always compared.
+GRIDS_ONTO = {"Q4_1": {"Q5_1"}}
+K_BLOCK = 256
+
+
+def matrix_types(quant, config: dict) -> set[str]:
+    """The types a file of `quant` holds for this model's matrices: its own and its mix's more-bits type, each
+    falling back as llama-quantize does where a 256-block does not divide the rows (hidden and MLP widths)."""
+    from gpupoor.export.quant_types import K_FALLBACK
+
+    widths = {config.get("hidden_size"), config.get("intermediate_size")} - {None}
+    held = set()
+    for kind in filter(None, (quant.base, quant.more_bits)):
+        for width in widths or {K_BLOCK}:
+            held.add(K_FALLBACK[kind] if kind in K_FALLBACK and width % K_BLOCK else kind)
+    return held
 
 
 class GGUFWriter(ExportWriter):
@@ -38,11 +55,13 @@ class GGUFWriter(ExportWriter):
         family_of(config, where)
         check_rope(config, where)
 
-    def notes(self, adapter_base: str | None, quants: list[str]) -> list[str]:
+    def notes(self, adapter_base: str | None, quants: list[str], config: dict) -> list[str]:
         """A LoRA trained on a GGUF base: the base's weights sit on that file's grid, and re-quantizing the merged
         weights interacts with it. At the base's own type a small update rounds back to the base's weights; on a
-        grid that maps onto it (q5_1 over Q4_1) every level moves the same way. On the real demo (SmolLM2's Q4_1
-        file) q4_1 and q5_1 cost far more than q4_0, q5_0 or q4_k_m: docs/export.md."""
+        grid that maps onto it (q5_1 over Q4_1) every level moves the same way. A K-type's matrices whose rows its
+        256-block does not divide fall back to a 32-block type (q5_k_m's to Q5_1 on SmolLM2's 576-wide rows), so
+        the types a file really holds are compared. On the real demo (SmolLM2's Q4_1 file) q4_1, q5_1 and q5_k_m
+        cost far more than q4_0, q5_0 or q4_k_m: docs/export.md."""
         from gpupoor.model.gguf import is_gguf, read_gguf
 
         if not (adapter_base and is_gguf(adapter_base) and Path(adapter_base).is_file()):
@@ -51,9 +70,18 @@ class GGUFWriter(ExportWriter):
         base_type = read_gguf(base).quantization.split(", ")[0]
         if base_type in ("F32", "F16", "BF16"):  # unquantized: no grid for the merged weights to round back to
             return []
-        notes = [f"the base {base.name} is {base_type}: --quant {quant} rounds the merged weights to that same "
-                 "grid, where a small fine-tuning update can round back to the base's own weights"
-                 for quant in quants if QUANTS[quant].base == base_type]
+        notes = []
+        for quant in quants:
+            held = matrix_types(QUANTS[quant], config)
+            if base_type in held:
+                notes.append(f"the base {base.name} is {base_type}: --quant {quant} rounds the merged weights to "
+                             "that same grid, where a small fine-tuning update can round back to the base's own "
+                             "weights")
+            elif held & GRIDS_ONTO.get(base_type, set()):
+                found = ", ".join(sorted(held & GRIDS_ONTO[base_type]))
+                notes.append(f"the base {base.name} is {base_type}: --quant {quant} writes {found} matrices here, a "
+                             f"grid that {base_type}'s levels map onto, so every level moves the same way (on the "
+                             "real demo's Q4_1 base, q5_1 and q5_k_m cost far more than q4_k_m or q5_0)")
         notes.append(f"the base {base.name} is quantized ({base_type}): its weights sit on that grid, and "
                      "re-quantizing them can undo or distort the fine-tuning update (on the real demo's Q4_1 base, "
                      "q4_1 and q5_1 cost far more than q4_0, q5_0 or q4_k_m; docs/export.md). Read the quality "

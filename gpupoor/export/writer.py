@@ -62,8 +62,9 @@ class ExportWriter(ABC):
     def check_model(self, config: dict, where: str) -> None:
         """A UserError when the model (its config.json) is one this format cannot hold."""
 
-    def notes(self, adapter_base: str | None, quants: list[str]) -> list[str]:
-        """What to know before reading the quality table (`adapter_base`: the adapter's base, if one is merged)."""
+    def notes(self, adapter_base: str | None, quants: list[str], config: dict) -> list[str]:
+        """What to know before reading the quality table (`adapter_base`: the adapter's base, if one is merged;
+        `config`: the model's config.json)."""
         return []
 
     @abstractmethod

@@ -398,7 +398,29 @@ def test_an_unquantized_gguf_base_gets_no_grid_note(tiny_gguf, tmp_path):
     """An F32 (or F16, BF16) base has no grid that re-quantizing could round the merged weights back onto."""
     from gpupoor.export.gguf_writer import GGUFWriter
 
-    assert GGUFWriter().notes(str(tiny_gguf), ["f32", "f16", "q8_0", "q4_0"]) == []
+    assert GGUFWriter().notes(str(tiny_gguf), ["f32", "f16", "q8_0", "q4_0"], {"hidden_size": 64}) == []
+
+
+def test_the_grid_note_compares_the_types_a_file_really_holds(tmp_path, monkeypatch):
+    """On a Q4_1 base of SmolLM2's widths (576, 1536: no 256-block fits), q5_k_m's matrices fall back to Q5_1, a
+    grid Q4_1's levels map onto: the recommended "quality" type gets the note too (it cost +34% on the real demo),
+    q4_k_m (Q5_0 there) does not, q4_1 gets the same-grid note."""
+    from types import SimpleNamespace
+
+    import gpupoor.model.gguf as gguf_module
+    from gpupoor.export.gguf_writer import GGUFWriter
+
+    base = tmp_path / "base.Q4_1.gguf"
+    base.write_bytes(b"GGUF")
+    monkeypatch.setattr(gguf_module, "read_gguf", lambda path: SimpleNamespace(quantization="Q4_1, Q6_K"))
+    smollm2 = {"hidden_size": 576, "intermediate_size": 1536}
+    notes = GGUFWriter().notes(str(base), ["q4_1", "q5_1", "q5_k_m", "q4_k_m", "q5_0", "q8_0"], smollm2)
+    named = {quant for quant in ("q4_1", "q5_1", "q5_k_m", "q4_k_m", "q5_0", "q8_0") if f"--quant {quant} " in
+             " ".join(notes)}
+    assert named == {"q4_1", "q5_1", "q5_k_m"}, notes
+    assert "--quant q5_k_m writes Q5_1 matrices here" in " ".join(notes)
+    wide = {"hidden_size": 4096, "intermediate_size": 14336}  # 256 divides both: q5_k_m holds Q5_K and Q6_K
+    assert "--quant q5_k_m" not in " ".join(GGUFWriter().notes(str(base), ["q5_k_m"], wide))
 
 
 def test_an_export_of_a_model_directory_measures_on_eval_text(tiny_models, tmp_path):
