@@ -70,3 +70,30 @@ def test_the_readmes_train_merge_try_block_runs_as_written(tmp_path, monkeypatch
 
     model = AutoPeftModelForCausalLM.from_pretrained("runs/demo/final")
     assert model.peft_config["default"].r == 32
+
+
+def test_the_readmes_demo_transcript_has_the_summary_lines_a_demo_prints_today(tmp_path, monkeypatch):
+    """The start-up summary in README's "What the demo shows" against a (shortened) run of the demo's own recipe:
+    the same lines in the same order (each known by its first two words, numbers aside), so the transcript a new
+    user reads is what they will see."""
+    import re
+
+    def kinds(lines: list[str]) -> list[str]:
+        return [" ".join(re.sub(r"\d[\d,.]*", "#", line).split()[:2]) for line in lines]
+
+    def summary(text: str) -> list[str]:
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("gpupoor train: "))
+        block = []
+        for line in lines[start + 1:]:
+            if not line.startswith("  "):  # the summary ends where the step lines start
+                break
+            block.append(line)
+        return block
+
+    readme = (REPO / "README.md").read_text()
+    transcript = re.search(r"## What the demo shows\n.*?```\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(REPO)
+    result = invoke("train", "recipes/demo.yaml", "--output-dir", tmp_path / "demo", "--set", "training.max_steps=6")
+    assert result.exit_code == 0, result.output
+    assert kinds(summary(transcript)) == kinds(summary(result.output)), (summary(transcript), summary(result.output))
