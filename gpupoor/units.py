@@ -63,3 +63,27 @@ def format_duration(seconds: float, style: str = "clock") -> str:
             return f"{seconds // 60}m"
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     raise ValueError(f"format_duration: style {style!r} is not clock or age")
+
+
+class ProgressLine:
+    """Progress through a long wait as plain lines a log keeps: `LABEL: 120/272 tensors, 14 s, about 18 s left`,
+    at most one every `every_s` seconds (and the last), so a minute of silence never looks like a hang."""
+
+    def __init__(self, total: int, say, label: str, unit: str, every_s: float = 10.0, clock=None):
+        import time
+
+        self.total, self.say, self.label, self.unit, self.every_s = total, say, label, unit, every_s
+        self.clock = clock or time.monotonic
+        self.started = self.said = self.clock()
+        self.done = 0
+
+    def tick(self, count: int = 1) -> None:
+        self.done += count
+        now = self.clock()
+        if now - self.said < self.every_s and self.done < self.total:
+            return
+        self.said = now
+        spent = now - self.started
+        left = f", about {format_duration(spent / self.done * (self.total - self.done), 'age')} left" \
+            if 0 < self.done < self.total else ""
+        self.say(f"{self.label}: {self.done}/{self.total} {self.unit}, {format_duration(spent, 'age')}{left}")

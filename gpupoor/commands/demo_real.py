@@ -92,10 +92,15 @@ def load_base(base: Path):
     return model.eval(), tokenizer
 
 
-def greedy_answers(model, tokenizer, conversations: list[list[dict]]) -> list[str]:
-    """Each conversation's next assistant reply, greedy, rendered with the model's own chat template."""
+def greedy_answers(model, tokenizer, conversations: list[list[dict]], label: str = "") -> list[str]:
+    """Each conversation's next assistant reply, greedy, rendered with the model's own chat template; with a
+    `label`, a progress line on stderr every 10 s (judging a column takes about 40 s on 2 cores)."""
     import torch
 
+    from gpupoor.units import ProgressLine
+
+    progress = ProgressLine(len(conversations), lambda text: print(text, file=sys.stderr), label, "rows answered") \
+        if label else None
     answers = []
     for start in range(0, len(conversations), BATCH):
         prompts = [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -106,12 +111,14 @@ def greedy_answers(model, tokenizer, conversations: list[list[dict]]) -> list[st
                                  pad_token_id=tokenizer.pad_token_id)
         new = out[:, batch["input_ids"].shape[1]:]
         answers += [text.strip() for text in tokenizer.batch_decode(new, skip_special_tokens=True)]
+        if progress is not None:
+            progress.tick(len(new))
     return answers
 
 
-def score(model, tokenizer, rows: list[tuple[list[dict], str]]) -> Scores:
+def score(model, tokenizer, rows: list[tuple[list[dict], str]], label: str = "") -> Scores:
     started = time.perf_counter()
-    answers = greedy_answers(model, tokenizer, [prompt for prompt, _ in rows])
+    answers = greedy_answers(model, tokenizer, [prompt for prompt, _ in rows], label)
     general = greedy_answers(model, tokenizer, [[{"role": "user", "content": question}] for question, _ in GENERAL])
     exact = sum(answer == expected for answer, (_, expected) in zip(answers, rows))
     return Scores(exact, len(rows), answers, general, time.perf_counter() - started)
@@ -185,14 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_base(args.base)
     after = None
     if args.adapter is None:
-        before = score(model, tokenizer, rows)
+        before = score(model, tokenizer, rows, "judging the base")
     else:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(args.adapter)).eval()
         with model.disable_adapter():  # the same weights with the adapter off: "before"
-            before = score(model, tokenizer, rows)
-        after = score(model, tokenizer, rows)
+            before = score(model, tokenizer, rows, "judging the base")
+        after = score(model, tokenizer, rows, "judging base + adapter")
     print_table(rows, before, after, args.examples)
     seconds = before.seconds + (after.seconds if after else 0)
     print(f"\n(greedy decoding of {len(rows)} rows per column; {seconds:.0f} s)")

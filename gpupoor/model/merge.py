@@ -35,6 +35,7 @@ from gpupoor.storage.checkpoint import read_manifest
 from gpupoor.storage.files import atomic_dir, writer_tag
 from gpupoor.storage.run_weights import RunWeights
 from gpupoor.storage.shards import ShardWriter, weight_files
+from gpupoor.units import ProgressLine
 
 PEFT_PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -431,11 +432,11 @@ def _merge_from(base_dir: Path, base_name: str, adapter: AdapterWeights, source:
     plan = MergePlan(base_name, base_dir, adapter, base_dtype if dtype == "auto" else DTYPES[dtype], quantization,
                      quantize, load_dtype)
     with atomic_dir(output, f".tmp-{output.name}-{writer_tag()}") as tmp:  # the output appears whole or not at all
-        untied = _write_merged_weights(plan, tmp, max_shard_bytes)
+        untied = _write_merged_weights(plan, tmp, max_shard_bytes, say)
         _write_model_files(plan, tmp, config, untied, source, recipe, metrics, qlora_base)
 
 
-def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int) -> bool:
+def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int, say=print) -> bool:
     """Stream the base's tensors, merge the adapter into those it targets (in fp32, then cast once), write shards.
     Returns whether a trained head had to be untied from the embeddings."""
     from safetensors import safe_open
@@ -443,9 +444,16 @@ def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int) 
     adapter = plan.adapter
     pending_update, pending_replace = set(adapter.required), set(adapter.replacements)
     writer = ShardWriter(out_dir, max_shard_bytes)
-    for shard in weight_files(plan.base_dir):
+    shards = weight_files(plan.base_dir)
+    total = 0
+    for shard in shards:
+        with safe_open(shard, framework="pt") as handle:
+            total += len(handle.keys())
+    progress = ProgressLine(total, say, "merging", "tensors")
+    for shard in shards:
         with safe_open(shard, framework="pt") as handle:
             for name in handle.keys():
+                progress.tick()
                 tensor = handle.get_tensor(name)
                 if name in pending_replace:
                     if adapter.replacements[name].shape != tensor.shape:

@@ -113,3 +113,14 @@ def test_train_and_resume_take_the_launch_options_declared_once():
             assert f"--{name.replace('_', '-')}" in output, (command, name)
     result = invoke("resume", "no-such-run", "--nnodes", "2")  # parsed, then refused without --nproc-per-node
     assert result.exit_code == 2 and "--nnodes without --nproc-per-node" in result.output
+
+
+def test_progress_lines_say_done_elapsed_and_time_left_at_most_every_few_seconds():
+    from gpupoor.units import ProgressLine
+
+    now, said = [0.0], []
+    progress = ProgressLine(4, said.append, "merging", "tensors", every_s=10, clock=lambda: now[0])
+    for step in (3.0, 12.0, 13.0, 40.0):
+        now[0] = step
+        progress.tick()
+    assert said == ["merging: 2/4 tensors, 12s, about 12s left", "merging: 4/4 tensors, 40s"]
