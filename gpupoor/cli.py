@@ -313,9 +313,12 @@ def export(
 @app.command("eval")
 def evaluate(
     source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
-    data: Path = typer.Option(..., "--data", help="Held-out rows in the run's format (JSONL or any data file "
-                              "training reads), each with its expected answer (alpaca: output; chat: the last "
-                              "assistant turn; completion: completion)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Held-out rows in the run's format (JSONL or any data "
+                                        "file training reads), each with its expected answer (alpaca: output; chat: "
+                                        "the last assistant turn; completion: completion)."),
+    tasks: list[str] = typer.Option([], "--tasks", show_default=False, help="lm-evaluation-harness tasks (the "
+                                    "`tasks` extra): a name it knows, or a task YAML file of yours; repeatable. Its "
+                                    "own tasks download their datasets from the hub: they need a network."),
     metric: list[str] = typer.Option([], "--metric", "-m", show_default=False, help="How an answer is scored "
                                      "(repeatable; default exact): " + METRIC_HELP + "."),
     checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
@@ -338,7 +341,7 @@ def evaluate(
 
         quiet_libraries()
         run_eval(source, data=data, metrics=metric, checkpoint=checkpoint, general=general, limit=limit,
-                 max_new_tokens=max_new_tokens, output=output, force=force, say=typer.echo,
+                 max_new_tokens=max_new_tokens, output=output, force=force, tasks=tasks, say=typer.echo,
                  progress=lambda text: typer.echo(text, err=True))
         return 0
 

@@ -147,36 +147,32 @@ def score_model(name: str, generator, rows: list[HeldOut], metrics: list[Metric]
     return Column(name, answers, scores, loss, general_answers, time.monotonic() - started)
 
 
-def evaluate(source: Path, *, data: Path, metrics: list[str], checkpoint: str = "final", general: bool = False,
-             limit: int | None = None, max_new_tokens: int = 64, output: Path | None = None,
-             force: bool = False, say: Callable[[str], None] = print,
+def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint: str = "final",
+             general: bool = False, limit: int | None = None, max_new_tokens: int = 64, output: Path | None = None,
+             force: bool = False, tasks: list[str] | None = None, say: Callable[[str], None] = print,
              progress: Callable[[str], None] = print) -> dict:
-    """The eval report of the model at `source` on the rows of `data` (see the module's doc); written as JSON."""
+    """The eval report of the model at `source` on the rows of `data` (see the module's doc) and, with `tasks`, on
+    lm-evaluation-harness's tasks (gpupoor/commands/eval_tasks.py); written as JSON."""
     from gpupoor.commands.generate import load_generator
     from gpupoor.storage.files import write_text_atomic
 
+    if data is None and not tasks:
+        raise UserError("nothing to evaluate on", hint="give --data HELD_OUT.jsonl (rows in the run's format), "
+                        "--tasks NAME (lm-evaluation-harness), or both")
     chosen = [parse_metric(spec) for spec in dict.fromkeys(metrics or ["exact"])]
     generator = load_generator(source, checkpoint, force=force, warn=lambda text: say(f"warning: {text}"))
-    rows = read_held_out(data, generator.encoder, limit)
-    general_prompts = [generator.encoder.encode_prompt(generator.encoder.format.prompt_row(question), "--general")
-                       for question, _ in GENERAL] if general else []
+    rows = read_held_out(data, generator.encoder, limit) if data is not None else []
     if generator.precision_note:
         say(generator.precision_note)
-    columns = []
-    switch = getattr(generator.model, "disable_adapter", None)  # a peft model: the base is the adapter off
-    if switch is not None:
-        with switch():
-            columns.append(score_model("base", generator, rows, chosen, general_prompts, max_new_tokens, progress))
-    else:
+    if getattr(generator.model, "disable_adapter", None) is None:
         say("no base column: this is a whole model, not an adapter on a base (evaluate the base model directory "
             "on its own to compare)")
-    columns.append(score_model("tuned", generator, rows, chosen, general_prompts, max_new_tokens, progress))
-    report = {"data": str(data), "rows": len(rows), "metrics": [m.name for m in chosen],
-              "columns": [{k: v for k, v in asdict(c).items() if k != "answers"} | {
-                  "means": {m.name: c.mean(m.name) for m in chosen}} for c in columns],
-              "examples": [{"where": row.where, "expected": row.expected,
-                            **{c.name: c.answers[i] for c in columns}} for i, row in enumerate(rows)]}
-    say(render(report, columns, chosen, rows, general))
+    report = _held_out_report(generator, data, rows, chosen, general, max_new_tokens, say, progress) if rows else {}
+    if tasks:
+        from gpupoor.commands.eval_tasks import render_tasks, run_tasks
+
+        report["tasks"] = run_tasks(generator, tasks, limit, progress)
+        say(render_tasks(report["tasks"]))
     target = output or _default_output(source, data)
     target.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(target, json.dumps(report, indent=2) + "\n")
@@ -184,10 +180,33 @@ def evaluate(source: Path, *, data: Path, metrics: list[str], checkpoint: str = 
     return report
 
 
-def _default_output(source: Path, data: Path) -> Path:
-    """RUN/eval/NAME.json for a run directory; else eval-NAME.json beside the data file."""
-    name = f"{data.stem}.json"
-    return source / "eval" / name if (source / "recipe.yaml").is_file() else data.with_name(f"eval-{name}")
+def _held_out_report(generator, data: Path, rows: list[HeldOut], chosen: list[Metric], general: bool,
+                     max_new_tokens: int, say, progress) -> dict:
+    """Both columns on the held-out rows: scored, printed, and as the report's data."""
+    general_prompts = [generator.encoder.encode_prompt(generator.encoder.format.prompt_row(question), "--general")
+                       for question, _ in GENERAL] if general else []
+    columns = []
+    switch = getattr(generator.model, "disable_adapter", None)  # a peft model: the base is the adapter off
+    if switch is not None:
+        with switch():
+            columns.append(score_model("base", generator, rows, chosen, general_prompts, max_new_tokens, progress))
+    columns.append(score_model("tuned", generator, rows, chosen, general_prompts, max_new_tokens, progress))
+    report = {"data": str(data), "rows": len(rows), "metrics": [m.name for m in chosen],
+              "columns": [{k: v for k, v in asdict(c).items() if k != "answers"} | {
+                  "means": {m.name: c.mean(m.name) for m in chosen}} for c in columns],
+              "examples": [{"where": row.where, "expected": row.expected,
+                            **{c.name: c.answers[i] for c in columns}} for i, row in enumerate(rows)]}
+    say(render(report, columns, chosen, rows, general))
+    return report
+
+
+def _default_output(source: Path, data: Path | None) -> Path:
+    """RUN/eval/NAME.json for a run directory (NAME: the data file's, or `tasks`); else eval-NAME.json beside the
+    data file (or in the current directory)."""
+    name = f"{data.stem if data is not None else 'tasks'}.json"
+    if (source / "recipe.yaml").is_file():
+        return source / "eval" / name
+    return (data.parent if data is not None else Path.cwd()) / f"eval-{name}"
 
 
 def render(report: dict, columns: list[Column], metrics: list[Metric], rows: list[HeldOut], general: bool,

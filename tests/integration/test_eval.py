@@ -46,3 +46,31 @@ def test_eval_refuses_what_it_cannot_score(run, tmp_path):
     assert result.exit_code == 2 and "--metric 'bleu'" in result.output and "regex:PATTERN" in result.output
     result = invoke("eval", run, "--data", rows, "--metric", "regex:([")
     assert result.exit_code == 2 and "not a regular expression" in result.output
+
+
+def test_eval_runs_an_lm_evaluation_harness_task_of_local_data(run, tmp_path):
+    """--tasks with a task YAML of one's own (local data: no network): the harness scores the base and the tuned
+    model, the same loaded weights with the adapter off and on; on the rows it trained on, the tuned model's
+    perplexity of the answers is the lower."""
+    pytest.importorskip("lm_eval")
+    import yaml
+
+    from gpupoor.data.formats import alpaca_prompt
+
+    trained = [json.loads(line) for line in (run.parent / "lora.jsonl").read_text().splitlines()][:6]
+    rows = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": alpaca_prompt(r["instruction"], r.get("input", "")),
+                                                "answer": r["output"]} for r in trained])
+    (tmp_path / "qa.yaml").write_text(yaml.safe_dump({
+        "task": "gpupoor_test_qa", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(rows)}},
+        "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{prompt}}",
+        "doc_to_target": "{{answer}}", "metric_list": [{"metric": "perplexity"}, {"metric": "acc"}]}))
+    result = invoke("eval", run, "--tasks", tmp_path / "qa.yaml", "--output", tmp_path / "tasks.json")
+    assert result.exit_code == 0, result.output
+    tasks = json.loads((tmp_path / "tasks.json").read_text())["tasks"]
+    base, tuned = tasks["base"]["gpupoor_test_qa"], tasks["tuned"]["gpupoor_test_qa"]
+    assert tuned["perplexity"] < base["perplexity"]
+    assert "gpupoor_test_qa / perplexity" in result.output
+    unknown = invoke("eval", run, "--tasks", "no_such_task_anywhere")
+    assert unknown.exit_code == 2 and "not a task lm-evaluation-harness knows" in unknown.output
+    nothing = invoke("eval", run)
+    assert nothing.exit_code == 2 and "nothing to evaluate on" in nothing.output

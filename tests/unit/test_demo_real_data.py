@@ -130,7 +130,7 @@ def judge(monkeypatch, tmp_path, before: int, after: int, *args: str) -> int:
     model = FakeAdapter()
     monkeypatch.setattr(demo_real, "load_base", lambda base: (object(), None))
     monkeypatch.setattr(peft.PeftModel, "from_pretrained", lambda *a, **k: model)
-    monkeypatch.setattr(demo_real, "score", lambda m, t, rows: made_up(rows, after if m.adapter_on else before))
+    monkeypatch.setattr(demo_real, "score", lambda m, t, rows, label="": made_up(rows, after if m.adapter_on else before))
     return demo_real.main(["--base", str(tmp_path), "--eval", str(DATA / "iso-dates-eval.jsonl"),
                            "--adapter", str(adapter), *args])
 
