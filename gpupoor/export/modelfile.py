@@ -91,8 +91,12 @@ def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str, trained_format: s
     if trained_format == "alpaca":
         from gpupoor.data.formats import alpaca_prompt
 
+        with_input = alpaca_prompt("{{ .Prompt }}", "{{ .System }}")
         lines += ["# The Alpaca prompt the run was trained on; the answer ends at the model's end-of-sequence token.",
-                  f'TEMPLATE """{alpaca_prompt("{{ .Prompt }}")}{{{{ .Response }}}}"""']
+                  "# An instruction's input goes in the system message (`/set system INPUT` in `ollama run`, or the",
+                  "# API's system message): it is rendered as Alpaca's Input block, as the training rows had it.",
+                  f'TEMPLATE """{{{{ if .System }}}}{with_input}{{{{ .Response }}}}{{{{ else }}}}'
+                  f'{alpaca_prompt("{{ .Prompt }}")}{{{{ .Response }}}}{{{{ end }}}}"""']
     elif found is None:
         lines += ["# The model has no chat template gpupoor recognises: prompts go to it as they are.",
                   'TEMPLATE """{{ .Prompt }}"""']

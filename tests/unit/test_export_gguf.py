@@ -517,3 +517,23 @@ def test_bad_eval_text_is_named_with_its_line(content, message, tokenizer, tmp_p
     with pytest.raises(UserError) as caught:
         file_eval_text(path, tokenizer, 1000)
     assert message in str(caught.value)
+
+
+def test_the_alpaca_modelfile_renders_an_input_from_the_system_message(tmp_path):
+    """Ollama fills .Prompt with the user's message and .System with the system message: for an alpaca run the
+    Modelfile renders the system message as the Input block, so the instruction-with-input rows the run trained on
+    (the demo's task) can be asked, each branch exactly the training prompt."""
+    import re
+
+    from gpupoor.data.formats import alpaca_prompt
+    from gpupoor.export.modelfile import modelfile
+
+    template = re.search(r'TEMPLATE """(.*)"""', modelfile("m.gguf", tmp_path, "llama", "alpaca"), re.S).group(1)
+    branches = re.fullmatch(r"\{\{ if \.System \}\}(.*)\{\{ else \}\}(.*)\{\{ end \}\}", template, re.S)
+
+    def render(text: str, prompt: str, system: str) -> str:  # Go's text/template, for these three fields
+        return text.replace("{{ .Prompt }}", prompt).replace("{{ .System }}", system).replace("{{ .Response }}", "")
+
+    assert render(branches.group(1), "Reverse the letters.", "a b c d") == alpaca_prompt("Reverse the letters.",
+                                                                                         "a b c d")
+    assert render(branches.group(2), "Say hi.", "") == alpaca_prompt("Say hi.")
