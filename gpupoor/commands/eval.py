@@ -73,6 +73,38 @@ def parse_metric(spec: str) -> Metric:
     return Metric(spec, call)
 
 
+@dataclass(frozen=True)
+class Requirement:
+    """`--pass-if`: what the tuned model must reach for exit 0: a metric's mean (`exact>=0.8`), its rise over the
+    base (`exact-gain>=0.5`), or the general questions it still answers (`general>=2`)."""
+
+    text: str
+    name: str
+    gain: bool
+    least: float
+
+    def shortfall(self, columns: list) -> str | None:
+        """Why the tuned model misses it, or None."""
+        base, tuned = (columns[0] if len(columns) > 1 else None), columns[-1]
+        if self.name == "general":
+            value = tuned.general_kept
+            return None if value >= self.least else f"{self.text}: {value} general questions still answered"
+        if self.gain and base is None:
+            raise UserError(f"--pass-if {self.text}: a gain needs the base column, which a whole model has not")
+        value = tuned.mean(self.name) - (base.mean(self.name) if self.gain else 0.0)
+        if value >= self.least - 1e-12:
+            return None
+        return f"{self.text}: it gained {value:+.0%}" if self.gain else f"{self.text}: it reached {value:.0%}"
+
+
+def parse_requirement(spec: str) -> Requirement:
+    found = re.fullmatch(r"\s*([\w:.]+?)(-gain)?\s*>=\s*(-?[0-9.]+)\s*", spec)
+    if not found:
+        raise UserError(f"--pass-if {spec!r}: write METRIC>=X (its mean), METRIC-gain>=X (its rise over the base) "
+                        "or general>=N", hint="e.g. --pass-if exact>=0.8 --pass-if exact-gain>=0.5 --pass-if general>=2")
+    return Requirement(spec.strip(), found.group(1), bool(found.group(2)), float(found.group(3)))
+
+
 @dataclass
 class HeldOut:
     """One held-out row: where it is, its prompt's ids, the answer it expects, and its ids and labels for the loss."""
@@ -149,8 +181,8 @@ def score_model(name: str, generator, rows: list[HeldOut], metrics: list[Metric]
 
 def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint: str = "final",
              general: bool = False, limit: int | None = None, max_new_tokens: int = 64, output: Path | None = None,
-             force: bool = False, tasks: list[str] | None = None, say: Callable[[str], None] = print,
-             progress: Callable[[str], None] = print) -> dict:
+             force: bool = False, tasks: list[str] | None = None, pass_if: list[str] | None = None,
+             say: Callable[[str], None] = print, progress: Callable[[str], None] = print) -> dict:
     """The eval report of the model at `source` on the rows of `data` (see the module's doc) and, with `tasks`, on
     lm-evaluation-harness's tasks (gpupoor/commands/eval_tasks.py); written as JSON."""
     from gpupoor.commands.generate import load_generator
@@ -160,6 +192,7 @@ def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint:
         raise UserError("nothing to evaluate on", hint="give --data HELD_OUT.jsonl (rows in the run's format), "
                         "--tasks NAME (lm-evaluation-harness), or both")
     chosen = [parse_metric(spec) for spec in dict.fromkeys(metrics or ["exact"])]
+    required = _requirements(pass_if or [], [m.name for m in chosen], general, data)
     generator = load_generator(source, checkpoint, force=force, warn=lambda text: say(f"warning: {text}"))
     rows = read_held_out(data, generator.encoder, limit) if data is not None else []
     if generator.precision_note:
@@ -167,7 +200,12 @@ def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint:
     if getattr(generator.model, "disable_adapter", None) is None:
         say("no base column: this is a whole model, not an adapter on a base (evaluate the base model directory "
             "on its own to compare)")
-    report = _held_out_report(generator, data, rows, chosen, general, max_new_tokens, say, progress) if rows else {}
+    report, columns = _held_out_report(generator, data, rows, chosen, general, max_new_tokens, say, progress) \
+        if rows else ({}, [])
+    if required:
+        reasons = [why for why in (r.shortfall(columns) for r in required) if why]
+        report["verdict"] = {"passed": not reasons, "pass_if": [r.text for r in required], "reasons": reasons}
+        say(("FAIL: " + "; ".join(reasons)) if reasons else f"PASS: {', '.join(r.text for r in required)}")
     if tasks:
         from gpupoor.commands.eval_tasks import render_tasks, run_tasks
 
@@ -197,7 +235,21 @@ def _held_out_report(generator, data: Path, rows: list[HeldOut], chosen: list[Me
               "examples": [{"where": row.where, "expected": row.expected,
                             **{c.name: c.answers[i] for c in columns}} for i, row in enumerate(rows)]}
     say(render(report, columns, chosen, rows, general))
-    return report
+    return report, columns
+
+
+def _requirements(specs: list[str], metrics: list[str], general: bool, data: Path | None) -> list[Requirement]:
+    """--pass-if, checked before any work: each names a metric scored (or `general`, with --general)."""
+    required = [parse_requirement(spec) for spec in specs]
+    for requirement in required:
+        if data is None:
+            raise UserError(f"--pass-if {requirement.text}: needs --data, the held-out rows it is measured on")
+        if requirement.name == "general" and not general:
+            raise UserError(f"--pass-if {requirement.text}: add --general, which asks the general questions")
+        if requirement.name != "general" and requirement.name not in metrics:
+            raise UserError(f"--pass-if {requirement.text}: {requirement.name} is not among the metrics scored "
+                            f"({', '.join(metrics)})", hint=f"add --metric {requirement.name}")
+    return required
 
 
 def _default_output(source: Path, data: Path | None) -> Path:

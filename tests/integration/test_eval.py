@@ -74,3 +74,18 @@ def test_eval_runs_an_lm_evaluation_harness_task_of_local_data(run, tmp_path):
     assert unknown.exit_code == 2 and "not a task lm-evaluation-harness knows" in unknown.output
     nothing = invoke("eval", run)
     assert nothing.exit_code == 2 and "nothing to evaluate on" in nothing.output
+
+
+def test_pass_if_sets_the_exit_code_from_the_tuned_models_scores(run, tmp_path):
+    data = run.parent / "lora.jsonl"
+    common = ["eval", run, "--data", data, "--limit", "4", "--max-new-tokens", "4", "--output", tmp_path / "e.json"]
+    passed = invoke(*common, "--pass-if", "exact>=0", "--pass-if", "exact-gain>=-1")
+    assert passed.exit_code == 0 and "PASS: exact>=0, exact-gain>=-1" in passed.output, passed.output
+    failed = invoke(*common, "--pass-if", "exact>=1.5")
+    assert failed.exit_code == 1 and "FAIL: exact>=1.5: it reached" in failed.output, failed.output
+    verdict = json.loads((tmp_path / "e.json").read_text())["verdict"]
+    assert verdict["passed"] is False and verdict["pass_if"] == ["exact>=1.5"]
+    for spec, said in (("exact>0.5", "write METRIC>=X"), ("contains>=0.5", "contains is not among the metrics"),
+                       ("general>=2", "add --general")):
+        refused = invoke(*common, "--pass-if", spec)
+        assert refused.exit_code == 2 and said in refused.output, (spec, refused.output)
