@@ -9,7 +9,6 @@ show what fine-tuning broke. The table is printed and written as JSON beside the
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import time
@@ -18,59 +17,17 @@ from pathlib import Path
 from typing import Callable
 
 from gpupoor.errors import UserError
+from gpupoor.objectives.scorers import SCORER_HELP, Scorer, parse_scorer
 
 # Questions a base instruction model answers and a word any sensible answer contains (as the real demo's judge).
 GENERAL = (("What is the capital of France?", "paris"), ("What is the opposite of hot?", "cold"))
 BATCH = 16
-METRIC_HELP = ("exact (the answer equals the expected one, spaces trimmed), contains (holds it), json (parses as "
-               "JSON), regex:PATTERN (matches PATTERN anywhere), or module:function (your function(answer, expected, "
-               "row) returning a bool or a number in [0, 1])")
+METRIC_HELP = SCORER_HELP.replace("returning a bool or a number", "returning a bool or a number in [0, 1]")
 
 
-@dataclass
-class Metric:
-    name: str
-    score: Callable[[str, str, dict], float]
-
-
-def _json_ok(answer: str) -> bool:
-    try:
-        json.loads(answer)
-    except ValueError:
-        return False
-    return True
-
-
-def parse_metric(spec: str) -> Metric:
-    """One --metric value as a scoring function, or a UserError saying what is allowed."""
-    builtin = {"exact": lambda a, e, row: a.strip() == e.strip(), "contains": lambda a, e, row: e.strip() in a,
-               "json": lambda a, e, row: _json_ok(a)}
-    if spec in builtin:
-        rule = builtin[spec]
-        return Metric(spec, lambda a, e, row: float(rule(a, e, row)))
-    if spec.startswith("regex:"):
-        try:
-            pattern = re.compile(spec[len("regex:"):])
-        except re.error as exc:
-            raise UserError(f"--metric {spec!r}: not a regular expression ({exc})") from None
-        return Metric(spec, lambda a, e, row: float(pattern.search(a) is not None))
-    module, _, name = spec.partition(":")
-    if not (module and name):
-        raise UserError(f"--metric {spec!r} is not a metric gpupoor knows", hint=f"use {METRIC_HELP}")
-    try:
-        function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise UserError(f"--metric {spec!r}: cannot import {name} from {module} ({exc})",
-                        hint="put the module on PYTHONPATH (or in the current directory) and name its function") \
-            from None
-
-    def call(answer: str, expected: str, row: dict) -> float:
-        value = float(function(answer, expected, row))
-        if not 0.0 <= value <= 1.0:
-            raise UserError(f"--metric {spec}: returned {value}; a metric returns a bool or a number in [0, 1]")
-        return value
-
-    return Metric(spec, call)
+def parse_metric(spec: str) -> Scorer:
+    """One --metric value (gpupoor.objectives.scorers: the scorers GRPO's rewards use too)."""
+    return parse_scorer(spec, "--metric", unit_range=True)
 
 
 @dataclass(frozen=True)
@@ -156,7 +113,7 @@ class Column:
         return sum(word in answer.lower() for (_, word), answer in zip(GENERAL, self.general))
 
 
-def score_model(name: str, generator, rows: list[HeldOut], metrics: list[Metric], general: list[list[int]],
+def score_model(name: str, generator, rows: list[HeldOut], metrics: list[Scorer], general: list[list[int]],
                 max_new_tokens: int, say: Callable[[str], None]) -> Column:
     """`generator`'s model answers every row (a line of progress per batch, with the time left), is scored, and
     its eval loss measured."""
@@ -172,7 +129,7 @@ def score_model(name: str, generator, rows: list[HeldOut], metrics: list[Metric]
         done, spent = len(answers), time.monotonic() - started
         say(f"{name}: {done}/{len(prompts)} rows answered, {spent:.0f} s"
             + (f", about {spent / done * (len(prompts) - done):.0f} s left" if done < len(prompts) else ""))
-    scores = {m.name: [m.score(answer, row.expected, row.row) for answer, row in zip(answers, rows)]
+    scores = {m.name: [m(answer, row.expected, row.row, row.where) for answer, row in zip(answers, rows)]
               for m in metrics}
     loss, _ = mean_nll(generator.model, [row.example for row in rows])
     general_answers = complete(generator.model, generator.tokenizer, general, new_tokens) if general else []
@@ -218,7 +175,7 @@ def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint:
     return report
 
 
-def _held_out_report(generator, data: Path, rows: list[HeldOut], chosen: list[Metric], general: bool,
+def _held_out_report(generator, data: Path, rows: list[HeldOut], chosen: list[Scorer], general: bool,
                      max_new_tokens: int, say, progress) -> dict:
     """Both columns on the held-out rows: scored, printed, and as the report's data."""
     general_prompts = [generator.encoder.encode_prompt(generator.encoder.format.prompt_row(question), "--general")
@@ -261,7 +218,7 @@ def _default_output(source: Path, data: Path | None) -> Path:
     return (data.parent if data is not None else Path.cwd()) / f"eval-{name}"
 
 
-def render(report: dict, columns: list[Column], metrics: list[Metric], rows: list[HeldOut], general: bool,
+def render(report: dict, columns: list[Column], metrics: list[Scorer], rows: list[HeldOut], general: bool,
            examples: int = 5) -> str:
     """A plain table a terminal shows as it is: one line per figure, one column per model; then the first rows
     whose answers differ between the models (or, with one model, the first rows it got wrong)."""

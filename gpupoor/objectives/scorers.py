@@ -1,0 +1,83 @@
+"""Scoring a model's answer to a row: the one set of scorers behind `gpupoor eval`'s metrics and the rewards of
+on-policy training (GRPO). Torch-free.
+
+A scorer is a name (`exact`, `contains`, `json`, `regex:PATTERN`, `length<=N`) or a user's function named
+`module:function`, called as `function(answer, expected, row)` (the model's answer, the row's expected answer or
+"" when its format has none, the row's fields) and returning a bool or a number. Whatever a scorer raises or
+returns that is not a finite number is a UserError naming the scorer and the row (`file:line`), never a crash in
+the middle of a run."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from gpupoor.errors import UserError
+
+SCORER_HELP = ("exact (the answer equals the expected one, spaces trimmed), contains (holds it), json (parses as "
+               "JSON), regex:PATTERN (matches PATTERN anywhere), length<=N (1 up to N characters, falling to 0 at "
+               "2N), or module:function (your function(answer, expected, row) returning a bool or a number)")
+
+
+def _json_ok(answer: str) -> bool:
+    try:
+        json.loads(answer)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Scorer:
+    name: str
+    function: Callable[[str, str, dict], float]
+    unit_range: bool = True  # its scores lie in [0, 1] (eval's metrics: means read as percentages)
+
+    def __call__(self, answer: str, expected: str, row: dict, where: str) -> float:
+        try:
+            value = self.function(answer, expected, row)
+        except Exception as exc:  # a user's function: said with where, not a traceback mid-run
+            raise UserError(f"{self.name} raised {type(exc).__name__}: {exc} on {where}",
+                            hint="fix the function (it gets the answer, the expected answer and the row's fields)") \
+                from None
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{self.name} returned {value!r} on {where}: a score is a bool or a number") from None
+        if not math.isfinite(value) or (self.unit_range and not 0.0 <= value <= 1.0):
+            allowed = "a bool or a number in [0, 1]" if self.unit_range else "a finite number"
+            raise UserError(f"{self.name} returned {value} on {where}: a score is {allowed}")
+        return value
+
+
+def parse_scorer(spec: str, option: str = "--metric", unit_range: bool = True) -> Scorer:
+    """One scorer named on the command line or in a recipe (`option` says where), or a UserError saying what is
+    allowed."""
+    builtin = {"exact": lambda a, e, row: a.strip() == e.strip(), "contains": lambda a, e, row: e.strip() in a,
+               "json": lambda a, e, row: _json_ok(a)}
+    if spec in builtin:
+        return Scorer(spec, builtin[spec])
+    if spec.startswith("regex:"):
+        try:
+            pattern = re.compile(spec[len("regex:"):])
+        except re.error as exc:
+            raise UserError(f"{option} {spec!r}: not a regular expression ({exc})") from None
+        return Scorer(spec, lambda a, e, row: pattern.search(a) is not None)
+    length = re.fullmatch(r"length<=(\d+)", spec)
+    if length and int(length.group(1)) > 0:
+        most = int(length.group(1))
+        return Scorer(spec, lambda a, e, row: min(1.0, max(0.0, 2.0 - len(a) / most)))
+    module, _, name = spec.partition(":")
+    if not (module and name) or spec.startswith("length"):
+        raise UserError(f"{option} {spec!r} is not a scorer gpupoor knows", hint=f"use {SCORER_HELP}")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"{option} {spec!r}: cannot import {name} from {module} ({exc})",
+                        hint="put the module on PYTHONPATH (or in the current directory) and name its function") \
+            from None
+    return Scorer(spec, function, unit_range)
