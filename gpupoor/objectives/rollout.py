@@ -1,0 +1,79 @@
+"""GRPO's rollouts: a group of sampled answers to each prompt, and the per-token log-probabilities of those answers
+under a model (the policy now, the policy when it sampled, the reference with the adapter switched off).
+
+Sampling is seeded from the caller's seed alone (not the global RNG's history), so a resumed run that must
+sample a rollout again draws the same answers from the same weights. Generation runs the model in eval mode with
+its KV cache, the prompts left-padded in one batch, every prompt repeated `group_size` times; the cache is freed
+before anything trains. An answer ends at the first end-of-sequence token (kept, as training keeps EOS) or at
+`max_new_tokens`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpupoor.data.assembly import IGNORE_INDEX
+
+
+@dataclass
+class Sampled:
+    prompts: list[list[int]]  # each answer's prompt ids (a prompt repeated group_size times, in order)
+    answers: list[list[int]]  # each answer's ids, up to and including its end-of-sequence token
+
+
+@torch.no_grad()
+def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_tokens: int, pad_id: int,
+                  eos_id: int | None, seed: int, temperature: float = 1.0, top_p: float = 1.0) -> Sampled:
+    """`group_size` answers to each prompt, sampled with the model's KV cache in eval mode."""
+    device = next(model.parameters()).device
+    repeated = [prompt for prompt in prompts for _ in range(group_size)]
+    width = max(len(p) for p in repeated)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in repeated], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in repeated], device=device)
+    training = model.training
+    model.eval()
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)  # the draw depends on the seed and the weights only
+    try:
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             do_sample=True, temperature=temperature, top_p=top_p, top_k=0, pad_token_id=pad_id,
+                             eos_token_id=eos_id, use_cache=True)
+    finally:
+        torch.random.set_rng_state(state)
+        model.train(training)
+    answers = []
+    for row in out[:, width:].tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[:row.index(eos_id) + 1]
+        answers.append(row)
+    del out  # (the KV cache went with generate's return; nothing of it is kept for the update)
+    return Sampled(repeated, answers)
+
+
+def answer_batch(sampled: Sampled, pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompt + answer rows, right-padded, labels on the answer tokens only: what a forward pass scores."""
+    rows = [p + a for p, a in zip(sampled.prompts, sampled.answers)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
+    attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    labels = torch.tensor([[IGNORE_INDEX] * len(p) + a + [IGNORE_INDEX] * (width - len(p) - len(a))
+                           for p, a in zip(sampled.prompts, sampled.answers)])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def answer_logprobs(model, batch: dict[str, torch.Tensor], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p of each answer token, (answers, max_new_tokens); 1 where there is an answer token) under `model`,
+    from its logits (with gradient when grad is enabled and the model trains)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
+    labels = batch["labels"][:, 1:]
+    mask = labels != IGNORE_INDEX
+    logp = torch.log_softmax(logits, dim=-1).gather(2, labels.clamp(min=0)[..., None]).squeeze(2)
+    out = torch.zeros(logp.shape[0], max_new_tokens, dtype=logp.dtype, device=logp.device)
+    keep = torch.zeros(logp.shape[0], max_new_tokens, dtype=torch.bool, device=logp.device)
+    for i in range(logp.shape[0]):  # each answer's tokens, left-aligned
+        tokens = logp[i][mask[i]]
+        out[i, :tokens.shape[0]] = tokens
+        keep[i, :tokens.shape[0]] = True
+    return out, keep
