@@ -81,3 +81,13 @@ def parse_scorer(spec: str, option: str = "--metric", unit_range: bool = True) -
                         hint="put the module on PYTHONPATH (or in the current directory) and name its function") \
             from None
     return Scorer(spec, function, unit_range)
+
+
+def combined_scores(scorers: list[tuple[Scorer, float]], answers: list[str], expected: list[str], rows: list[dict],
+                    wheres: list[str]) -> tuple[list[float], dict[str, list[float]]]:
+    """Each answer's weighted sum of scores (GRPO's reward), and every scorer's own scores (its metrics: the
+    mean and spread of each reward)."""
+    each = {scorer.name: [scorer(a, e, r, w) for a, e, r, w in zip(answers, expected, rows, wheres)]
+            for scorer, _ in scorers}
+    totals = [sum(weight * each[scorer.name][i] for scorer, weight in scorers) for i in range(len(answers))]
+    return totals, each

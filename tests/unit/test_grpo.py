@@ -104,3 +104,12 @@ def test_scorers_score_and_name_the_row_when_a_function_fails(tmp_path, monkeypa
         parse_scorer("my_rewards:nan", unit_range=False)("abc", "", {}, "r:2")
     with pytest.raises(UserError, match="is not a scorer gpupoor knows"):
         parse_scorer("bleu")
+
+
+def test_rewards_are_weighted_sums_of_scorers_and_each_is_kept():
+    from gpupoor.objectives.scorers import combined_scores
+
+    scorers = [(parse_scorer("exact", unit_range=False), 1.0), (parse_scorer("length<=4", unit_range=False), 0.5)]
+    totals, each = combined_scores(scorers, ["42", "42 is it"], ["42", "42"], [{}, {}], ["r:1", "r:2"])
+    assert each == {"exact": [1.0, 0.0], "length<=4": [1.0, 0.0]}
+    assert totals == [1.5, 0.0]
