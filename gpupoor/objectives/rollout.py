@@ -77,3 +77,44 @@ def answer_logprobs(model, batch: dict[str, torch.Tensor], max_new_tokens: int) 
         out[i, :tokens.shape[0]] = tokens
         keep[i, :tokens.shape[0]] = True
     return out, keep
+
+
+@dataclass
+class GroupStep:
+    """What one GRPO step on a batch of prompts measured (before its update)."""
+
+    loss: torch.Tensor  # with gradient: the caller steps the optimizer
+    rewards: list[float]  # each answer's total reward
+    scores: dict[str, list[float]]  # each reward's own scores
+    kl: float
+    clip_fraction: float
+    answer_tokens: list[int]  # each answer's length
+
+
+def grpo_step(model, tokenizer, prompts: list[list[int]], expected: list[str], rows: list[dict], wheres: list[str],
+              scorers: list, *, group_size: int, max_new_tokens: int, seed: int, beta: float = 0.0,
+              epsilon: float = 0.2, temperature: float = 1.0, scale_advantages: bool = True,
+              normalization: str = "sequence") -> GroupStep:
+    """Sample `group_size` answers to each prompt, score them, and the GRPO loss of one update on them (one
+    optimisation pass: the sampling policy is the policy, so the ratio is 1 and only its gradient counts). The
+    reference, for beta > 0, is the model with its adapter switched off (a peft model)."""
+    from gpupoor.objectives.grpo import group_advantages, policy_loss
+    from gpupoor.objectives.scorers import combined_scores
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sampled = sample_groups(model, prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad,
+                            eos_id=tokenizer.eos_token_id, seed=seed, temperature=temperature)
+    texts = tokenizer.batch_decode(sampled.answers, skip_special_tokens=True)
+    each = [i // group_size for i in range(len(texts))]  # the prompt each answer answers
+    totals, scores = combined_scores(scorers, texts, [expected[i] for i in each], [rows[i] for i in each],
+                                     [wheres[i] for i in each])
+    advantages = group_advantages(torch.tensor(totals, dtype=torch.float64), group_size, scale=scale_advantages)
+    batch = {k: v.to(next(model.parameters()).device) for k, v in answer_batch(sampled, pad).items()}
+    ref_logp = None
+    if beta:
+        with torch.no_grad(), model.disable_adapter():
+            ref_logp, _ = answer_logprobs(model, batch, max_new_tokens)
+    logp, mask = answer_logprobs(model, batch, max_new_tokens)
+    result = policy_loss(logp, logp.detach(), advantages.to(logp.dtype).to(logp.device), mask, epsilon=epsilon,
+                         beta=beta, ref_logp=ref_logp, normalization=normalization, max_new_tokens=max_new_tokens)
+    return GroupStep(result.loss, totals, scores, result.kl, result.clip_fraction, [len(a) for a in sampled.answers])
