@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ def test_merge_equals_peft_merge_and_unload(lora_run, tiny_model, tmp_path):
 
     result = merge(lora_run, "--output", tmp_path / "merged")
     assert result.exit_code == 0, result.output
+    assert re.search(r"^merging: (\d+)/\1 tensors, \d+s$", result.output, re.M), result.output  # progress, last line
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), lora_run / "final")
