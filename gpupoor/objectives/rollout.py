@@ -62,20 +62,28 @@ def answer_batch(sampled: Sampled, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def answer_logprobs(model, batch: dict[str, torch.Tensor], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p of each answer token, (answers, max_new_tokens); 1 where there is an answer token) under `model`,
-    from its logits (with gradient when grad is enabled and the model trains)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
+def answer_logprobs(model, batch: dict[str, torch.Tensor], max_new_tokens: int,
+                    head=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p of each answer token, (answers, max_new_tokens); 1 where there is an answer token) under `model`, with
+    gradient when grad is enabled and the model trains. With `head` (gpupoor.objectives.cross_entropy.FusedHead)
+    the vocabulary's logits are never held whole: chunk by chunk through the head, as the fused losses do."""
     labels = batch["labels"][:, 1:]
-    mask = labels != IGNORE_INDEX
-    logp = torch.log_softmax(logits, dim=-1).gather(2, labels.clamp(min=0)[..., None]).squeeze(2)
-    out = torch.zeros(logp.shape[0], max_new_tokens, dtype=logp.dtype, device=logp.device)
-    keep = torch.zeros(logp.shape[0], max_new_tokens, dtype=torch.bool, device=logp.device)
-    for i in range(logp.shape[0]):  # each answer's tokens, left-aligned
-        tokens = logp[i][mask[i]]
-        out[i, :tokens.shape[0]] = tokens
-        keep[i, :tokens.shape[0]] = True
+    mask = labels != IGNORE_INDEX  # position t predicts token t + 1
+    if head is not None:
+        from gpupoor.objectives.cross_entropy import last_hidden_state
+        from gpupoor.objectives.preference import target_logprobs
+
+        hidden = last_hidden_state(model, batch, head)
+        tokens = target_logprobs(hidden[:, :-1][mask], head.weight, labels[mask])
+    else:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = logits[:, :-1][mask]
+        tokens = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1) \
+            .gather(1, labels[mask][:, None]).squeeze(1)
+    lengths = mask.sum(dim=1)
+    keep = torch.arange(max_new_tokens, device=tokens.device)[None, :] < lengths[:, None]
+    out = torch.zeros(mask.shape[0], max_new_tokens, dtype=tokens.dtype, device=tokens.device)
+    out = out.masked_scatter(keep, tokens)  # each answer's tokens left-aligned, in order
     return out, keep
 
 
@@ -98,6 +106,7 @@ def grpo_step(model, tokenizer, prompts: list[list[int]], expected: list[str], r
     """Sample `group_size` answers to each prompt, score them, and the GRPO loss of one update on them (one
     optimisation pass: the sampling policy is the policy, so the ratio is 1 and only its gradient counts). The
     reference, for beta > 0, is the model with its adapter switched off (a peft model)."""
+    from gpupoor.objectives.cross_entropy import find_fused_head
     from gpupoor.objectives.grpo import group_advantages, policy_loss
     from gpupoor.objectives.scorers import combined_scores
 
@@ -110,11 +119,12 @@ def grpo_step(model, tokenizer, prompts: list[list[int]], expected: list[str], r
                                      [wheres[i] for i in each])
     advantages = group_advantages(torch.tensor(totals, dtype=torch.float64), group_size, scale=scale_advantages)
     batch = {k: v.to(next(model.parameters()).device) for k, v in answer_batch(sampled, pad).items()}
+    head, _ = find_fused_head(model)  # chunked through the head where the model allows it (None: full logits)
     ref_logp = None
     if beta:
         with torch.no_grad(), model.disable_adapter():
-            ref_logp, _ = answer_logprobs(model, batch, max_new_tokens)
-    logp, mask = answer_logprobs(model, batch, max_new_tokens)
+            ref_logp, _ = answer_logprobs(model, batch, max_new_tokens, head)
+    logp, mask = answer_logprobs(model, batch, max_new_tokens, head)
     result = policy_loss(logp, logp.detach(), advantages.to(logp.dtype).to(logp.device), mask, epsilon=epsilon,
                          beta=beta, ref_logp=ref_logp, normalization=normalization, max_new_tokens=max_new_tokens)
     return GroupStep(result.loss, totals, scores, result.kl, result.clip_fraction, [len(a) for a in sampled.answers])

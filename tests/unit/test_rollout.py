@@ -112,3 +112,25 @@ def test_a_grpo_step_samples_scores_and_measures_its_distance_from_the_base(tiny
         optimizer.step()
         kls.append(result.kl)
     assert kls[0] == pytest.approx(0.0, abs=1e-9) and kls[-1] > 1e-6, kls
+
+
+def test_the_fused_head_gives_the_same_log_probs_and_gradients_as_full_logits(model_and_ids):
+    """Through the fused head (chunked, the vocabulary's logits never whole) the answers' log-probabilities and
+    their gradients are those of the full logits."""
+    from gpupoor.objectives.cross_entropy import find_fused_head
+
+    model, prompts, pad, eos = model_and_ids
+    sampled = sample(model_and_ids, seed=5)
+    batch = answer_batch(sampled, pad)
+    head, why = find_fused_head(model)
+    assert head is not None, why
+    results = []
+    for fused in (None, head):
+        model.zero_grad()
+        logp, mask = answer_logprobs(model, batch, 6, head=fused)
+        (logp * mask).sum().backward()
+        results.append((logp.detach(), mask, model.lm_head.weight.grad.clone()))
+    (full, full_mask, full_grad), (chunked, chunked_mask, chunked_grad) = results
+    assert torch.equal(full_mask, chunked_mask)
+    assert float((full - chunked).abs().max()) < 1e-5
+    assert float((full_grad - chunked_grad).norm() / full_grad.norm()) < 1e-5
