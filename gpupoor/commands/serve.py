@@ -112,13 +112,11 @@ def _set_chat_template(model_dir: Path, template: str) -> None:
 def openai_errors(app):
     """An ASGI app that answers every failed request in OpenAI's error shape: FastAPI's `{"detail": ...}` bodies
     rewritten, and an exception the server did not handle answered 500 instead of a dropped connection."""
-    import json as json_module
-
     kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
              422: "invalid_request_error", 429: "rate_limit_error"}
 
     def body_of(status: int, message: str) -> bytes:
-        return json_module.dumps({"error": {"message": message, "type": kinds.get(status, "server_error"),
+        return json.dumps({"error": {"message": message, "type": kinds.get(status, "server_error"),
                                             "param": None, "code": status}}).encode()
 
     async def wrapped(scope, receive, send):
