@@ -60,6 +60,10 @@ def cpu_bf16(requested: str, dims=None, measure: bool = True) -> CpuBf16:
     if not measure or not decides:
         return CpuBf16(units)  # fp32 asked, auto without units, bf16 with units: nothing to measure
     hidden, intermediate = dims() if dims is not None else PROBE_DIMS
+    # At least a 0.5B model's shapes: a smaller matmul times the call's overhead, not the units' speed (the demo's
+    # tiny model read 1.3x, 1.6x and 2.2x fp32 in one session against the 1.5x bar, so the same recipe trained in
+    # fp32 one run and in bf16 the next). The smallest models are then decided as a 0.5B one would be.
+    hidden, intermediate = max(hidden, PROBE_DIMS[0]), max(intermediate, PROBE_DIMS[1])
     # Emulated bf16 (no units, only for the warning) runs 5-90x slower: fewer rows keep the probe short there.
     return CpuBf16(units, bf16_matmul_speedup(hidden, intermediate, rows=256 if units else 32))
 

@@ -85,14 +85,26 @@ def test_training_measures_only_where_a_choice_rests_on_it(monkeypatch):
                                        ("AMX bf16", "fp32", False), ("", "auto", False), ("", "bf16", True)):
         monkeypatch.setattr(cpu, "this_cpus_bf16_units", lambda units=units: units)
         probes.clear()
-        facts = hardware.cpu_bf16(requested, dims=lambda: (576, 1536))
+        facts = hardware.cpu_bf16(requested, dims=lambda: (2048, 5632))
         assert (facts.speedup == 3.0) == measured and bool(probes) == measured, (units, requested)
-        assert probes in ([], [(576, 1536)])
+        assert probes in ([], [(2048, 5632)])  # the model's own shapes
         assert hardware.cpu_bf16(requested, measure=False).speedup is None
     monkeypatch.setenv(cpu.PIN_VARIABLE, "AMX bf16:7.5")
     probes.clear()
     assert hardware.resolve_precision("auto", "cpu")[0].reason == "CPU has AMX bf16: bf16 matmuls 7.5x fp32"
     assert not probes
+
+
+def test_a_small_models_probe_is_at_least_a_half_billion_models_matmul(monkeypatch):
+    """A tiny model's matmul times call overhead, not the bf16 units: the probe's shapes are floored at PROBE_DIMS,
+    so the same recipe gets the same precision run after run."""
+    probes = []
+    monkeypatch.setattr(hardware, "bf16_matmul_speedup", lambda *args, **kwargs: probes.append(args) or 3.0)
+    monkeypatch.delenv(cpu.PIN_VARIABLE)
+    monkeypatch.setattr(cpu, "this_cpus_bf16_units", lambda: "AMX bf16")
+    hardware.cpu_bf16("auto", dims=lambda: (64, 176))
+    hardware.cpu_bf16("auto", dims=lambda: (576, 4096))
+    assert probes == [hardware.PROBE_DIMS, (hardware.PROBE_DIMS[0], 4096)]
 
 
 def test_the_probe_measures_this_cpu(monkeypatch):
