@@ -46,8 +46,6 @@ class Requirement:
         if self.name == "general":
             value = tuned.general_kept
             return None if value >= self.least else f"{self.text}: {value} general questions still answered"
-        if self.gain and base is None:
-            raise UserError(f"--pass-if {self.text}: a gain needs the base column, which a whole model has not")
         value = tuned.mean(self.name) - (base.mean(self.name) if self.gain else 0.0)
         if value >= self.least - 1e-12:
             return None
@@ -119,16 +117,17 @@ def score_model(name: str, generator, rows: list[HeldOut], metrics: list[Scorer]
     its eval loss measured."""
     from gpupoor.commands.generate import cap_new_tokens, complete
     from gpupoor.export.quality import mean_nll
+    from gpupoor.units import ProgressLine
 
     started = time.monotonic()
     prompts = [row.prompt for row in rows]
     new_tokens, _ = cap_new_tokens(generator.model, prompts + general, max_new_tokens)
+    progress = ProgressLine(len(prompts), say, name, "rows answered", every_s=0)
     answers: list[str] = []
     for start in range(0, len(prompts), BATCH):
-        answers += complete(generator.model, generator.tokenizer, prompts[start:start + BATCH], new_tokens)
-        done, spent = len(answers), time.monotonic() - started
-        say(f"{name}: {done}/{len(prompts)} rows answered, {spent:.0f} s"
-            + (f", about {spent / done * (len(prompts) - done):.0f} s left" if done < len(prompts) else ""))
+        batch = complete(generator.model, generator.tokenizer, prompts[start:start + BATCH], new_tokens)
+        answers += batch
+        progress.tick(len(batch))
     scores = {m.name: [m(answer, row.expected, row.row, row.where) for answer, row in zip(answers, rows)]
               for m in metrics}
     loss, _ = mean_nll(generator.model, [row.example for row in rows])
@@ -155,6 +154,10 @@ def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint:
     if generator.precision_note:
         say(generator.precision_note)
     if getattr(generator.model, "disable_adapter", None) is None:
+        gains = [r.text for r in required if r.gain]
+        if gains:  # before any work: a gain is measured against the base column
+            raise UserError(f"--pass-if {gains[0]}: a gain needs the base column, which a whole model has not",
+                            hint="use METRIC>=X on a whole model, or evaluate an adapter run")
         say("no base column: this is a whole model, not an adapter on a base (evaluate the base model directory "
             "on its own to compare)")
     report, columns = _held_out_report(generator, data, rows, chosen, general, max_new_tokens, say, progress) \
@@ -176,7 +179,7 @@ def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint:
 
 
 def _held_out_report(generator, data: Path, rows: list[HeldOut], chosen: list[Scorer], general: bool,
-                     max_new_tokens: int, say, progress) -> dict:
+                     max_new_tokens: int, say, progress) -> tuple[dict, list[Column]]:
     """Both columns on the held-out rows: scored, printed, and as the report's data."""
     general_prompts = [generator.encoder.encode_prompt(generator.encoder.format.prompt_row(question), "--general")
                        for question, _ in GENERAL] if general else []

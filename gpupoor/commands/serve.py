@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,18 +182,21 @@ def serve(source: Path, *, checkpoint: str = "final", host: str = "localhost", p
     import uvicorn
     from transformers.cli.serve import Serve
 
-    from gpupoor.hardware import resolve_device, resolve_inference_precision
+    from gpupoor.decisions import choose_cpu_threads
+    from gpupoor.hardware import busy_cpu_cores, resolve_device, resolve_inference_precision, usable_cpu_count
 
     check_installed()
     device = resolve_device("auto").value
     precision = resolve_inference_precision(device, None)
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision.value, "float32")
-    if device == "cpu":
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
-    with servable(source, checkpoint, precision.value if precision.value != "fp16" else "fp32", work_dir, force,
-                  say) as model:
-        say(f"serving {source} as model {str(model.path)!r} on http://{host}:{port}/v1 ({device}, computing in "
-            f"{precision.value}: {precision.reason}; chat template: {model.template_note})")
+    threads = ""
+    if device == "cpu":  # the cores free now, as training chooses them (gpupoor.decisions.choose_cpu_threads)
+        choice = choose_cpu_threads(None, usable_cpu_count(), 1, busy_cpu_cores())
+        torch.set_num_threads(int(choice.value))
+        threads = f", {choice.value} threads"
+    with servable(source, checkpoint, precision.value, work_dir, force, say) as model:
+        say(f"serving {source} as model {str(model.path)!r} on http://{host}:{port}/v1 ({device}{threads}, computing "
+            f"in {precision.value}: {precision.reason}; chat template: {model.template_note})")
         original_config = uvicorn.Config
 
         def config_with_openai_errors(app, **kwargs):

@@ -142,7 +142,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     if weight.requires_grad and weight.dtype == torch.float32 and torch.is_autocast_enabled(hidden.device.type):
         # A trained head (full fine-tuning, or modules_to_save) keeps its fp32 master weights in fp32 matmuls: in
         # bf16 the CPU demo's trained head stalled at eval loss 0.10-0.17 (58-98% held-out accuracy) where fp32
-        # reaches 0.02 (100%); at 26.8 s against 24.2 s for its 225 steps. A frozen head stays in bf16.
+        # reaches 0.02 (100%); single runs of its 225 steps took 26.8 s with this against 24.2 s without (an AMX
+        # Xeon, 2 cores; not a benchmark). A frozen head stays in bf16.
         with span("loss"), torch.autocast(hidden.device.type, enabled=False):
             return _LinearCrossEntropy.apply(hidden.float(), weight, targets, chunk)
     with span("loss"):

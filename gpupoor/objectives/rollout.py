@@ -33,14 +33,15 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in repeated], device=device)
     training = model.training
     model.eval()
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)  # the draw depends on the seed and the weights only
+    # The caller's RNG streams (the CPU's and this device's) are put back afterwards: the draw depends on the seed
+    # and the weights only, and nothing after it on how much was drawn.
     try:
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                             do_sample=True, temperature=temperature, top_p=top_p, top_k=0, pad_token_id=pad_id,
-                             eos_token_id=eos_id, use_cache=True)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                 do_sample=True, temperature=temperature, top_p=top_p, top_k=0, pad_token_id=pad_id,
+                                 eos_token_id=eos_id, use_cache=True)
     finally:
-        torch.random.set_rng_state(state)
         model.train(training)
     answers = []
     for row in out[:, width:].tolist():

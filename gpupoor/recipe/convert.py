@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from gpupoor.errors import UserError
+from gpupoor.methods import METHOD_NAMES, METHODS
 from gpupoor.optimizers import OPTIMIZER_NAMES
 from gpupoor.recipe.peer_keys import NOT_NEEDED, PEER_KEYS, PEER_TEMPLATE_NAMES
+from gpupoor.recipe.schema import LoggingSection, PreferenceSection, TrainingSection
 
 @dataclass
 class Converted:
@@ -90,7 +93,7 @@ def _template_unused_by_alpaca(theirs: dict, out: Converted) -> None:
 
 # Read with the keys they qualify (the data's, the method's).
 READ_WITH_OTHERS = ("dataset_dir", "val_size", "val_set_size", "max_samples", "use_dora", "quantization_bit",
-                    "load_in_4bit", "load_in_8bit")
+                    "load_in_4bit", "load_in_8bit", "finetuning_type", "adapter", "pref_loss")
 SECTIONS = ("model", "data", "peft", "quantization", "training", "preference", "precision", "memory", "checkpoint",
             "logging", "output_dir")
 
@@ -108,9 +111,9 @@ def _method(theirs: dict, out: Converted) -> None:
                  "peft.last_layers N: set them")
         kind = "full"
     method = {"qlora": "lora"}.get(kind, kind)
-    if method not in ("lora", "full", "ia3"):
+    if method not in METHODS:
         out.note("finetuning_type" if "finetuning_type" in theirs else "adapter", kind, "not a method gpupoor "
-                 "trains (lora, dora, ia3, full)")
+                 f"trains ({', '.join(METHOD_NAMES)})")
         method = "lora"
     out.set("peft.method", "dora" if theirs.get("use_dora") and method == "lora" else method)
     bits = theirs.get("quantization_bit") or (4 if theirs.get("load_in_4bit") or kind == "qlora" else
@@ -133,9 +136,10 @@ def _objective(key, value, theirs, out):
         out.note(key, value, "gpupoor trains sft, dpo and orpo (pretraining is sft on format: text)")
         return
     out.set("training.objective", objective)
-    if loss not in ("sigmoid", "orpo", "ipo", "hinge"):
-        out.note("pref_loss", loss, "gpupoor's DPO losses are sigmoid, ipo and hinge (preference.loss_type)")
-    elif loss in ("ipo", "hinge"):
+    losses = _choices(PreferenceSection, "loss_type")
+    if loss not in (*losses, "orpo"):
+        out.note("pref_loss", loss, f"gpupoor's DPO losses are {', '.join(losses)} (preference.loss_type)")
+    elif loss in losses and loss != "sigmoid":
         out.set("preference.loss_type", loss)
 
 
@@ -169,10 +173,11 @@ def _attention(key, value, theirs, out):
 
 def _report(key, value, theirs, out):
     wanted = [value] if isinstance(value, str) else list(value)
-    trackers = [t for t in wanted if t in ("tensorboard", "wandb", "mlflow")]
+    known = typing.get_args(typing.get_args(LoggingSection.model_fields["report_to"].annotation)[0])
+    trackers = [t for t in wanted if t in known]
     out.set("logging.report_to", trackers)
     for other in set(wanted) - set(trackers) - {"none"}:
-        out.note(key, other, "gpupoor reports to tensorboard, wandb or mlflow (metrics.jsonl always)")
+        out.note(key, other, f"gpupoor reports to {', '.join(known)} (metrics.jsonl always)")
 
 
 def _packing(key, value, theirs, out):
@@ -180,14 +185,13 @@ def _packing(key, value, theirs, out):
         out.set("data.sampler", "packed")
 
 
-def _output_dir(key, value, theirs, out):
-    out.set("output_dir", value)
+# Their optimizer names that gpupoor spells otherwise (a name gpupoor has is kept as it is).
+OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_hf": "adamw", "adamw_torch_fused": "adamw",
+                     "adamw_bnb_8bit": "adamw_8bit"}
 
 
 def _optimizer(key, value, theirs, out):
-    chosen = {"adamw_torch": "adamw", "adamw_hf": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit",
-              "adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit", "paged_adamw_32bit":
-              "paged_adamw_32bit", "adafactor": "adafactor", "sgd": "sgd", "lion_8bit": "lion_8bit"}.get(value)
+    chosen = OPTIMIZER_ALIASES.get(value, value)
     if chosen in OPTIMIZER_NAMES:
         out.set("training.optimizer", chosen)
     else:
@@ -195,12 +199,18 @@ def _optimizer(key, value, theirs, out):
 
 
 def _scheduler(key, value, theirs, out):
-    if value in ("cosine", "linear", "constant"):
+    schedules = _choices(TrainingSection, "lr_scheduler")
+    if value == "constant_with_warmup":
+        value = "constant"  # gpupoor's warmup applies to every schedule
+    if value in schedules:
         out.set("training.lr_scheduler", value)
-    elif value == "constant_with_warmup":
-        out.set("training.lr_scheduler", "constant")  # gpupoor's warmup applies to every schedule
     else:
-        out.note(key, value, "gpupoor's schedules are cosine, linear and constant (each after its warmup)")
+        out.note(key, value, f"gpupoor's schedules are {', '.join(schedules)} (each after its warmup)")
+
+
+def _choices(section, key: str) -> tuple:
+    """The values a Literal key of the schema allows."""
+    return typing.get_args(section.model_fields[key].annotation)
 
 
 def _simple(ours: str):
@@ -215,10 +225,10 @@ SPECIAL = {"lora_target": _targets, "lora_target_modules": _targets, "lora_targe
            "stage": _objective, "rl": _objective, "bf16": _precision, "fp16": _precision, "template": _template,
            "chat_template": _template, "num_train_epochs": _epochs, "num_epochs": _epochs,
            "flash_attn": _attention, "flash_attention": _attention, "report_to": _report, "packing": _packing,
-           "sample_packing": _packing, "output_dir": _output_dir,
-           "lr_scheduler_type": _scheduler, "lr_scheduler": _scheduler, "optim": _optimizer, "optimizer": _optimizer, "pref_beta": _simple("preference.beta"),
-           "wandb_project": _simple("logging.project"), "eval_dataset": _eval_data,
-           "finetuning_type": lambda *a: None, "adapter": lambda *a: None, "pref_loss": lambda *a: None}
+           "sample_packing": _packing, "output_dir": _simple("output_dir"), "lr_scheduler_type": _scheduler,
+           "lr_scheduler": _scheduler, "optim": _optimizer, "optimizer": _optimizer,
+           "pref_beta": _simple("preference.beta"), "wandb_project": _simple("logging.project"),
+           "eval_dataset": _eval_data}
 
 
 # ------------------------------------------------------------------------------------------------------ the data

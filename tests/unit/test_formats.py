@@ -596,3 +596,15 @@ def test_rows_per_example_are_decided_once_for_data_and_plan():
 
     assert sequences_per_example(["preference"]) == 2 and sequences_per_example(["preference", "preference"]) == 2
     assert sequences_per_example(["chat", "preference"]) == 1 and sequences_per_example([]) == 1
+
+
+def test_the_fields_that_name_a_rows_format_are_the_format_tables():
+    """row_fields.FORMAT_FIELDS (the hint "its fields are those of format X") names each format of FORMATS once,
+    and a row with exactly one format's fields is recognised as that format."""
+    from gpupoor.data.formats import FORMATS
+    from gpupoor.data.row_fields import FORMAT_FIELDS, format_of_fields
+
+    assert sorted(name for name, _ in FORMAT_FIELDS) == sorted(FORMATS)
+    for name, fields in FORMAT_FIELDS:
+        row = dict.fromkeys(fields, "x")
+        assert format_of_fields(row, "none") == name, name
