@@ -183,11 +183,14 @@ def choose_attention(requested: str, device: str, flash_installed: bool, gpu_maj
     return Choice("sdpa", f"{why}: torch SDPA")
 
 
-def choose_sampler(requested: str, attention: str, trust_remote_code: bool) -> Choice:
+def choose_sampler(requested: str, attention: str, trust_remote_code: bool, objective: str = "sft") -> Choice:
     """Packing is exact when the model's attention follows transformers' packed-sequence masks (restarted
-    position_ids, no attention mask, no KV cache): its own model code with sdpa, eager or flash-attention 2."""
+    position_ids, no attention mask, no KV cache): its own model code with sdpa, eager or flash-attention 2.
+    GRPO samples answers to each prompt of a micro-batch: rows one prompt each, never packed."""
     if requested != "auto":
         return Choice(requested, f"data.sampler: {requested}")
+    if objective == "grpo":
+        return Choice("length_grouped", "GRPO generates from one prompt per row")
     if trust_remote_code:
         return Choice("length_grouped", "remote model code may not isolate packed examples")
     if attention in ("sdpa", "eager", "flash_attention_2"):

@@ -94,8 +94,8 @@ def resolve_attention(requested: str, device: str) -> Choice:
     return choose_attention(requested, device, flash_installed, _gpu_major(device))
 
 
-def resolve_sampler(requested: str, attention: str, trust_remote_code: bool) -> Choice:
-    return choose_sampler(requested, attention, trust_remote_code)
+def resolve_sampler(requested: str, attention: str, trust_remote_code: bool, objective: str = "sft") -> Choice:
+    return choose_sampler(requested, attention, trust_remote_code, objective)
 
 
 def usable_cpu_count() -> int:

@@ -8,7 +8,7 @@ import typing
 from pathlib import Path
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
+from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from gpupoor.recipe.loading import recipe_json_schema
 from gpupoor.recipe.schema import Recipe, is_resume_safe, section_model
@@ -71,7 +71,7 @@ def _default(field) -> str:
     value = field.default_factory() if field.default_factory is not None else field.default
     if isinstance(value, BaseModel):
         return "(section)"
-    return f"`{json.dumps(value)}`"
+    return f"`{json.dumps(to_jsonable_python(value))}`"  # (a list of sections: grpo.rewards)
 
 
 def _row(key: str, field) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpupoor.errors import UserError
-from gpupoor.objectives.scorers import SCORER_HELP, Scorer, parse_scorer
+from gpupoor.scorers import SCORER_HELP, Scorer, parse_scorer
 
 # Questions a base instruction model answers and a word any sensible answer contains (as the real demo's judge).
 GENERAL = (("What is the capital of France?", "paris"), ("What is the opposite of hot?", "cold"))
@@ -26,7 +26,7 @@ METRIC_HELP = SCORER_HELP.replace("returning a bool or a number", "returning a b
 
 
 def parse_metric(spec: str) -> Scorer:
-    """One --metric value (gpupoor.objectives.scorers: the scorers GRPO's rewards use too)."""
+    """One --metric value (gpupoor.scorers: the scorers GRPO's rewards use too)."""
     return parse_scorer(spec, "--metric", unit_range=True)
 
 

@@ -459,7 +459,7 @@ def silent_settings(recipe) -> list[str]:
     from gpupoor.decisions import choose_sampler
 
     said = []
-    sampler = choose_sampler(recipe.data.sampler, "sdpa", recipe.model.trust_remote_code)
+    sampler = choose_sampler(recipe.data.sampler, "sdpa", recipe.model.trust_remote_code, recipe.training.objective)
     if recipe.data.sampler == "auto" and recipe.model.trust_remote_code and sampler.value != "packed":
         said.append(f"model.trust_remote_code: true turns packing off: data.sampler auto is {sampler.value} "
                     f"({sampler.reason}); set data.sampler: packed if the model's own code isolates packed examples")

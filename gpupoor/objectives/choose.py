@@ -12,8 +12,11 @@ import functools
 from gpupoor.recipe.schema import Recipe
 
 
-def choose_loss(recipe: Recipe, model, *, device: str, teacher=None, reference=None):
-    """(training loss, eval sums (cross-entropy and correct targets), how the startup summary names the loss)."""
+def choose_loss(recipe: Recipe, model, *, device: str, teacher=None, reference=None, tokenizer=None,
+                state_of=None, rank: int = 0):
+    """(training loss, eval sums (cross-entropy and correct targets), how the startup summary names the loss).
+    GRPO samples with `tokenizer` and reads the run's step from `state_of()` (the TrainState now); `rank` is this
+    process's."""
     from gpupoor.objectives.cross_entropy import (find_fused_head, fused_eval_sums, fused_loss_sum, plain_eval_sums,
                                                   plain_loss_sum)
 
@@ -24,6 +27,11 @@ def choose_loss(recipe: Recipe, model, *, device: str, teacher=None, reference=N
     loss = cross_entropy
     if teacher is not None:
         loss, name = _distill_loss(recipe, teacher, fused)
+    if recipe.training.objective == "grpo":
+        loss = _grpo_loss(recipe, model, fused, tokenizer, state_of, rank)
+        path = "log-probabilities chunked through the fused head" if fused is not None else \
+            "log-probabilities from full logits"
+        return loss, loss.evaluate, f"{loss.describe()}; {path} ({reason})"
     if recipe.training.objective != "sft":
         loss, evaluation, name = _preference_loss(recipe, model, reference, fused, reason, device=device)
     return loss, evaluation, name
@@ -56,6 +64,15 @@ def _preference_loss(recipe: Recipe, model, reference_copy, head, reason: str, *
         what = f"ORPO (lambda {preference.orpo_lambda:g}; no reference model)"
     path = "fused chunked log-probabilities" if head is not None else "log-probabilities from full logits"
     return loss, loss.evaluate, f"{what}; {path} ({reason})"
+
+
+def _grpo_loss(recipe: Recipe, model, head, tokenizer, state_of, rank: int):
+    """GRPO's objective (gpupoor.objectives.grpo_objective): samples with the bare model; its reference, for
+    beta > 0, is that model with its adapter switched off."""
+    from gpupoor.objectives.grpo_objective import GrpoObjective
+
+    return GrpoObjective(recipe.grpo, tokenizer, generator=model, head=head, seed=recipe.seed, rank=rank,
+                         state_of=state_of, reference=recipe.grpo.beta > 0)
 
 
 def _distill_loss(recipe: Recipe, teacher, student_head):

@@ -25,7 +25,8 @@ class Sampled:
 @torch.no_grad()
 def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_tokens: int, pad_id: int,
                   eos_id: int | None, seed: int, temperature: float = 1.0, top_p: float = 1.0) -> Sampled:
-    """`group_size` answers to each prompt, sampled with the model's KV cache in eval mode."""
+    """`group_size` answers to each prompt, sampled with the model's KV cache in eval mode (temperature 0:
+    greedy)."""
     device = next(model.parameters()).device
     repeated = [prompt for prompt in prompts for _ in range(group_size)]
     width = max(len(p) for p in repeated)
@@ -38,9 +39,10 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} \
+                if temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                 do_sample=True, temperature=temperature, top_p=top_p, top_k=0, pad_token_id=pad_id,
-                                 eos_token_id=eos_id, use_cache=True)
+                                 pad_token_id=pad_id, eos_token_id=eos_id, use_cache=True, **sampling)
     finally:
         model.train(training)
     answers = []
@@ -109,7 +111,7 @@ def grpo_step(model, tokenizer, prompts: list[list[int]], expected: list[str], r
     reference, for beta > 0, is the model with its adapter switched off (a peft model)."""
     from gpupoor.objectives.cross_entropy import find_fused_head
     from gpupoor.objectives.grpo import group_advantages, policy_loss
-    from gpupoor.objectives.scorers import combined_scores
+    from gpupoor.scorers import combined_scores
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampled = sample_groups(model, prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad,

@@ -120,7 +120,8 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                                 dist.reshard_after_forward, dist.cpu_offload and device == "cuda")
     precision = choose_precision(recipe.precision, device, gpu.major, cpu).value
     attention = choose_attention(recipe.model.attention, device, gpu.flash_installed, gpu.major).value
-    sampler = choose_sampler(recipe.data.sampler, attention, recipe.model.trust_remote_code).value
+    sampler = choose_sampler(recipe.data.sampler, attention, recipe.model.trust_remote_code,
+                             recipe.training.objective).value
     targets = tuple(LINEARS) if recipe.peft.target_modules == "all-linear" else \
         tuple(name for name in LINEARS if name in recipe.peft.target_modules)
     # peft puts LoRA on the output head only when lm_head is named (all-linear leaves the output layer out)

@@ -123,6 +123,9 @@ def _preference_combinations(recipe) -> None:
                          "is sft: set training.objective: dpo (or orpo), or use a format of single answers")
     if objective == "sft":
         return
+    if objective == "grpo":
+        _grpo_combinations(recipe, formats)
+        return
     if data.tokenized_path:
         raise ValueError(f"training.objective {objective} cannot read data.tokenized_path yet: give the pairs "
                          "as data.path (or data.datasets) with format: preference (they are cached tokenized)")
@@ -137,6 +140,46 @@ def _preference_combinations(recipe) -> None:
         raise ValueError(f"data.train_on_prompt does not apply to a preference objective ({objective}): it compares "
                          "the answers' log-probabilities, and the prompt is never trained. Remove it")
     _reference_settings(objective, recipe.preference, recipe.peft)
+
+
+# Formats whose rows have a prompt side to sample answers to (`text` is all answer; `tokenized` has no text).
+PROMPTED_FORMATS = ("alpaca", "chat", "sharegpt", "completion")
+
+
+def _grpo_combinations(recipe, formats: set[str]) -> None:
+    """GRPO samples answers to the data's prompts: a format with prompts, rows one prompt each (never packed), the
+    reference (for beta > 0) as the adapter switched off."""
+    data, grpo = recipe.data, recipe.grpo
+    where = "data.datasets[].format" if data.datasets else "data.format"
+    if data.tokenized_path or not formats <= set(PROMPTED_FORMATS):
+        given = "tokenized" if data.tokenized_path else ", ".join(sorted(formats - set(PROMPTED_FORMATS)))
+        raise ValueError(f"training.objective grpo samples answers to the data's prompts, and {given} rows have "
+                         f"none: set {where} to one of {', '.join(PROMPTED_FORMATS)} (a prompt and its expected "
+                         "answer)")
+    if data.sampler == "packed":
+        raise ValueError("data.sampler packed does not apply to training.objective grpo: each row is one prompt "
+                         "its answers are sampled to; use random or length_grouped (auto chooses length_grouped)")
+    if data.train_on_prompt:
+        raise ValueError("data.train_on_prompt does not apply to training.objective grpo: it trains on sampled "
+                         "answers only. Remove it")
+    if recipe.distributed.strategy == "fsdp":
+        raise ValueError("distributed.strategy fsdp does not apply to training.objective grpo yet: sampling runs "
+                         "the model a different number of times on each process, and FSDP's forwards are "
+                         "collective. Use ddp (or auto)")
+    if recipe.distill is not None:
+        raise ValueError("training.objective grpo and distill are two different losses: remove the distill "
+                         "section, or train with objective sft")
+    if grpo.beta and recipe.peft.method == "full":
+        raise ValueError("grpo.beta > 0 needs a reference, which gpupoor takes as the base with the adapter "
+                         "switched off, and peft.method full trains no adapter: set grpo.beta: 0, or train an "
+                         "adapter (lora, dora, ia3)")
+    if grpo.beta and recipe.peft.init_adapter:
+        raise ValueError("grpo.beta > 0 would switch the adapter off, leaving the base without peft.init_adapter "
+                         "as the reference, not the model you start from: merge that adapter into the base "
+                         "first (gpupoor merge-lora), or set grpo.beta: 0")
+    if grpo.epsilon_high is not None and grpo.epsilon_high < grpo.epsilon:
+        raise ValueError(f"grpo.epsilon_high {grpo.epsilon_high:g} is below grpo.epsilon {grpo.epsilon:g}: the "
+                         "clip from above is at least the one from below (DAPO's clip-higher raises it)")
 
 
 def _reference_settings(objective: str, preference, peft) -> None:

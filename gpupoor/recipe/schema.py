@@ -18,6 +18,7 @@ from gpupoor.errors import UserError
 from gpupoor.recipe.rules import MAX_PASSES, check_data, check_model, check_peft, check_recipe, check_source
 from gpupoor.methods import METHOD_NAMES, METHODS
 from gpupoor.optimizers import OPTIMIZER_NAMES, optimizers_doc
+from gpupoor.scorers import check_scorer_name
 from gpupoor.units import MiB, parse_duration, parse_size
 
 
@@ -353,6 +354,74 @@ class PreferenceSection(_Section):
     )
 
 
+class RewardSection(_Section):
+    """One of GRPO's rewards: a scorer and its weight in the sum."""
+
+    scorer: str = Field(
+        description="exact (the answer equals the row's expected answer, spaces trimmed), contains (holds it), json "
+        "(parses as JSON), regex:PATTERN (matches anywhere), length<=N (1 up to N characters, falling to 0 at "
+        "2N), or module:function: your function(answer, expected, row) returning a finite number (row: the "
+        "prompt and expected answer as text, docs/grpo.md)."
+    )
+    weight: float = Field(1.0, description="Its weight in the answer's reward (the weighted sum of the scores).")
+
+    @field_validator("scorer")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        try:
+            check_scorer_name(value, "scorer")
+        except UserError as exc:
+            raise ValueError(f"{exc.message}; {exc.hint}" if exc.hint else exc.message) from None
+        return value
+
+
+class GrpoSection(_Section):
+    """GRPO (`training.objective: grpo`): a group of answers sampled to each prompt, scored by the rewards, and the
+    policy pushed toward the answers better than their group's mean (docs/grpo.md). Unused by other objectives."""
+
+    group_size: int = Field(4, ge=2, description="Answers sampled to each prompt; `training.micro_batch_size` "
+                            "counts prompts, so a micro-batch holds micro_batch_size x group_size answers.",
+                            **ADDED(4))
+    max_new_tokens: int = Field(64, ge=1, description="The longest answer sampled (tokens); one that has not ended "
+                                "by then is cut there and scored as it is.", **ADDED(64))
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the answers.", **ADDED(1.0))
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens holding this "
+                         "much probability; 1 samples from the whole vocabulary.", **ADDED(1.0))
+    beta: float = Field(0.0, ge=0, description="Weight of the KL to the reference (the base: the adapter switched "
+                        "off, no second copy). 0 (Dr. GRPO, DAPO; TRL's default) skips the reference's forward "
+                        "altogether; GRPO's paper used 0.04.", **ADDED(0.0))
+    epsilon: float = Field(0.2, gt=0, lt=1, description="The clip of the ratio pi / pi_old from below (1 - "
+                           "epsilon) and, without epsilon_high, from above (1 + epsilon).", **ADDED(0.2))
+    epsilon_high: float | None = Field(None, gt=0, description="The clip from above (DAPO's clip-higher, e.g. "
+                                       "0.28); unset: epsilon.", **ADDED(None))
+    iterations: int = Field(1, ge=1, description="Optimizer steps on each sampled batch (GRPO's mu): 1 samples "
+                            "anew every step (the ratio is then 1 and nothing is clipped); N > 1 samples every Nth "
+                            "step, and the N - 1 steps between reuse the answers, kept in the checkpoint.",
+                            **ADDED(1))
+    loss_normalization: Literal["sequence", "token", "constant"] = Field(
+        "token", description="How answer tokens are averaged: `sequence` each answer's mean, then the mean over "
+        "answers (GRPO as published); `token` the mean over all answer tokens of the micro-batch (DAPO, TRL's "
+        "default): long answers weigh as much per token; `constant` the sum over answer x max_new_tokens (Dr. "
+        "GRPO): no length bias at all.", **ADDED("token")
+    )
+    scale_rewards: bool = Field(True, description="Divide each answer's advantage by its group's standard "
+                                "deviation (GRPO); false keeps the plain difference from the group's mean (Dr. "
+                                "GRPO: every prompt weighs the same, easy or hard).", **ADDED(True))
+    rewards: list[RewardSection] = Field(
+        default_factory=lambda: [RewardSection(scorer="exact")], min_length=1,
+        description="The rewards, summed with their weights into each answer's reward; each is also logged "
+        "alone (reward_NAME).", **ADDED([{"scorer": "exact", "weight": 1.0}])
+    )
+
+    @field_validator("rewards")
+    @classmethod
+    def _each_scorer_once(cls, value: list[RewardSection]) -> list[RewardSection]:
+        twice = sorted({r.scorer for r in value if [o.scorer for o in value].count(r.scorer) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once: give each scorer once, with its weight")
+        return value
+
+
 class QuantizationSection(_Section):
     """Load the frozen base model quantized with bitsandbytes (4-bit + LoRA = QLoRA)."""
 
@@ -367,13 +436,16 @@ class QuantizationSection(_Section):
 class TrainingSection(_Section):
     """Batching, schedule and stopping."""
 
-    objective: Literal["sft", "dpo", "orpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
         "sft", description="What the model learns. `sft`: the cross-entropy of the target tokens (supervised "
         "fine-tuning, distillation). `dpo`: Direct Preference Optimization on `data.format: preference` pairs, "
         "against a frozen reference (`preference.reference`). `orpo`: ORPO on the same pairs: the chosen answer's "
         "cross-entropy plus an odds-ratio term, with no reference model. With `dpo`/`orpo` an example is a pair: "
         "`micro_batch_size` counts pairs (with the packed sampler, rows of up to 2 x `data.max_length` tokens, each "
-        "holding as many whole pairs as fit) and the loss is normalized by pairs (docs/preference.md).", **ADDED("sft")
+        "holding as many whole pairs as fit) and the loss is normalized by pairs (docs/preference.md). `grpo`: "
+        "reinforcement learning from the `grpo` section's rewards on answers the model samples to the data's "
+        "prompts (a row's answer is only what rewards compare with); `micro_batch_size` counts prompts "
+        "(docs/grpo.md).", **ADDED("sft")
     )
     micro_batch_size: int = Field(1, ge=1, description="Examples per forward/backward pass.")
     gradient_accumulation_steps: int = Field(
@@ -594,6 +666,7 @@ class Recipe(_Section):
     distill: DistillSection | None = Field(None, description="Knowledge distillation from a teacher (see the "
                                            "`distill` section); unset to train on the data alone.", **ADDED(None))
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
+    grpo: GrpoSection = Field(default_factory=GrpoSection)
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto", description="`auto`: bf16 on GPUs with compute capability >= 8, fp16 + GradScaler on older "
         "GPUs; on a CPU bf16 where its flags name bf16 matrix units (`amx_bf16`, `avx512_bf16`, Arm `bf16`) and a "

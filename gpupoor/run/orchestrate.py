@@ -250,6 +250,9 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
         by_rank, accelerator = session.state.rng_by_rank, session.accelerator
         restore_rng(by_rank[accelerator.process_index] if len(by_rank) == accelerator.num_processes
                     else session.state.rng)
+        rollouts = session.state.rollout_by_rank  # GRPO's answers kept for the next iterations: this process's own
+        if len(rollouts) == accelerator.num_processes:
+            session.state.rollout = rollouts[accelerator.process_index]
     try:
         reason, name = _train(session, hooks, loss_fn, eval_fn)
     finally:
@@ -268,7 +271,10 @@ def _choose_loss(session: Session):
     from gpupoor.objectives.choose import choose_loss
 
     base_loss, evaluation, name = choose_loss(session.recipe, session.unwrapped, device=session.device,
-                                              teacher=session.teacher, reference=session.reference)
+                                              teacher=session.teacher, reference=session.reference,
+                                              tokenizer=session.tokenizer, state_of=lambda: session.state,
+                                              rank=session.accelerator.process_index)
+    session.samples_from = base_loss if hasattr(base_loss, "samples") else None  # GRPO: its sampled answers
     nan_steps = faults.steps_for("nan")
     if not nan_steps:
         return base_loss, evaluation, name

@@ -11,6 +11,7 @@ from gpupoor.recipe.schema import Recipe
 from gpupoor.run.session import Session
 
 
+SAMPLES_FILE = "samples.jsonl"  # GRPO's sampled answers with their rewards, one group per line
 TIME_CHECK_STEPS = 5  # steps before the step time is compared with the plan's: the first one warms up
 
 
@@ -64,6 +65,7 @@ class Reporter:
             self._time_line(record)
         self.last_loss = record["loss"]
         self.write(record)
+        self._samples(state.step)
         if record.get("nonfinite") and not self.warned_nonfinite:  # once per session; the end repeats the count
             self.warned_nonfinite = True
             self.progress.message(f"warning: step {record['step']} was skipped: its loss ({record['loss']:.4g}) or "
@@ -72,6 +74,17 @@ class Reporter:
         self.progress.step(record)
         if self.profiler is not None:
             self.profiler.step(record)
+
+    def _samples(self, step: int) -> None:
+        """GRPO: at each log step, the first prompt's sampled answers with their rewards to samples.jsonl."""
+        source = self.session.samples_from
+        if not (source and self.session.main and step % self.session.recipe.logging.every_steps == 0):
+            return
+        import json
+
+        with open(self.session.run_dir / SAMPLES_FILE, "a") as out:
+            for group in source.samples:
+                out.write(json.dumps(group) + "\n")
 
     def _memory_line(self, record: dict, step: int) -> None:
         """After the first step (optimizer state now exists) and the third (the heap has settled)."""

@@ -168,8 +168,8 @@ class CheckpointSaver:
                 f"continue with: gpupoor resume {run_dir}")
 
     def _gather_rngs(self) -> list | None:
-        """Several processes: every process's RNG state, by rank (each draws its own dropout masks, so each
-        resumes its own stream). Collective."""
+        """Several processes: every process's RNG state and GRPO rollout, by rank (each draws its own dropout masks
+        and samples its own answers, so each resumes its own). Collective."""
         accelerator = self.session.accelerator
         if accelerator.num_processes == 1:
             return None
@@ -178,7 +178,7 @@ class CheckpointSaver:
         from gpupoor.train.state import capture_rng
 
         states: list = [None] * accelerator.num_processes
-        dist.all_gather_object(states, capture_rng())
+        dist.all_gather_object(states, {"rng": capture_rng(), "rollout": self.session.state.rollout})
         return states
 
     def _stage_optimizer(self, name: str) -> Path | None:
@@ -222,6 +222,7 @@ class CheckpointSaver:
             torch.save(session.accelerator.scaler.state_dict(), tmp / "scaler.pt")
         faults.at_stage("optimizer", step)
         session.state.rng = capture_rng()
-        session.state.rng_by_rank = self._rngs or []
+        session.state.rng_by_rank = [each["rng"] for each in self._rngs or []]
+        session.state.rollout_by_rank = [each["rollout"] for each in self._rngs or []]
         (tmp / STATE).write_text(json.dumps(session.state.to_dict()))
         faults.at_stage("state", step)

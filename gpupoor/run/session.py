@@ -154,6 +154,7 @@ class Session:
     # invocation's budget, not the run's (gpupoor.run.orchestrate.resume_run).
     recipe_to_store: Recipe | None = None
     reference: object = None  # DPO's frozen reference copy (preference.reference: copy)
+    samples_from: object = None  # GRPO's objective: its latest sampled answers (`samples`) for samples.jsonl
     startup: object = None  # gpupoor.run.startup.StartupClock: where the seconds before the first step went
 
     @property
@@ -263,7 +264,8 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     location = model_location(recipe.model, Path.cwd())  # a local directory (built-ins built) or a hub id
     tokenizer = load_tokenizer(location, recipe.model)
     clock.mark("accelerator and tokenizer")
-    sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code)
+    sampler = resolve_sampler(recipe.data.sampler, attention.value, recipe.model.trust_remote_code,
+                              recipe.training.objective)
     data = build_data(recipe.data, tokenizer, micro_batch_size=recipe.training.micro_batch_size, seed=recipe.seed,
                       base_dir=Path.cwd(), sampler=sampler.value, resuming=resuming)
     clock.mark("data")
@@ -298,8 +300,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     clock.mark("optimizer")
     choices = {"device": device, "precision": precision, "attention": attention, "sampler": sampler,
                "strategy": strategy, "fused": fused, "kernels": kernels}
-    if threads is not None:
-        choices["threads"] = threads
+    choices.update({"threads": threads} if threads is not None else {})
     return Session(recipe=recipe, run_dir=run_dir, smoke=smoke, accelerator=accelerator, choices=choices,
                    tokenizer=tokenizer, data=data, model=prepared_model,
                    unwrapped=accelerator.unwrap_model(prepared_model), raw_optimizer=raw_optimizer,
@@ -399,6 +400,8 @@ def loop_settings(session: Session, loss_fn, eval_fn=None):
     from gpupoor.train.loop import LoopSettings
 
     training = session.recipe.training
+    if training.objective == "grpo":
+        return _grpo_loop_settings(session, loss_fn, eval_fn)
     pairs = training.objective != "sft"  # the loss is a sum over pairs, normalized by pairs
     return LoopSettings(total_steps=session.steps, accumulation=training.gradient_accumulation_steps,
                         max_grad_norm=training.max_grad_norm, eval_every=training.eval_every_steps,
@@ -410,3 +413,20 @@ def loop_settings(session: Session, loss_fn, eval_fn=None):
                         metric_names=METRICS.get(training.objective, ()))
 
 
+
+
+def _grpo_loop_settings(session: Session, loss_fn, eval_fn):
+    """GRPO's loop: a sum over prompts normalized by prompts, its reward metrics, grpo.iterations steps per window."""
+    from gpupoor.decisions import evaluates_in_train_mode
+    from gpupoor.objectives.grpo_objective import EVAL_METRICS, STEP_METRICS, count_prompts, reward_names
+    from gpupoor.train.loop import LoopSettings
+
+    recipe = session.recipe
+    training, names = recipe.training, tuple(reward_names([r.scorer for r in recipe.grpo.rewards]))
+    return LoopSettings(total_steps=session.steps, accumulation=training.gradient_accumulation_steps,
+                        max_grad_norm=training.max_grad_norm, eval_every=training.eval_every_steps,
+                        pad_id=session.tokenizer.pad_token_id, eval_micro_batch_size=training.micro_batch_size,
+                        eval_in_train_mode=evaluates_in_train_mode(recipe.quantization.bits, session.device),
+                        max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn, eval_fn=eval_fn,
+                        lockstep=session.sharded, count_units=count_prompts, metric_names=STEP_METRICS + names,
+                        eval_metric_names=EVAL_METRICS + names, window_repeats=recipe.grpo.iterations)

@@ -42,6 +42,10 @@ class LoopSettings:
     # and (loss, right, {name: sum})): summed over the window and the processes, divided by the units, recorded
     # in each step record (and with an eval_ prefix in each eval record). Empty for the token-level losses.
     metric_names: tuple[str, ...] = ()
+    eval_metric_names: tuple[str, ...] | None = None  # eval_fn's own names when they differ (None: metric_names)
+    # Optimizer steps on each window of micro-batches (GRPO's grpo.iterations): the data position moves on every
+    # `window_repeats` steps; the steps between take the same window again (from TrainState.window_start).
+    window_repeats: int = 1
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -111,7 +115,7 @@ def _evaluate(model, accelerator, data: DataBundle, settings: LoopSettings) -> d
     model = accelerator.unwrap_model(model)
     model.train(settings.eval_in_train_mode)
     groups = data.eval_groups()
-    names = settings.metric_names
+    names = settings.metric_names if settings.eval_metric_names is None else settings.eval_metric_names
     # loss, right, units, then each metric
     sums = torch.zeros((len(groups), 3 + len(names)), dtype=torch.float64, device=accelerator.device)
     with torch.no_grad():
@@ -157,7 +161,14 @@ def _eval_batches(groups: list[tuple[str, int, int]], accelerator, settings: Loo
 def _take_window(stream, state: TrainState, accelerator, data: DataBundle, settings: LoopSettings) -> list[dict]:
     """This process's micro-batches of one optimizer step. With several processes, each takes its own
     micro-batch from every group of `num_processes` consecutive ones: the data position stays one shared
-    counter, identical on every process."""
+    counter, identical on every process. A repeated window (settings.window_repeats) is taken again from where it
+    started, and counts nothing again."""
+    if state.step % settings.window_repeats:
+        again = micro_batches(data, *state.window_start)
+        return [data.collate(indices, settings.pad_id)
+                for _ in range(settings.accumulation) for rank in range(accelerator.num_processes)
+                for _, indices in [next(again)] if rank == accelerator.process_index]
+    state.window_start = [state.epoch, state.batch_in_epoch]
     window = []
     for _ in range(settings.accumulation):
         for rank in range(accelerator.num_processes):

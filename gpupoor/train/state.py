@@ -31,6 +31,11 @@ class TrainState:
     evaluated_step: int = 0
     rng: dict = field(default_factory=dict)  # filled by capture_rng() at save time (the first process's)
     rng_by_rank: list = field(default_factory=list)  # several processes: each one's own, by rank
+    # GRPO with grpo.iterations > 1: the answers the current iterations update on (gpupoor.objectives
+    # .grpo_objective.Rollout, one per micro-batch), and with several processes each one's own, by rank.
+    rollout: list = field(default_factory=list)
+    window_start: list = field(default_factory=lambda: [0, 0])  # (epoch, batch_in_epoch) the last window began at
+    rollout_by_rank: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)

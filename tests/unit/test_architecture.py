@@ -17,13 +17,14 @@ LEAVES = {"gpupoor.errors": set(), "gpupoor.storage.files": set(), "gpupoor.unit
                                      "gpupoor.recipe.loading", "gpupoor.units"},
           "gpupoor.recipe.rules": {"gpupoor.errors", "gpupoor.decisions", "gpupoor.methods", "gpupoor.optimizers"},
           "gpupoor.recipe.schema": {"gpupoor.errors", "gpupoor.methods", "gpupoor.optimizers", "gpupoor.units",
-                                    "gpupoor.recipe.rules"},
+                                    "gpupoor.recipe.rules", "gpupoor.scorers"},
+          "gpupoor.scorers": {"gpupoor.errors"},
           "gpupoor.recipe.loading": {"gpupoor.errors", "gpupoor.recipe.schema", "gpupoor.recipe.peer_keys"},
           "gpupoor.recipe.peer_keys": set(),
           "gpupoor.recipe.diff": {"gpupoor.recipe.schema"}}
 # The import order of docs/architecture.md: a part imports only the parts before it (and itself). The top-level
 # modules before `recipe` are utilities any part may use; `cli` (and `__main__`) come last.
-ORDER = ["errors", "units", "faults", "profiling", "quiet", "optimizers", "methods", "decisions", "cpu", "hardware", "recipe", "storage",
+ORDER = ["errors", "scorers", "units", "faults", "profiling", "quiet", "optimizers", "methods", "decisions", "cpu", "hardware", "recipe", "storage",
          "data", "model", "objectives", "train", "plan", "export", "run", "commands", "outcome", "cli", "__main__"]
 MAX_MODULE_LINES = 600
 

@@ -10,7 +10,7 @@ import torch
 
 from gpupoor.errors import UserError
 from gpupoor.objectives.grpo import group_advantages, policy_loss
-from gpupoor.objectives.scorers import parse_scorer
+from gpupoor.scorers import parse_scorer
 
 
 def test_advantages_are_relative_to_each_group():
@@ -107,7 +107,7 @@ def test_scorers_score_and_name_the_row_when_a_function_fails(tmp_path, monkeypa
 
 
 def test_rewards_are_weighted_sums_of_scorers_and_each_is_kept():
-    from gpupoor.objectives.scorers import combined_scores
+    from gpupoor.scorers import combined_scores
 
     scorers = [(parse_scorer("exact", unit_range=False), 1.0), (parse_scorer("length<=4", unit_range=False), 0.5)]
     totals, each = combined_scores(scorers, ["42", "42 is it"], ["42", "42"], [{}, {}], ["r:1", "r:2"])

@@ -299,6 +299,11 @@ def test_the_added_marks_are_the_hand_list_they_replaced():
               "preference.beta": 0.1, "preference.loss_type": "sigmoid", "preference.label_smoothing": 0.0,
               "preference.orpo_lambda": 0.1, "preference.reference": "auto", "preference.reference_bits": None,
               "model.gguf_file": None, "model.fused_layers": False, "model.kernels": "none", "model.compile": False,
+              # #46: GRPO's section
+              "grpo.group_size": 4, "grpo.max_new_tokens": 64, "grpo.temperature": 1.0, "grpo.top_p": 1.0,
+              "grpo.beta": 0.0, "grpo.epsilon": 0.2, "grpo.epsilon_high": None, "grpo.iterations": 1,
+              "grpo.loss_normalization": "token", "grpo.scale_rewards": True,
+              "grpo.rewards": [{"scorer": "exact", "weight": 1.0}],
               **{f"data.sharegpt_roles.{key}": value for key, value in SHAREGPT_ROLES.items()}}
     assert ADDED_KEYS == before
 

@@ -96,7 +96,7 @@ def test_a_grpo_step_samples_scores_and_measures_its_distance_from_the_base(tiny
     """grpo_step end to end: group_size answers to each prompt, one reward each, a finite loss; the KL to the
     reference (the adapter switched off) is 0 while the adapter is new, and grows once it has trained."""
     from gpupoor.objectives.rollout import grpo_step
-    from gpupoor.objectives.scorers import Scorer
+    from gpupoor.scorers import Scorer
 
     model = lora_model(tiny_model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)

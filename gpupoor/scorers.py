@@ -54,9 +54,8 @@ class Scorer:
         return value
 
 
-def parse_scorer(spec: str, option: str = "--metric", unit_range: bool = True) -> Scorer:
-    """One scorer named on the command line or in a recipe (`option` says where), or a UserError saying what is
-    allowed."""
+def _builtin(spec: str, option: str) -> Scorer | None:
+    """The built-in scorer `spec` names, None for a `module:function`, or a UserError saying what is allowed."""
     builtin = {"exact": lambda a, e, row: a.strip() == e.strip(), "contains": lambda a, e, row: e.strip() in a,
                "json": lambda a, e, row: _json_ok(a)}
     if spec in builtin:
@@ -74,6 +73,22 @@ def parse_scorer(spec: str, option: str = "--metric", unit_range: bool = True) -
     module, _, name = spec.partition(":")
     if not (module and name) or spec.startswith("length"):
         raise UserError(f"{option} {spec!r} is not a scorer gpupoor knows", hint=f"use {SCORER_HELP}")
+    return None
+
+
+def check_scorer_name(spec: str, option: str) -> None:
+    """A UserError unless `spec` names a scorer: a built-in one, or `module:function` (not imported here: the
+    recipe is checked before anything of the user's runs)."""
+    _builtin(spec, option)
+
+
+def parse_scorer(spec: str, option: str = "--metric", unit_range: bool = True) -> Scorer:
+    """One scorer named on the command line or in a recipe (`option` says where), or a UserError saying what is
+    allowed."""
+    scorer = _builtin(spec, option)
+    if scorer is not None:
+        return scorer
+    module, _, name = spec.partition(":")
     try:
         function = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
