@@ -353,7 +353,10 @@ def draw_memory(ax, runs: list[RunMetrics]) -> None:
 def draw_others(axes: list, runs: list[RunMetrics]) -> None:
     lr_ax, speed_ax, memory_ax = axes
     _draw_series(lr_ax, runs, "lr", "learning rate", "lr")
-    _draw_series(speed_ax, runs, "tokens_per_s", "throughput", "tokens/s")
+    if any("reward" in record for run in runs for record in run.steps):  # GRPO: what it learns is its reward
+        _draw_series(speed_ax, runs, "reward", "mean reward of the sampled answers (GRPO)", "reward")
+    else:
+        _draw_series(speed_ax, runs, "tokens_per_s", "throughput", "tokens/s")
     draw_memory(memory_ax, runs)
 
 

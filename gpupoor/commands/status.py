@@ -88,6 +88,8 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
     sparkline = loss_sparkline([steps[step] for step in sorted(steps)])
     if sparkline:
         lines.append(f"  {sparkline}")
+    if steps and "reward" in steps[last]:
+        lines.append(_reward_line([steps[step] for step in sorted(steps)]))
     nonfinite = sum(1 for record in steps.values() if record.get("nonfinite"))
     if nonfinite:
         lines.append(f"  warning: {nonfinite} of {len(steps)} logged steps were skipped for a non-finite loss or "
@@ -105,6 +107,20 @@ def status_report(run_dir: Path) -> tuple[str, str | None]:
     elif not running:  # a live run continues by itself: resuming it now would be refused (its lock is held)
         lines.append(f"  continue with: gpupoor resume {run_dir}")
     return "\n".join(lines), final
+
+
+def _reward_line(records: list[dict]) -> str:
+    """GRPO: the sampled answers' mean reward over the last steps against the first ones, and the rest of it."""
+    window = max(1, min(10, len(records) // 4))
+
+    def mean(key: str, part: list[dict]) -> float:
+        return sum(r.get(key, 0.0) for r in part) / len(part)
+
+    recent = records[-window:]
+    return (f"  reward {mean('reward', recent):.3f} over the last {window} steps (the first {window}: "
+            f"{mean('reward', records[:window]):.3f}); spread in a group {mean('reward_std', recent):.3f}, KL "
+            f"{mean('kl', recent):.4f}, clipped {mean('clip_fraction', recent):.1%}, answers "
+            f"{mean('answer_tokens', recent):.1f} tokens")
 
 
 def _model_change_lines(run_dir: Path, recipe) -> list[str]:

@@ -9,7 +9,7 @@ from gpupoor.plan.distributed import distribute, distribution_notes
 from gpupoor.plan.result import Term
 from gpupoor.plan.settings import Settings, resolve_settings
 from gpupoor.plan.shape import Shape
-from gpupoor.plan.terms import (DTYPE_BYTES, activation_bytes, heap_retention, loss_bytes, optimizer_bytes, reference_weight_bytes,
+from gpupoor.plan.terms import (DTYPE_BYTES, activation_bytes, generation_bytes, heap_retention, loss_bytes, optimizer_bytes, reference_weight_bytes,
                                 teacher_weight_bytes, tokenizer_bytes, trainable_params, weight_bytes)
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import MiB, format_bytes
@@ -46,6 +46,11 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
              Term("optimizer", optimizer, f"{s.optimizer}: {optimizer_detail}"),
              Term("activations", live, act_detail),
              Term("loss", loss, loss_detail)]
+    if s.sampled_answers:
+        # Sampling and the update never hold their working sets at once: what sampling holds beyond the update's.
+        generation, generation_detail = generation_bytes(shape, s)
+        terms.append(Term("generation", max(0, generation - live - loss), f"GRPO's sampling: {generation_detail}; "
+                          "freed before the update, so counted where it exceeds the update's activations and loss"))
     if s.teacher is not None:
         terms.insert(1, Term("teacher_weights", *teacher_weight_bytes(s.teacher, s)))
     if s.reference == "copy":
@@ -67,7 +72,11 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
         slack = int(CUDA_ALLOCATOR_SLACK * (live + loss))
         terms.append(Term("overhead", CUDA_CONTEXT + slack, f"CUDA context ~{CUDA_CONTEXT / MiB:.0f} MiB; "
                           f"caching-allocator slack {slack / MiB:.0f} MiB"))
-    assumptions = [f"every micro-batch row is {s.row_tokens} tokens (data.max_length): the longest batch"]
+    assumptions = [f"every micro-batch row is {s.row_tokens} tokens (data.max_length): the longest batch"
+                   if not s.sampled_answers else
+                   f"every answer's row is {s.row_tokens} tokens (data.max_length + grpo.max_new_tokens): the "
+                   f"longest prompt and an answer that never ends early; {s.micro_batch} rows (micro_batch_size x "
+                   "group_size)"]
     if s.device == "cpu":  # docs/benchmarks.md, "On the real model": the real demo crept 19% over 10 steps
         assumptions.append("the peak of the first steps: on the CPU the C heap may keep more as a run goes on, "
                            "up to ~15% more over the first ten steps")

@@ -24,8 +24,13 @@ def describe_method(shape: Shape, s: Settings) -> str:
 
 
 def describe_preference(recipe: Recipe, s: Settings) -> str:
-    """The plan's line for a preference objective: pairs, and DPO's reference."""
+    """The plan's line for an objective other than sft: pairs and DPO's reference, or GRPO's answers."""
     objective = recipe.training.objective
+    if objective == "grpo":
+        grpo = recipe.grpo
+        reference = "the model with its adapter switched off" if grpo.beta else "none (beta 0)"
+        return (f"GRPO: {grpo.group_size} answers of up to {grpo.max_new_tokens} tokens to each of "
+                f"{recipe.training.micro_batch_size} prompts per micro-batch; reference: {reference}")
     pairs = "pairs of sequences of up to data.max_length each"
     if objective == "orpo":
         return f"ORPO on {pairs} (no reference model)"

@@ -70,6 +70,10 @@ class Settings:
     gpu_major: int | None = None  # the CUDA compute capability's major version; None: no GPU visible here
     # model.fused_layers as training installs it (gpupoor.decisions.choose_fused_paths); None: the plain modules
     fused_paths: FusedPaths | None = None
+    # GRPO: the answers sampled at once (micro_batch_size x group_size, each a row of its prompt and answer) and
+    # the tokens sampled per answer; 0 for other objectives
+    sampled_answers: int = 0
+    new_tokens: int = 0
 
     @property
     def fused_mlp(self) -> bool:
@@ -137,9 +141,14 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
     pairs = sequences_per_example(source.format for source in recipe.data.sources())
     reference = choose_reference(recipe.training.objective, recipe.preference.reference, recipe.peft.method).value
     mapped = device == "cpu" and shape.file_dtype == precision
+    # GRPO: group_size rows per prompt, each the prompt (under max_length) and an answer of up to max_new_tokens
+    grpo = recipe.training.objective == "grpo"
+    answers = recipe.training.micro_batch_size * recipe.grpo.group_size if grpo else 0
+    new_tokens = recipe.grpo.max_new_tokens if grpo else 0
     return Settings(device=device, precision=precision, attention=attention, sampler=sampler,
-                    micro_batch=recipe.training.micro_batch_size * (pairs if sampler != "packed" else 1),
-                    row_tokens=recipe.data.max_length * (pairs if sampler == "packed" else 1),
+                    micro_batch=answers or recipe.training.micro_batch_size * (pairs if sampler != "packed" else 1),
+                    row_tokens=recipe.data.max_length * (pairs if sampler == "packed" else 1) + new_tokens,
+                    sampled_answers=answers, new_tokens=new_tokens,
                     rank=recipe.peft.rank, targets=targets, modules_to_save=tuple(recipe.peft.modules_to_save),
                     dropout=recipe.peft.dropout if METHODS[recipe.peft.method].low_rank else 0.0,
                     bits=recipe.quantization.bits,

@@ -20,7 +20,7 @@ from gpupoor.methods import METHODS
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.plan.shape import LINEARS, NORMS, Shape, TokenizerSize
 from gpupoor.plan.training import LayerTraining
-from gpupoor.units import MiB
+from gpupoor.units import MiB, format_bytes
 
 # glibc keeps some freed tensors in its heap, so on the CPU the resident peak exceeds the live tensors. It keeps
 # more the more layers a step runs through: each layer's forward and backward leave a few holes between the
@@ -409,3 +409,13 @@ def heap_retention(shape: Shape, s: Settings, layer_allocations: int, dequantize
     base_mib, slope = CPU_HEAP_RETENTION["checkpointing" if s.checkpointing else "none"]
     served = heap_served_bytes(shape, s, layer_allocations)
     return max(0, int(base_mib * MiB + slope * layers_keeping_activations(shape, s) * served + CPU_DEQUANTIZED_RETENTION * dequantized_layer))
+
+
+def generation_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
+    """GRPO's sampling, before the update: the KV cache of every answer of a micro-batch (keys and values of each
+    layer, in the weights' dtype, for its prompt and answer) and each new token's logits with top-p's sorted copy;
+    all freed before the update's forward."""
+    cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * s.sampled_answers * s.row_tokens * s.act_bytes
+    logits = s.sampled_answers * shape.vocab * 4 * 4  # fp32 logits, their softmax, the sorted values and order
+    return cache + logits, (f"KV cache of {s.sampled_answers} answers x {s.row_tokens} tokens "
+                            f"{format_bytes(cache)}, the last token's logits {format_bytes(logits)}")

@@ -47,6 +47,11 @@ PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "
                       "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen")
 KEYS.update({name: f"train/{name}" for name in PREFERENCE_METRICS})
 KEYS.update({f"eval_{name}": f"eval/{name}" for name in PREFERENCE_METRICS})
+# GRPO's (gpupoor.objectives.grpo_objective.STEP_METRICS and EVAL_METRICS); each reward's own mean, reward_NAME,
+# goes to train/reward/NAME (eval/reward/NAME) by its prefix.
+GRPO_METRICS = ("reward", "reward_std", "kl", "clip_fraction", "answer_tokens")
+KEYS.update({name: f"train/{name}" for name in GRPO_METRICS})
+KEYS.update({f"eval_{name}": f"eval/{name}" for name in ("reward", "answer_tokens")})
 
 
 def missing_trackers(report_to: list[str]) -> list[str]:
@@ -56,8 +61,12 @@ def missing_trackers(report_to: list[str]) -> list[str]:
 
 def tracker_values(record: dict) -> dict[str, float]:
     """The numbers of a metrics record under the trackers' names; a skipped step logs train/skipped = 1."""
-    values = {KEYS[key]: float(value) for key, value in record.items()
-              if key in KEYS and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    numbers = {key: value for key, value in record.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    values = {KEYS[key]: float(value) for key, value in numbers.items() if key in KEYS}
+    values.update({("eval/reward/" if key.startswith("eval_") else "train/reward/") + key.split("reward_", 1)[1]:
+                   float(value) for key, value in numbers.items()
+                   if key not in KEYS and key.removeprefix("eval_").startswith("reward_")})
     if "loss" in record:
         values["train/skipped"] = float(bool(record.get("skipped")))
     for key, prefix in (("eval_loss_by_source", "eval/loss/"), ("eval_accuracy_by_source", "eval/accuracy/"),

@@ -108,3 +108,24 @@ def test_a_reward_function_that_raises_is_named_with_its_prompt(make_recipe, tmp
     assert result.exit_code == 2, result.output
     assert "my_rewards:picky returned None on step 1, prompt " in result.output
     assert "### Response:" in result.output and "Traceback" not in result.output
+
+
+def test_status_report_and_trackers_show_the_rewards(make_recipe, tmp_path):
+    from gpupoor.train.trackers import tracker_values
+
+    recipe = grpo_recipe(make_recipe, training={"max_steps": 2})
+    assert invoke("train", recipe, "--output-dir", tmp_path / "run").exit_code == 0
+    result = invoke("status", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    first, last = steps(tmp_path / "run")
+    assert (f"reward {last['reward']:.3f} over the last 1 steps (the first 1: {first['reward']:.3f}); spread in a "
+            "group") in result.output
+    values = tracker_values(first)
+    assert values["train/reward"] == first["reward"] and values["train/reward/exact"] == first["reward_exact"]
+    assert values["train/kl"] == first["kl"] and values["train/reward/length_8"] == first["reward_length_8"]
+    assert tracker_values({"eval_loss": 1.0, "eval_reward_exact": 0.5})["eval/reward/exact"] == 0.5
+
+    from gpupoor.commands.report import load_runs, other_panels
+
+    figure = other_panels(load_runs([tmp_path / "run"]))
+    assert figure.axes[1].get_title(loc="left").startswith("mean reward of the sampled answers")
