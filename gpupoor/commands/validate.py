@@ -469,6 +469,10 @@ def silent_settings(recipe) -> list[str]:
                     "no chat template" + (" (alpaca rows are trained on the Alpaca prompt; for a chat template, "
                                           "write them as chat rows with data.format: chat)" if "alpaca" in formats
                                           else ""))
+    if recipe.grpo.model_fields_set and recipe.training.objective != "grpo":
+        said.append(f"the grpo section ({', '.join(sorted(recipe.grpo.model_fields_set))}) is unused: "
+                    f"training.objective is {recipe.training.objective}; set training.objective: grpo to train on "
+                    "sampled answers and rewards")
     return said
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import assert_same_run, invoke, read_metrics, write_jsonl
+from conftest import assert_same_run, invoke, read_metrics
 
 # The tiny random model's answers are a few random byte-level tokens: their length in characters varies, so a
 # length reward differs within a group (GRPO learns nothing from a group of equal rewards).
@@ -129,3 +129,11 @@ def test_status_report_and_trackers_show_the_rewards(make_recipe, tmp_path):
 
     figure = other_panels(load_runs([tmp_path / "run"]))
     assert figure.axes[1].get_title(loc="left").startswith("mean reward of the sampled answers")
+
+
+def test_validate_says_a_grpo_section_is_unused_without_the_objective(make_recipe):
+    result = invoke("validate", make_recipe(grpo={"group_size": 8, "beta": 0.1}))
+    assert result.exit_code == 0, result.output
+    assert "the grpo section (beta, group_size) is unused: training.objective is sft" in result.output
+    result = invoke("validate", grpo_recipe(make_recipe))
+    assert result.exit_code == 0 and "is unused" not in result.output, result.output
