@@ -98,15 +98,15 @@ def test_grpo_refusals_name_the_key(make_recipe, tmp_path):
 
 
 def test_a_reward_function_that_raises_is_named_with_its_prompt(make_recipe, tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(
+    (tmp_path / "grpo_picky_rewards.py").write_text(
         "def picky(answer, expected, row):\n"
         "    assert set(row) == {'prompt', 'expected'}\n"
         "    return 1.0 if len(answer) < 5 else None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = grpo_recipe(make_recipe, grpo={"rewards": [{"scorer": "my_rewards:picky"}]})
+    recipe = grpo_recipe(make_recipe, grpo={"rewards": [{"scorer": "grpo_picky_rewards:picky"}]})
     result = invoke("train", recipe, "--output-dir", tmp_path / "run")
     assert result.exit_code == 2, result.output
-    assert "my_rewards:picky returned None on step 1, prompt " in result.output
+    assert "grpo_picky_rewards:picky returned None on step 1, prompt " in result.output
     assert "### Response:" in result.output and "Traceback" not in result.output
 
 
