@@ -170,7 +170,7 @@ class GrpoObjective:
         if self.reference:
             batch = self._answer_batch(rollout)
             with torch.no_grad(), self.generator.disable_adapter(), span("reference"):
-                ref, mask = answer_logprobs(self.generator, batch, grpo.max_new_tokens, self.head)
+                ref, mask = answer_logprobs(self.generator, batch, grpo.max_new_tokens, self.head, grpo.temperature)
             rollout.ref_logp = _unpadded(ref.float(), mask)
         self.samples = [{"step": step + 1, "prompt": row["prompt"], "expected": row["expected"],
                          "answers": [{"text": text, "reward": rewards[i], **{n: scores[s][i] for n, s in
@@ -183,7 +183,9 @@ class GrpoObjective:
         """(each answer's reward, each scorer's scores, each prompt's texts) of answers stored group by group."""
         decode = self.tokenizer.decode
         texts = self.tokenizer.batch_decode(answers, skip_special_tokens=True)
-        rows = [{"prompt": decode(p, skip_special_tokens=True), "expected": decode(e, skip_special_tokens=True),
+        # The expected answer without the whitespace a template puts after its end-of-turn token ("...\n").
+        rows = [{"prompt": decode(p, skip_special_tokens=True),
+                 "expected": decode(e, skip_special_tokens=True).strip(),
                  "answers": texts[i * group:(i + 1) * group]} for i, (p, e) in enumerate(zip(prompts, expected_ids))]
         each = [i // group for i in range(len(texts))]
         fields = [{"prompt": rows[i]["prompt"], "expected": rows[i]["expected"]} for i in each]
@@ -200,7 +202,7 @@ class GrpoObjective:
         """(the loss summed over prompts, each metric summed over prompts)."""
         grpo = self.grpo
         batch = self._answer_batch(rollout)
-        logp, mask = answer_logprobs(model, batch, grpo.max_new_tokens, self.head)
+        logp, mask = answer_logprobs(model, batch, grpo.max_new_tokens, self.head, grpo.temperature)
         width, device = logp.shape[1], logp.device
         if not rollout.old_logp:  # sampled by these very weights: the ratio is 1, only its gradient counts
             rollout.old_logp = _unpadded(logp.detach().float(), mask)

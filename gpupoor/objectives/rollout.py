@@ -65,23 +65,26 @@ def answer_batch(sampled: Sampled, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def answer_logprobs(model, batch: dict[str, torch.Tensor], max_new_tokens: int,
-                    head=None) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_logprobs(model, batch: dict[str, torch.Tensor], max_new_tokens: int, head=None,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p of each answer token, (answers, max_new_tokens); 1 where there is an answer token) under `model`, with
     gradient when grad is enabled and the model trains. With `head` (gpupoor.objectives.cross_entropy.FusedHead)
-    the vocabulary's logits are never held whole: chunk by chunk through the head, as the fused losses do."""
+    the vocabulary's logits are never held whole: chunk by chunk through the head, as the fused losses do.
+    `temperature`: the distribution answers were sampled from, softmax(logits / temperature), whose
+    log-probabilities the policy gradient and the ratio are of (as TRL's GRPOTrainer)."""
     labels = batch["labels"][:, 1:]
     mask = labels != IGNORE_INDEX  # position t predicts token t + 1
     if head is not None:
         from gpupoor.objectives.cross_entropy import last_hidden_state
         from gpupoor.objectives.preference import target_logprobs
 
-        hidden = last_hidden_state(model, batch, head)
-        tokens = target_logprobs(hidden[:, :-1][mask], head.weight, labels[mask])
+        hidden = last_hidden_state(model, batch, head)[:, :-1][mask]
+        # the head is linear with no bias: (h / t) W^T = (h W^T) / t
+        tokens = target_logprobs(hidden / temperature if temperature != 1.0 else hidden, head.weight, labels[mask])
     else:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
         logits = logits[:, :-1][mask]
-        tokens = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1) \
+        tokens = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1) \
             .gather(1, labels[mask][:, None]).squeeze(1)
     lengths = mask.sum(dim=1)
     keep = torch.arange(max_new_tokens, device=tokens.device)[None, :] < lengths[:, None]

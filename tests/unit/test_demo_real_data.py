@@ -155,3 +155,14 @@ def test_limit_scores_the_first_rows_only(monkeypatch, tmp_path, capsys):
 def test_a_limit_under_one_is_bad_input(limit, capsys):
     assert demo_real.main(["--base", "unused", "--limit", limit]) == 2
     assert f"--limit {limit}: must be at least 1" in capsys.readouterr().err
+
+
+def test_grpo_demo_prompts_are_what_their_generator_writes_and_held_out():
+    spec = importlib.util.spec_from_file_location("make_grpo_dates", DATA / "make_grpo_dates.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    made = "".join(json.dumps(row) + "\n" for row in module.rows())
+    assert made == (DATA / "grpo-train.jsonl").read_text() + (DATA / "grpo-eval.jsonl").read_text(), \
+        "rerun recipes/data/make_grpo_dates.py"
+    question = [json.loads(line)["messages"][2]["content"] for line in made.splitlines()]
+    assert len(set(question[:300]) & set(question[300:])) == 0 and len(question) == 350

@@ -46,11 +46,16 @@ def test_the_answers_log_probs_are_the_distribution_they_were_sampled_from(model
     model.eval()
     with torch.no_grad():
         logp, mask = answer_logprobs(model, answer_batch(sampled, pad), max_new_tokens=6)
+        hot, _ = answer_logprobs(model, answer_batch(sampled, pad), max_new_tokens=6, temperature=0.5)
         for i, (prompt, answer) in enumerate(zip(sampled.prompts, sampled.answers)):
             ids = torch.tensor([prompt])
             for t, token in enumerate(answer):  # one token at a time, no padding: the reference reading
-                step = torch.log_softmax(model(input_ids=ids).logits[0, -1].double(), dim=-1)[token]
+                logits = model(input_ids=ids).logits[0, -1].double()
+                step = torch.log_softmax(logits, dim=-1)[token]
                 assert float(logp[i, t]) == pytest.approx(float(step), abs=1e-4)
+                # at temperature t the distribution sampled from is softmax(logits / t)
+                assert float(hot[i, t]) == pytest.approx(float(torch.log_softmax(logits / 0.5, dim=-1)[token]),
+                                                         abs=1e-4)
                 ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
             assert mask[i].sum() == len(answer) and not mask[i, len(answer):].any()
 
@@ -92,9 +97,10 @@ def test_grpo_updates_move_probability_toward_the_better_answers_of_each_group(t
     assert change[advantages > 0].mean() - change[advantages < 0].mean() > 0.3, change
 
 
-def test_the_fused_head_gives_the_same_log_probs_and_gradients_as_full_logits(model_and_ids):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_fused_head_gives_the_same_log_probs_and_gradients_as_full_logits(model_and_ids, temperature):
     """Through the fused head (chunked, the vocabulary's logits never whole) the answers' log-probabilities and
-    their gradients are those of the full logits."""
+    their gradients are those of the full logits, at any sampling temperature (log softmax(logits / t))."""
     from gpupoor.objectives.cross_entropy import find_fused_head
 
     model, prompts, pad, eos = model_and_ids
@@ -105,7 +111,7 @@ def test_the_fused_head_gives_the_same_log_probs_and_gradients_as_full_logits(mo
     results = []
     for fused in (None, head):
         model.zero_grad()
-        logp, mask = answer_logprobs(model, batch, 6, head=fused)
+        logp, mask = answer_logprobs(model, batch, 6, head=fused, temperature=temperature)
         (logp * mask).sum().backward()
         results.append((logp.detach(), mask, model.lm_head.weight.grad.clone()))
     (full, full_mask, full_grad), (chunked, chunked_mask, chunked_grad) = results
