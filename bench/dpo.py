@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import Steady, spread  # noqa: E402
+from machine import own_peak_rss_mb, run_in, Steady, spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "bench" / "dpo"
@@ -100,7 +100,7 @@ def gpupoor_run(fixture: Path, pairs: Path, reference: str, args, run_dir: Path)
         "preference": {"beta": BETA, "reference": reference},
         "checkpoint": {"every_minutes": 1000}, "logging": {"progress": "none"}, "seed": 0}))
     started = time.perf_counter()
-    run([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run_dir)])
+    run_in([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run_dir)], ROOT)
     wall = time.perf_counter() - started
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if "loss" in r]
@@ -113,23 +113,8 @@ def trl_run(fixture: Path, pairs: Path, args, run_dir: Path) -> dict:
     command = [sys.executable, __file__, TRL_WORKER, str(fixture), str(pairs), str(run_dir), str(args.batch),
                str(args.seq), str(args.steps)]
     started = time.perf_counter()
-    out = run(command)
+    out = run_in(command, ROOT)
     return {**json.loads(out.strip().splitlines()[-1]), "wall_s": time.perf_counter() - started}
-
-
-def own_peak_rss_mb() -> float:
-    """This process's own high-water mark (VmHWM), as gpupoor reports its peak: ru_maxrss would carry over the
-    launching process's mark."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-
-
-def run(command: list[str]) -> str:
-    """A command's stdout; its output shown when it fails."""
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return done.stdout
 
 
 def trl_worker(fixture: str, pairs: str, run_dir: str, batch: str, seq: str, steps: str) -> None:

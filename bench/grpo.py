@@ -43,13 +43,12 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import Steady, spread, usable_cores  # noqa: E402
+from machine import own_peak_rss_mb, run_in, Steady, spread, usable_cores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "bench" / "grpo"
@@ -85,7 +84,7 @@ def gpupoor_run(model: Path, args, run_dir: Path) -> dict:
                  "scale_rewards": True, "rewards": [{"scorer": s, "weight": w} for s, w in REWARDS]},
         "checkpoint": {"every_minutes": 1000}, "logging": {"progress": "none", "every_steps": 1}, "seed": 0}))
     started = time.perf_counter()
-    run([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run_dir)])
+    run_in([sys.executable, "-m", "gpupoor", "train", str(recipe), "--output-dir", str(run_dir)], ROOT)
     wall = time.perf_counter() - started
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if "reward" in r and "step_s" in r]
@@ -98,7 +97,7 @@ def trl_run(model: Path, args, run_dir: Path) -> dict:
         {"prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "steps": args.steps,
          "lr": args.lr})]
     started = time.perf_counter()
-    out = json.loads(run(command).strip().splitlines()[-1])
+    out = json.loads(run_in(command, ROOT).strip().splitlines()[-1])
     return {**summarise(out["step_s"], out["rewards"], out["peak_rss_mb"], time.perf_counter() - started, args.k),
             "trl_settings": out["effective"]}
 
@@ -110,21 +109,6 @@ def summarise(step_s: list[float], rewards: list[float], peak_rss_mb: float, wal
     return {"step_s": statistics.median(step_s[WARM_UP:] or step_s), "peak_rss_mb": peak_rss_mb, "wall_s": wall_s,
             "reward_first": statistics.mean(rewards[:k]), "reward_last": statistics.mean(rewards[-k:]),
             "steps": len(step_s), "step_times": step_s, "rewards": rewards}
-
-
-def own_peak_rss_mb() -> float:
-    """This process's own high-water mark (VmHWM), as gpupoor reports its peak: ru_maxrss would carry over the
-    launching process's mark."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-
-
-def run(command: list[str]) -> str:
-    """A command's stdout; its output shown when it fails."""
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return done.stdout
 
 
 def trl_worker(model_dir: str, run_dir: str, settings: str) -> None:

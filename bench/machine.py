@@ -217,6 +217,21 @@ def shown_command(script: str, argv: Sequence[str], hidden: Sequence[str] = ("--
     return " ".join([f"python {script}", *shown])
 
 
+def own_peak_rss_mb() -> float:
+    """This process's own high-water mark (VmHWM), as gpupoor reports its peak: ru_maxrss would carry over the
+    launching process's mark."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+
+
+def run_in(command: list[str], cwd: Path) -> str:
+    """A command's stdout; its output shown when it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd)
+    if done.returncode != 0:
+        raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return done.stdout
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
