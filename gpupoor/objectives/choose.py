@@ -13,10 +13,10 @@ from gpupoor.recipe.schema import Recipe
 
 
 def choose_loss(recipe: Recipe, model, *, device: str, teacher=None, reference=None, tokenizer=None,
-                state_of=None, rank: int = 0):
+                state_of=None, rank: int = 0, processes: int = 1):
     """(training loss, eval sums (cross-entropy and correct targets), how the startup summary names the loss).
     GRPO samples with `tokenizer` and reads the run's step from `state_of()` (the TrainState now); `rank` is this
-    process's."""
+    process's, of `processes`."""
     from gpupoor.objectives.cross_entropy import (find_fused_head, fused_eval_sums, fused_loss_sum, plain_eval_sums,
                                                   plain_loss_sum)
 
@@ -28,7 +28,7 @@ def choose_loss(recipe: Recipe, model, *, device: str, teacher=None, reference=N
     if teacher is not None:
         loss, name = _distill_loss(recipe, teacher, fused)
     if recipe.training.objective == "grpo":
-        loss = _grpo_loss(recipe, model, fused, tokenizer, state_of, rank)
+        loss = _grpo_loss(recipe, model, fused, tokenizer, state_of, rank, processes)
         path = "log-probabilities chunked through the fused head" if fused is not None else \
             "log-probabilities from full logits"
         return loss, loss.evaluate, f"{loss.describe()}; {path} ({reason})"
@@ -66,13 +66,15 @@ def _preference_loss(recipe: Recipe, model, reference_copy, head, reason: str, *
     return loss, loss.evaluate, f"{what}; {path} ({reason})"
 
 
-def _grpo_loss(recipe: Recipe, model, head, tokenizer, state_of, rank: int):
+def _grpo_loss(recipe: Recipe, model, head, tokenizer, state_of, rank: int, processes: int):
     """GRPO's objective (gpupoor.objectives.grpo_objective): samples with the bare model; its reference, for
-    beta > 0, is that model with its adapter switched off."""
+    beta > 0, is that model with its adapter switched off. The update reads each prompt once for its group where
+    it can (one process, no gradient checkpointing)."""
     from gpupoor.objectives.grpo_objective import GrpoObjective
 
+    share = processes == 1 and not recipe.memory.gradient_checkpointing
     return GrpoObjective(recipe.grpo, tokenizer, generator=model, head=head, seed=recipe.seed, rank=rank,
-                         state_of=state_of, reference=recipe.grpo.beta > 0)
+                         state_of=state_of, reference=recipe.grpo.beta > 0, share_prompts=share)
 
 
 def _distill_loss(recipe: Recipe, teacher, student_head):

@@ -176,9 +176,10 @@ def find_fused_head(model: torch.nn.Module, enabled: bool = True) -> tuple[Fused
     return (FusedHead(decoder, head) if fused else None), reason
 
 
-def last_hidden_state(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: FusedHead):
+def last_hidden_state(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: FusedHead, **forward):
     """The decoder's output for every position, taken from a hook while the model's own forward runs (so
-    DDP/FSDP wrappers and peft hooks do their part); the model computes the logits of one position only."""
+    DDP/FSDP wrappers and peft hooks do their part); the model computes the logits of one position only.
+    `forward`: further arguments of the forward (GRPO's prompt cache)."""
     captured = {}
 
     def keep_hidden(module, args, output):
@@ -191,7 +192,7 @@ def last_hidden_state(model: torch.nn.Module, batch: dict[str, torch.Tensor], fu
                fused.head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))]
     try:
         with span("forward"):
-            model(**model_inputs(batch), use_cache=False, logits_to_keep=1)
+            model(**model_inputs(batch), **{"use_cache": False, "logits_to_keep": 1, **forward})
     finally:
         for handle in handles:
             handle.remove()

@@ -25,7 +25,8 @@ import torch
 
 from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.objectives.grpo import group_advantages, policy_loss
-from gpupoor.objectives.rollout import Sampled, answer_batch, answer_logprobs, sample_groups
+from gpupoor.objectives.rollout import (Sampled, answer_batch, answer_logprobs, sample_groups,
+                                       shared_prompt_logprobs)
 from gpupoor.profiling import span
 from gpupoor.scorers import combined_scores, parse_scorer
 
@@ -108,11 +109,14 @@ class GrpoObjective:
     """The loop's loss_fn (training) and eval_fn for `training.objective: grpo`."""
 
     def __init__(self, grpo, tokenizer, *, generator, head, seed: int, rank: int, state_of: Callable,
-                 reference: bool):
+                 reference: bool, share_prompts: bool = True):
         """`generator`: the bare model (samples; the reference with its adapter switched off); `head`: the fused
-        head or None; `state_of()`: the run's TrainState now (its step; where rollouts are kept)."""
+        head or None; `state_of()`: the run's TrainState now (its step; where rollouts are kept);
+        `share_prompts`: the update reads each prompt once for its group (one process, no gradient
+        checkpointing: a DDP forward cannot run twice before its backward, and checkpointing drops the cache)."""
         self.grpo, self.tokenizer, self.generator, self.head = grpo, tokenizer, generator, head
         self.seed, self.rank, self.state_of, self.reference = seed, rank, state_of, reference
+        self.share_prompts = share_prompts
         self.scorers = [(parse_scorer(r.scorer, f"grpo.rewards[{i}].scorer", unit_range=False), r.weight)
                         for i, r in enumerate(grpo.rewards)]
         self.names = reward_names([r.scorer for r in grpo.rewards])
@@ -132,7 +136,9 @@ class GrpoObjective:
                 f"{'scaled by the group' + chr(39) + 's spread' if g.scale_rewards else 'unscaled (Dr. GRPO)'}, "
                 f"clip {clip}, {g.loss_normalization}-normalised, "
                 + (f"KL to the adapter-off base (beta {g.beta:g})" if g.beta else "no KL term (beta 0)")
-                + (f", {g.iterations} updates per sampling" if g.iterations > 1 else ""))
+                + (f", {g.iterations} updates per sampling" if g.iterations > 1 else "")
+                + ("; each prompt read once for its group" if self.share_prompts else
+                   "; each prompt read once per answer in the update (several processes or checkpointing)"))
 
     # ----------------------------------------------------------------------------------------- training
     def __call__(self, model, batch: dict[str, torch.Tensor]):
@@ -163,14 +169,13 @@ class GrpoObjective:
             sampled = sample_groups(self.generator, prompts, group_size=group, max_new_tokens=grpo.max_new_tokens,
                                     pad_id=self.pad_id, eos_id=self.tokenizer.eos_token_id,
                                     seed=sampling_seed(self.seed, step, micro, self.rank),
-                                    temperature=grpo.temperature, top_p=grpo.top_p)
+                                    temperature=grpo.temperature, top_p=grpo.top_p, share_prompts=True)
         rewards, scores, rows = self._score(prompts, expected_ids, sampled.answers, group, f"step {step + 1}")
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), group, scale=grpo.scale_rewards)
         rollout = Rollout(step, sampled.prompts, sampled.answers, advantages.tolist(), rewards, scores)
         if self.reference:
-            batch = self._answer_batch(rollout)
             with torch.no_grad(), self.generator.disable_adapter(), span("reference"):
-                ref, mask = answer_logprobs(self.generator, batch, grpo.max_new_tokens, self.head, grpo.temperature)
+                ref, mask = self._logprobs(self.generator, rollout, share=True)
             rollout.ref_logp = _unpadded(ref.float(), mask)
         self.samples = [{"step": step + 1, "prompt": row["prompt"], "expected": row["expected"],
                          "answers": [{"text": text, "reward": rewards[i], **{n: scores[s][i] for n, s in
@@ -193,16 +198,21 @@ class GrpoObjective:
         rewards, scores = combined_scores(self.scorers, texts, [f["expected"] for f in fields], fields, wheres)
         return rewards, scores, rows
 
-    def _answer_batch(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+    def _logprobs(self, model, rollout: Rollout, share: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each answer token's log-probability under `model` at the sampling temperature, and where they are:
+        each prompt read once for its group (`share`), or every prompt + answer row whole."""
+        grpo, sampled = self.grpo, Sampled(rollout.prompts, rollout.answers)
+        if share:
+            return shared_prompt_logprobs(model, sampled, grpo.group_size, grpo.max_new_tokens, self.pad_id,
+                                          self.head, grpo.temperature)
         device = next(self.generator.parameters()).device
-        return {k: v.to(device) for k, v in answer_batch(Sampled(rollout.prompts, rollout.answers),
-                                                          self.pad_id).items()}
+        batch = {k: v.to(device) for k, v in answer_batch(sampled, self.pad_id).items()}
+        return answer_logprobs(model, batch, grpo.max_new_tokens, self.head, grpo.temperature)
 
     def _loss(self, model, rollout: Rollout, prompts: int):
         """(the loss summed over prompts, each metric summed over prompts)."""
         grpo = self.grpo
-        batch = self._answer_batch(rollout)
-        logp, mask = answer_logprobs(model, batch, grpo.max_new_tokens, self.head, grpo.temperature)
+        logp, mask = self._logprobs(model, rollout, self.share_prompts)
         width, device = logp.shape[1], logp.device
         if not rollout.old_logp:  # sampled by these very weights: the ratio is 1, only its gradient counts
             rollout.old_logp = _unpadded(logp.detach().float(), mask)

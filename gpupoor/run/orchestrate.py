@@ -273,7 +273,8 @@ def _choose_loss(session: Session):
     base_loss, evaluation, name = choose_loss(session.recipe, session.unwrapped, device=session.device,
                                               teacher=session.teacher, reference=session.reference,
                                               tokenizer=session.tokenizer, state_of=lambda: session.state,
-                                              rank=session.accelerator.process_index)
+                                              rank=session.accelerator.process_index,
+                                              processes=session.accelerator.num_processes)
     session.samples_from = base_loss if hasattr(base_loss, "samples") else None  # GRPO: its sampled answers
     nan_steps = faults.steps_for("nan")
     if not nan_steps:

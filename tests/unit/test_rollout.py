@@ -118,3 +118,43 @@ def test_the_fused_head_gives_the_same_log_probs_and_gradients_as_full_logits(mo
     assert torch.equal(full_mask, chunked_mask)
     assert float((full - chunked).abs().max()) < 1e-5
     assert float((full_grad - chunked_grad).norm() / full_grad.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_each_prompt_read_once_per_group_gives_the_same_log_probs_and_gradients(tiny_model, tokenizer, fused):
+    """The update's shared-prompt reading (each prompt's KV cache computed once and continued by its group's
+    answers) equals reading every prompt + answer row whole, in values and in every trained weight's gradient
+    (prompts of different lengths: left padding in the cache, right padding in the answers)."""
+    from gpupoor.objectives.cross_entropy import find_fused_head
+    from gpupoor.objectives.rollout import shared_prompt_logprobs
+
+    model = lora_model(tiny_model)
+    prompts = [tokenizer(text)["input_ids"] for text in ("reverse a b c d e f", "sort", "count to three")]
+    sampled = sample_groups(model, prompts, group_size=3, max_new_tokens=7, pad_id=0,
+                            eos_id=tokenizer.eos_token_id, seed=4)
+    assert len({len(a) for a in sampled.answers}) > 1 or len({len(p) for p in prompts}) > 1
+    head = find_fused_head(model)[0] if fused else None
+    model.train()
+    readings = []
+    for shared in (False, True):
+        model.zero_grad()
+        if shared:
+            logp, mask = shared_prompt_logprobs(model, sampled, 3, 7, 0, head=head, temperature=0.8)
+        else:
+            logp, mask = answer_logprobs(model, answer_batch(sampled, 0), 7, head=head, temperature=0.8)
+        (logp * mask * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        readings.append((logp.detach(), mask, grads))
+    (whole, whole_mask, whole_grads), (shared, shared_mask, shared_grads) = readings
+    assert torch.equal(whole_mask, shared_mask)
+    assert float((whole - shared).abs().max()) < 1e-5
+    for name, grad in whole_grads.items():
+        assert float((grad - shared_grads[name]).norm()) <= 1e-5 * max(float(grad.norm()), 1e-12), name
+
+
+def test_sampling_with_each_prompt_read_once_draws_the_answers_of_reading_it_per_answer(model_and_ids):
+    model, prompts, pad, eos = model_and_ids
+    for kind in ({"temperature": 0.0}, {"temperature": 1.0}):
+        plain = sample(model_and_ids, seed=11, **kind)
+        shared = sample(model_and_ids, seed=11, share_prompts=True, **kind)
+        assert plain.answers == shared.answers and plain.prompts == shared.prompts, kind
