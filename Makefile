@@ -53,7 +53,7 @@ demo-real: fetch-real
 demo-grpo: fetch-real
 	rm -rf runs/demo-grpo
 	$(VENV)/bin/gpupoor train recipes/smollm2-grpo.yaml --output-dir runs/demo-grpo --set model.name_or_path=$(REAL_GGUF)
-	$(VENV)/bin/gpupoor eval runs/demo-grpo --data recipes/data/grpo-eval.jsonl --general --max-new-tokens 16 --pass-if 'exact>=0.75' --pass-if 'exact-gain>=0.2' --pass-if 'general>=2'
+	$(VENV)/bin/gpupoor eval runs/demo-grpo --data recipes/data/grpo-eval.jsonl --general --max-new-tokens 16 --pass-if 'exact>=0.75' --pass-if 'exact-gain>=0.2' --pass-if 'general>=1'
 
 # Two xdist workers throughout; the 25 slowest tests of each step are printed (what to look at when CI time grows).
 # Unit and integration tests go a test file per worker (a module's reference runs are trained once, on the worker

@@ -124,6 +124,9 @@ class GrpoObjective:
         self.eval_metric_names = EVAL_METRICS + tuple(self.names)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.samples: list[dict] = []  # the latest step's first groups, for samples.jsonl
+        # Called between sampling and the update (the run sets it: on a CPU, gpupoor.train.heap's trimmer, since
+        # sampling's many cache-sized blocks fragment the C heap the update's activations then grow into).
+        self.after_sampling: Callable[[], None] | None = None
         self._step, self._micro = -1, 0
 
     def describe(self) -> str:
@@ -153,13 +156,11 @@ class GrpoObjective:
             if self.grpo.iterations > 1:  # the next N - 1 steps update on these answers: kept with the state
                 state.rollout = ([] if micro == 0 else state.rollout) + [rollout.to_dict()]
             return loss
-        else:
-            kept = state.rollout[micro] if micro < len(state.rollout) else None
-            if kept is None or kept["sampled_at"] != state.step - iteration:
-                raise RuntimeError(f"GRPO step {state.step + 1}: the answers sampled at step "
-                                   f"{state.step - iteration + 1} are not in the run's state")
-            rollout = Rollout(**kept)
-        return self._loss(model, rollout, count_prompts(batch))
+        kept = state.rollout[micro] if micro < len(state.rollout) else None
+        if kept is None or kept["sampled_at"] != state.step - iteration:
+            raise RuntimeError(f"GRPO step {state.step + 1}: the answers sampled at step "
+                               f"{state.step - iteration + 1} are not in the run's state")
+        return self._loss(model, Rollout(**kept), count_prompts(batch))
 
     def _rollout(self, batch, step: int, micro: int) -> Rollout:
         """Sample, score and rank the answers of one micro-batch (and the reference's log-probabilities)."""
@@ -170,12 +171,14 @@ class GrpoObjective:
                                     pad_id=self.pad_id, eos_id=self.tokenizer.eos_token_id,
                                     seed=sampling_seed(self.seed, step, micro, self.rank),
                                     temperature=grpo.temperature, top_p=grpo.top_p, share_prompts=True)
+        if self.after_sampling is not None:
+            self.after_sampling()
         rewards, scores, rows = self._score(prompts, expected_ids, sampled.answers, group, f"step {step + 1}")
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), group, scale=grpo.scale_rewards)
         rollout = Rollout(step, sampled.prompts, sampled.answers, advantages.tolist(), rewards, scores)
         if self.reference:
             with torch.no_grad(), self.generator.disable_adapter(), span("reference"):
-                ref, mask = self._logprobs(self.generator, rollout, share=True)
+                ref, mask = self._logprobs(self.generator, rollout, share=self.share_prompts)
             rollout.ref_logp = _unpadded(ref.float(), mask)
         self.samples = [{"step": step + 1, "prompt": row["prompt"], "expected": row["expected"],
                          "answers": [{"text": text, "reward": rewards[i], **{n: scores[s][i] for n, s in

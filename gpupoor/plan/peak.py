@@ -9,8 +9,9 @@ from gpupoor.plan.distributed import distribute, distribution_notes
 from gpupoor.plan.result import Term
 from gpupoor.plan.settings import Settings, resolve_settings
 from gpupoor.plan.shape import Shape
-from gpupoor.plan.terms import (DTYPE_BYTES, activation_bytes, generation_bytes, heap_retention, loss_bytes, optimizer_bytes, reference_weight_bytes,
-                                teacher_weight_bytes, tokenizer_bytes, trainable_params, weight_bytes)
+from gpupoor.plan.terms import (DTYPE_BYTES, activation_bytes, generation_bytes, grpo_update_bytes, heap_retention,
+                                loss_bytes, optimizer_bytes, reference_weight_bytes, teacher_weight_bytes,
+                                tokenizer_bytes, trainable_params, weight_bytes)
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import MiB, format_bytes
 
@@ -39,6 +40,8 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
     optimizer, optimizer_detail = optimizer_bytes(params, s)
     live, churn, act_detail = activation_bytes(shape, s)
     loss, loss_detail = loss_bytes(shape, s)
+    if s.sampled_answers:  # GRPO: the update's rows are its answers, its loss on their tokens
+        live, churn, act_detail, loss, loss_detail = grpo_update_bytes(shape, s)
     master = " (master weights)" if s.method == "full" else ""
     terms = [Term("base_weights", weights, weights_detail),
              Term("trainable", params * 4, f"{params / 1e6:,.2f}M trainable parameters in fp32{master}"),
@@ -74,9 +77,10 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
                           f"caching-allocator slack {slack / MiB:.0f} MiB"))
     assumptions = [f"every micro-batch row is {s.row_tokens} tokens (data.max_length): the longest batch"
                    if not s.sampled_answers else
-                   f"every answer's row is {s.row_tokens} tokens (data.max_length + grpo.max_new_tokens): the "
-                   f"longest prompt and an answer that never ends early; {s.micro_batch} rows (micro_batch_size x "
-                   "group_size)"]
+                   f"every prompt is {s.prompt_tokens} tokens (data.max_length) and every answer "
+                   f"{s.new_tokens} (grpo.max_new_tokens, never ending early); {s.sampled_answers} answers "
+                   "(micro_batch_size x group_size)" + ("" if s.shared_prompts else
+                                                        ", each read with its prompt (rows of both)")]
     if s.device == "cpu":  # docs/benchmarks.md, "On the real model": the real demo crept 19% over 10 steps
         assumptions.append("the peak of the first steps: on the CPU the C heap may keep more as a run goes on, "
                            "up to ~15% more over the first ten steps")

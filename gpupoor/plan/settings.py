@@ -74,6 +74,10 @@ class Settings:
     # the tokens sampled per answer; 0 for other objectives
     sampled_answers: int = 0
     new_tokens: int = 0
+    prompt_rows: int = 0  # the prompts of a micro-batch (training.micro_batch_size)
+    prompt_tokens: int = 0  # the longest prompt (data.max_length)
+    # the update reads each prompt once for its group (one process, no checkpointing: gpupoor.objectives.choose)
+    shared_prompts: bool = False
 
     @property
     def fused_mlp(self) -> bool:
@@ -149,6 +153,9 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                     micro_batch=answers or recipe.training.micro_batch_size * (pairs if sampler != "packed" else 1),
                     row_tokens=recipe.data.max_length * (pairs if sampler == "packed" else 1) + new_tokens,
                     sampled_answers=answers, new_tokens=new_tokens,
+                    prompt_rows=recipe.training.micro_batch_size if grpo else 0,
+                    prompt_tokens=recipe.data.max_length if grpo else 0,
+                    shared_prompts=grpo and processes == 1 and not recipe.memory.gradient_checkpointing,
                     rank=recipe.peft.rank, targets=targets, modules_to_save=tuple(recipe.peft.modules_to_save),
                     dropout=recipe.peft.dropout if METHODS[recipe.peft.method].low_rank else 0.0,
                     bits=recipe.quantization.bits,

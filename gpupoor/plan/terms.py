@@ -419,3 +419,24 @@ def generation_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
     logits = s.sampled_answers * shape.vocab * 4 * 4  # fp32 logits, their softmax, the sorted values and order
     return cache + logits, (f"KV cache of {s.sampled_answers} answers x {s.row_tokens} tokens "
                             f"{format_bytes(cache)}, the last token's logits {format_bytes(logits)}")
+
+
+def grpo_update_bytes(shape: Shape, s: Settings) -> tuple[int, int, str, int, str]:
+    """GRPO's update: (live, churn, detail) of its activations and (bytes, detail) of its log-probabilities. Each
+    prompt read once for its group (`shared_prompts`): the prompts' layers (prompt_rows x prompt_tokens) and the
+    answers' (sampled_answers x new_tokens), and the prompts' keys and values repeated for every answer, which
+    the answers' attention keeps for backward; else every answer's row whole. The log-probabilities are of the
+    answer tokens only."""
+    answers = replace(s, micro_batch=s.sampled_answers, row_tokens=s.new_tokens)
+    loss, loss_detail = loss_bytes(shape, answers)
+    if not s.shared_prompts:
+        live, churn, detail = activation_bytes(shape, s)
+        return live, churn, detail + " (each prompt with every answer)", loss, loss_detail
+    prompts = replace(s, micro_batch=s.prompt_rows, row_tokens=s.prompt_tokens)
+    prompt_live, prompt_churn, _ = activation_bytes(shape, prompts)
+    answer_live, answer_churn, _ = activation_bytes(shape, answers)
+    cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * s.sampled_answers * s.prompt_tokens * s.act_bytes
+    detail = (f"prompts {prompt_live / MiB:.1f} MiB ({s.prompt_rows} x {s.prompt_tokens} tokens, each read once "
+              f"for its group) + answers {answer_live / MiB:.1f} MiB ({s.sampled_answers} x {s.new_tokens} "
+              f"tokens) + the prompts' keys and values for every answer {cache / MiB:.1f} MiB")
+    return prompt_live + answer_live + cache, max(prompt_churn, answer_churn), detail, loss, loss_detail

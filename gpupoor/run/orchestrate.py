@@ -276,6 +276,11 @@ def _choose_loss(session: Session):
                                               rank=session.accelerator.process_index,
                                               processes=session.accelerator.num_processes)
     session.samples_from = base_loss if hasattr(base_loss, "samples") else None  # GRPO: its sampled answers
+    if hasattr(base_loss, "after_sampling"):
+        from gpupoor.train.heap import heap_trimmer
+
+        trimmer = heap_trimmer(str(session.device).split(":")[0])
+        base_loss.after_sampling = trimmer.after_backward if trimmer is not None else None
     nan_steps = faults.steps_for("nan")
     if not nan_steps:
         return base_loss, evaluation, name

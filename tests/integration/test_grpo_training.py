@@ -137,3 +137,14 @@ def test_validate_says_a_grpo_section_is_unused_without_the_objective(make_recip
     assert "the grpo section (beta, group_size) is unused: training.objective is sft" in result.output
     result = invoke("validate", grpo_recipe(make_recipe))
     assert result.exit_code == 0 and "is unused" not in result.output, result.output
+
+
+def test_with_gradient_checkpointing_the_update_reads_whole_rows(make_recipe, tmp_path):
+    """Checkpointing drops the KV cache in training: the update (and the reference) read every prompt with each
+    answer, and say so; the run trains as without."""
+    recipe = grpo_recipe(make_recipe, grpo={"beta": 0.04}, memory={"gradient_checkpointing": True},
+                         training={"max_steps": 2})
+    result = invoke("train", recipe, "--output-dir", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert "each prompt read once per answer in the update (several processes or checkpointing)" in result.output
+    assert steps(tmp_path / "run")[-1]["kl"] > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpupoor.plan.peak import plan_terms
 from gpupoor.plan.settings import resolve_settings
-from gpupoor.plan.terms import activation_bytes, generation_bytes, loss_bytes
+from gpupoor.plan.terms import activation_bytes, generation_bytes, grpo_update_bytes
 from gpupoor.recipe.schema import Recipe
 
 from support.plan import tiny_shape
@@ -33,11 +33,25 @@ def test_sampling_counts_where_it_exceeds_the_update():
     for checkpointing in (False, True):
         shape, s = grpo_settings(checkpointing=checkpointing, new_tokens=512, seq=8)
         terms, assumptions = plan_terms(shape, s, uses_bitsandbytes=False)
-        live, _, _ = activation_bytes(shape, s)
-        loss, _ = loss_bytes(shape, s)
+        live, _, _, loss, _ = grpo_update_bytes(shape, s)
         generation = next(t for t in terms if t.key == "generation")
         assert generation.bytes == max(0, generation_bytes(shape, s)[0] - live - loss)
         assert "grpo.max_new_tokens" in assumptions[0] and "KV cache of 8 answers x 520 tokens" in generation.detail
         # Even with checkpointing, a layer's saved input (hidden wide) outweighs its keys and values (2 x kv
         # heads x head_dim: grouped-query attention): the update is the larger working set.
         assert generation.bytes == 0
+
+
+def test_reading_each_prompt_once_is_planned_smaller_than_whole_rows():
+    """One process without checkpointing reads each prompt once for its group: the plan keeps the prompts' layers
+    once, the answers' for each answer, and the prompts' keys and values repeated for every answer; with
+    checkpointing every answer's row is whole again."""
+    shape, shared = grpo_settings(group=8, new_tokens=16, seq=128)
+    assert shared.shared_prompts and (shared.prompt_rows, shared.prompt_tokens) == (2, 128)
+    live, _, detail, _, _ = grpo_update_bytes(shape, shared)
+    whole, _, _ = activation_bytes(shape, shared)  # 16 rows of 144 tokens
+    assert live < whole / 3, (live, whole)
+    assert "each read once for its group" in detail and "16 x 16 tokens" in detail
+    _, checkpointed = grpo_settings(checkpointing=True, group=8, new_tokens=16, seq=128)
+    assert not checkpointed.shared_prompts
+    assert "each prompt with every answer" in grpo_update_bytes(shape, checkpointed)[2]
