@@ -48,8 +48,8 @@ demo-real: fetch-real
 
 # The real GRPO demo (docs/grpo.md): SmolLM2-135M-Instruct learns to answer a sentence's date as YYYY-MM-DD from
 # rewards alone (exact date, ISO shape); no answer is trained on. Then `gpupoor eval` scores the held-out rows
-# before and after, and two unrelated questions, and fails (exit 1) below the demo's bar. About 7 minutes on 2 CPU
-# cores. Each demo trains afresh.
+# before and after, and two unrelated questions, and fails (exit 1) below the demo's bar (docs/grpo.md: trained to
+# answer tersely, the model loses one of the two). About 9 minutes on 2 CPU cores. Each demo trains afresh.
 demo-grpo: fetch-real
 	rm -rf runs/demo-grpo
 	$(VENV)/bin/gpupoor train recipes/smollm2-grpo.yaml --output-dir runs/demo-grpo --set model.name_or_path=$(REAL_GGUF)
