@@ -42,7 +42,8 @@ def test_grpo_trains_and_logs_rewards_kl_and_samples(make_recipe, tmp_path):
     first = samples[0]
     assert first["prompt"].endswith("### Response:\n") and first["expected"]
     assert len(first["answers"]) == 4 and {"text", "reward", "reward_exact", "reward_length_8"} <= set(first["answers"][0])
-    assert sum(a["reward"] for a in first["answers"]) / 4 != 0 or records[0]["reward"] == 0
+    for answer in first["answers"]:  # each answer's reward is its scores' weighted sum
+        assert answer["reward"] == pytest.approx(answer["reward_length_8"] + 2 * answer["reward_exact"])
 
 
 def test_grpo_evaluates_greedy_answers(make_recipe, tmp_path):

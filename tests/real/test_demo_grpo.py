@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from pathlib import Path
 
 from conftest import invoke, shipped_recipes
+
+from support.makefile import target_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -19,19 +20,8 @@ LIMIT = 24
 MODEL = "$(REAL_GGUF)"
 
 
-def demo_grpo_target() -> tuple[list[str], list[str]]:
-    found = re.search(r"^demo-grpo:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
-    assert found, "the Makefile has a demo-grpo target"
-    commands = [shlex.split(line) for line in found.group(1).splitlines()]
-    gpupoor = [words for words in commands if words[0].endswith("/bin/gpupoor")]
-    train = [words[2:] for words in gpupoor if words[1] == "train"]
-    evaluate = [words[2:] for words in gpupoor if words[1] == "eval"]
-    assert len(train) == len(evaluate) == 1, commands
-    return train[0], evaluate[0]
-
-
 def test_demo_grpo_shortened_raises_the_held_out_reward(real_model_dir, tmp_path, monkeypatch):
-    train, evaluate = demo_grpo_target()
+    train, evaluate = target_commands("demo-grpo")
     assert ROOT / train[0] in shipped_recipes(real=True)
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("TQDM_DISABLE", "1")

@@ -9,11 +9,12 @@ peft, gpupoor.commands.demo_real) scores the same run, and `gpupoor eval` must a
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 
 from conftest import invoke, shipped_recipes
 from gpupoor.commands import demo_real
+
+from support.makefile import target_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 # Steps of 4 rows (40 rows seen) scored 15/16 after, 0/16 before, when measured (steps 6 and 8: 14/16). The demo's
@@ -26,14 +27,7 @@ MODEL = "$(REAL_GGUF)"  # the Makefile's base, here replaced by the dequantized 
 
 def demo_real_target() -> tuple[list[str], list[str]]:
     """The words of the train and eval commands of the Makefile's demo-real target."""
-    found = re.search(r"^demo-real:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
-    assert found, "the Makefile has a demo-real target"
-    commands = [shlex.split(line) for line in found.group(1).splitlines()]
-    gpupoor = [words for words in commands if words[0].endswith("/bin/gpupoor")]
-    train = [words[2:] for words in gpupoor if words[1] == "train"]
-    evaluate = [words[2:] for words in gpupoor if words[1] == "eval"]
-    assert len(train) == len(evaluate) == 1, f"one train and one eval command in demo-real: {commands}"
-    return train[0], evaluate[0]
+    return target_commands("demo-real")
 
 
 def option(words: list[str], name: str) -> str:
