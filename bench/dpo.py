@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import own_peak_rss_mb, run_in, Steady, spread  # noqa: E402
+from machine import (alternate_rounds, fresh_run_dir, own_peak_rss_mb, probes_cell, run_in,  # noqa: E402
+                     save_results, spread, step_timer, Steady)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "bench" / "dpo"
@@ -122,27 +123,19 @@ def trl_worker(fixture: str, pairs: str, run_dir: str, batch: str, seq: str, ste
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(f"{fixture}/model")
     model = AutoModelForCausalLM.from_pretrained(f"{fixture}/model", dtype=torch.float32)
     times: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            times.append(time.perf_counter() - self.started)
-
     config = DPOConfig(output_dir=run_dir, per_device_train_batch_size=int(batch), max_length=int(seq),
                        max_steps=int(steps), learning_rate=LEARNING_RATE, beta=BETA, loss_type=["sigmoid"],
                        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False,
                        dataloader_num_workers=0, disable_tqdm=True, seed=0, lr_scheduler_type="cosine")
     trainer = DPOTrainer(model=model, args=config, train_dataset=load_dataset("json", data_files=pairs, split="train"),
-                         processing_class=tokenizer, callbacks=[StepTimes()],
+                         processing_class=tokenizer, callbacks=[step_timer(times)],
                          peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0,
                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
     out = trainer.train()
@@ -153,8 +146,7 @@ def trl_worker(fixture: str, pairs: str, run_dir: str, batch: str, seq: str, ste
 # -------------------------------------------------------------------------------------------- the driver
 def measure(name: str, fixture: Path, pairs: Path, args) -> dict:
     """One run of a configuration, in a run directory of its own (a repeated attempt gets a new one)."""
-    run_dir = OUT / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{time.monotonic_ns()}-{CONFIGS.index(name)}"
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_dir = fresh_run_dir(OUT, CONFIGS.index(name))
     if name.startswith("TRL"):
         return trl_run(fixture, pairs, args, run_dir)
     return gpupoor_run(fixture, pairs, "copy" if "copy" in name else "adapter_off", args, run_dir)
@@ -165,11 +157,9 @@ def render(results: dict, steady: Steady, args) -> str:
              "| configuration | s per step | peak RSS MB | wall s | GFLOP/s before/after |", "|---|---:|---:|---:|---|"]
     for name in CONFIGS:
         runs = results[name]
-        probes = ", ".join(f"{r['gflops_before']:.0f}/{r['gflops_after']:.0f}{' noisy' if r['noisy'] else ''}"
-                           for r in runs)
         lines.append(f"| {name} | {spread([r['step_s'] for r in runs], '{:.3f}')} | "
                      f"{spread([r['peak_rss_mb'] for r in runs], '{:.0f}')} | {spread([r['wall_s'] for r in runs], '{:.1f}')} "
-                     f"| {probes} |")
+                     f"| {probes_cell(runs)} |")
     return "\n".join(lines + ["", steady.summary(), *steady.notes()])
 
 
@@ -193,15 +183,9 @@ def main() -> None:
     pairs = write_pairs(fixture, args.seq)
     steady = Steady()
     steady.warm_up()
-    results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
-    for number in range(args.rounds):
-        for name in CONFIGS:  # alternating: a slow spell of the machine hits every configuration alike
-            result = steady.run(name, lambda: measure(name, fixture, pairs, args))
-            results[name].append(result)
-            print(f"round {number + 1} {name}: {result['step_s']:.3f} s/step, {result['peak_rss_mb']:.0f} MB", flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                  "results": results, "probes": steady.log}, indent=1))
+    results = alternate_rounds(steady, CONFIGS, args.rounds, lambda name: measure(name, fixture, pairs, args),
+                               lambda r: f"{r['step_s']:.3f} s/step, {r['peak_rss_mb']:.0f} MB")
+    save_results(OUT, args, results, steady)
     print(render(results, steady, args))
 
 

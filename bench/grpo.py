@@ -48,7 +48,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import own_peak_rss_mb, run_in, Steady, spread, usable_cores  # noqa: E402
+from machine import (alternate_rounds, fresh_run_dir, own_peak_rss_mb, probes_cell, run_in,  # noqa: E402
+                     save_results, spread, step_timer, Steady, usable_cores)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "bench" / "grpo"
@@ -138,13 +139,7 @@ def trl_worker(model_dir: str, run_dir: str, settings: str) -> None:
     times: list[float] = []
     rewards: list[float] = []
 
-    class StepTimesAndRewards(TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            times.append(time.perf_counter() - self.started)
-
+    class Rewards(TrainerCallback):
         def on_log(self, _args, _state, _control, logs=None, **__):
             if logs and "reward" in logs:  # logging_steps=1: each step's mean reward over its answers
                 rewards.append(float(logs["reward"]))
@@ -158,7 +153,7 @@ def trl_worker(model_dir: str, run_dir: str, settings: str) -> None:
         gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, logging_steps=1, save_strategy="no",
         report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=0, log_completions=False)
     trainer = GRPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                          reward_funcs=[exact, iso_date], callbacks=[StepTimesAndRewards()],
+                          reward_funcs=[exact, iso_date], callbacks=[step_timer(times), Rewards()],
                           peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0,
                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
     trainer.train()
@@ -174,8 +169,7 @@ def trl_worker(model_dir: str, run_dir: str, settings: str) -> None:
 # -------------------------------------------------------------------------------------------- the driver
 def measure(name: str, model: Path, args) -> dict:
     """One run of a side, in a run directory of its own (a repeated attempt gets a new one)."""
-    run_dir = OUT / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{time.monotonic_ns()}-{SIDES.index(name)}"
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_dir = fresh_run_dir(OUT, SIDES.index(name))
     if name.startswith("TRL"):
         return trl_run(model, args, run_dir)
     return gpupoor_run(model, args, run_dir)
@@ -189,13 +183,11 @@ def render(results: dict, steady: Steady, args) -> str:
              "GFLOP/s before/after |", "|---|---:|---:|---:|---|---|"]
     for name in SIDES:
         runs = results[name]
-        probes = ", ".join(f"{r['gflops_before']:.0f}/{r['gflops_after']:.0f}{' noisy' if r['noisy'] else ''}"
-                           for r in runs)
         lines.append(f"| {name} | {spread([r['step_s'] for r in runs], '{:.2f}')} | "
                      f"{spread([r['peak_rss_mb'] for r in runs], '{:.0f}')} | "
                      f"{spread([r['wall_s'] for r in runs], '{:.1f}')} | "
                      f"{spread([r['reward_first'] for r in runs], '{:.2f}')} -> "
-                     f"{spread([r['reward_last'] for r in runs], '{:.2f}')} | {probes} |")
+                     f"{spread([r['reward_last'] for r in runs], '{:.2f}')} | {probes_cell(runs)} |")
     return "\n".join(lines + ["", steady.summary(), *steady.notes()])
 
 
@@ -237,18 +229,10 @@ def main() -> None:
     model = real_model()
     steady = Steady(threads=args.threads)
     steady.warm_up()
-    results: dict[str, list[dict]] = {name: [] for name in SIDES}
-    for number in range(args.rounds):
-        # alternating, and which side goes first too: a slow spell of the machine hits both alike
-        for name in SIDES if number % 2 == 0 else SIDES[::-1]:
-            result = steady.run(name, lambda: measure(name, model, args))
-            results[name].append(result)
-            print(f"round {number + 1} {name}: {result['step_s']:.2f} s/step, {result['peak_rss_mb']:.0f} MB, "
-                  f"reward {result['reward_first']:.2f} -> {result['reward_last']:.2f}", flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                  "versions": versions(), "model": str(model),
-                                                  "results": results, "probes": steady.log}, indent=1))
+    results = alternate_rounds(steady, SIDES, args.rounds, lambda name: measure(name, model, args),
+                               lambda r: f"{r['step_s']:.2f} s/step, {r['peak_rss_mb']:.0f} MB, reward "
+                                         f"{r['reward_first']:.2f} -> {r['reward_last']:.2f}", swap_order=True)
+    save_results(OUT, args, results, steady, versions=versions(), model=str(model))
     print(render(results, steady, args))
 
 

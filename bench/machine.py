@@ -168,6 +168,52 @@ def run_table_rows(results: dict[str, list[dict]], loss_key: str = "loss") -> li
     return rows
 
 
+def probes_cell(runs: Sequence[dict]) -> str:
+    """The GFLOP/s probes around each run, "before/after", noisy runs marked: a table's last column."""
+    return ", ".join(f"{r['gflops_before']:.0f}/{r['gflops_after']:.0f}{' noisy' if r['noisy'] else ''}" for r in runs)
+
+
+def alternate_rounds(steady: "Steady", sides: Sequence[str], rounds: int, measure: Callable[[str], dict],
+                     describe: Callable[[dict], str], swap_order: bool = False) -> dict[str, list[dict]]:
+    """`rounds` runs of every side, alternating (and with `swap_order`, which side goes first too): a slow spell of
+    the machine hits every side alike. Each run is probed (`steady`) and a line describing it printed."""
+    results: dict[str, list[dict]] = {name: [] for name in sides}
+    for number in range(rounds):
+        for name in sides[::-1] if swap_order and number % 2 else sides:
+            result = steady.run(name, lambda: measure(name))
+            results[name].append(result)
+            print(f"round {number + 1} {name}: {describe(result)}", flush=True)
+    return results
+
+
+def save_results(out: Path, args: argparse.Namespace, results: dict, steady: "Steady", **extra) -> None:
+    """OUT/results.json: the arguments, the raw figures of every run, the probes and whatever else the caller adds."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **extra,
+                                                  "results": results, "probes": steady.log}, indent=1))
+
+
+def fresh_run_dir(out: Path, side: int) -> Path:
+    """A run directory of its own under OUT/runs (a repeated attempt gets a new one)."""
+    run_dir = out / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{time.monotonic_ns()}-{side}"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def step_timer(times: list[float]):
+    """A transformers TrainerCallback appending each optimizer step's seconds to `times` (the peers' side)."""
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            times.append(time.perf_counter() - self.started)
+
+    return StepTimes()
+
+
 def median_of(runs: Sequence[dict], key: str) -> float:
     return statistics.median(run[key] for run in runs)
 
