@@ -41,7 +41,8 @@ class Work:
     detail: str
 
 
-KINDS = ("matmul", "recompute", "attention", "lora", "elementwise", "casts", "dora", "dequantize", "optimizer", "calls")
+KINDS = ("matmul", "recompute", "attention", "lora", "elementwise", "casts", "dora", "dequantize", "optimizer", "calls",
+         "decode", "decode_calls", "decode_steps", "decode_casts")  # the last four: GRPO's sampling (plan.grpo_work)
 
 
 def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -> list[Work]:
@@ -138,7 +139,7 @@ def _extra_forwards(shape: Shape, s: Settings, batch: BatchFacts, accumulation: 
 
 
 def total_flops(work: list[Work]) -> float:
-    return sum(w.amount for w in work if w.kind in ("matmul", "recompute", "attention", "lora"))
+    return sum(w.amount for w in work if w.kind in ("matmul", "recompute", "attention", "lora", "decode"))
 
 
 def model_flops_per_token(shape: Shape, s: Settings, seq: float) -> float:

@@ -224,9 +224,10 @@ def main() -> None:
     import transformers  # noqa: F401
 
     answer: dict = {"import_s": round(time.perf_counter() - started, 3), "torch": torch.__version__}
-    if "rate" in request:
-        r = request["rate"]
-        answer["rate"] = matmul_rate(r["device"], r["precision"], r.get("threads"), r["m"], r["k"], r["n"])
+    for kind in ("rate", "decode"):  # the decode step's matmul: the same probe at its rows
+        if kind in request:
+            r = request[kind]
+            answer[kind] = matmul_rate(r["device"], r["precision"], r.get("threads"), r["m"], r["k"], r["n"])
     if "data" in request:
         d = request["data"]
         answer["data"] = data_facts(d["recipe"], d["sampler"])

@@ -69,7 +69,7 @@ def render(plan: Plan, recipe_name: str) -> str:
     return "\n".join(lines + ([advice] if advice else []) + ([timing] if timing else []))
 
 
-AMOUNT_UNITS = {"matmul": "FLOP", "attention": "FLOP", "lora": "FLOP"}
+AMOUNT_UNITS = {"matmul": "FLOP", "recompute": "FLOP", "attention": "FLOP", "lora": "FLOP", "decode": "FLOP"}
 
 
 def render_time(plan: Plan) -> str:
@@ -94,7 +94,8 @@ def render_time(plan: Plan) -> str:
     width = max(len(w.key) for w in t.work)
     for w in t.work:
         amount = (f"{w.amount / 1e9:>10,.1f} GFLOP" if w.kind in AMOUNT_UNITS else
-                  f"{w.amount:>10,.0f} calls" if w.kind == "calls" else f"{w.amount / 1e6:>8,.1f}M values")
+                  f"{w.amount:>10,.0f} calls" if w.kind in ("calls", "decode_calls", "decode_casts") else
+                  f"{w.amount:>10,.0f} steps" if w.kind == "decode_steps" else f"{w.amount / 1e6:>8,.1f}M values")
         lines.append(f"  {w.key:<{width}}  {amount}  {w.detail}")
     measured = f" (measured by train here: {t.measured_step_s:.3g} s)" if t.measured_step_s else ""
     lines.append(f"  step {t.step_s:.3g} s{measured}; start-up {t.startup_s:.3g} s; {t.saves} saves of "

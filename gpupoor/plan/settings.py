@@ -78,6 +78,8 @@ class Settings:
     prompt_tokens: int = 0  # the longest prompt (data.max_length)
     # the update reads each prompt once for its group (one process, no checkpointing: gpupoor.objectives.choose)
     shared_prompts: bool = False
+    grpo_iterations: int = 1  # grpo.iterations: updates per sampling (the time plan spreads sampling over them)
+    grpo_reference: bool = False  # grpo.beta > 0: the reference's forward (the adapter switched off) per sampling
 
     @property
     def fused_mlp(self) -> bool:
@@ -156,6 +158,7 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
                     prompt_rows=recipe.training.micro_batch_size if grpo else 0,
                     prompt_tokens=recipe.data.max_length if grpo else 0,
                     shared_prompts=grpo and processes == 1 and not recipe.memory.gradient_checkpointing,
+                    grpo_iterations=recipe.grpo.iterations if grpo else 1, grpo_reference=grpo and recipe.grpo.beta > 0,
                     rank=recipe.peft.rank, targets=targets, modules_to_save=tuple(recipe.peft.modules_to_save),
                     dropout=recipe.peft.dropout if METHODS[recipe.peft.method].low_rank else 0.0,
                     bits=recipe.quantization.bits,

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from gpupoor.decisions import count_steps
 from gpupoor.plan.flops import BatchFacts, Work, step_work, total_flops
+from gpupoor.plan.grpo_work import grpo_step_work
 
 # Per kind of work: seconds = coefficient x amount x Rates.unit_s(kind) (the amount over the rate measured for
 # that kind; a call's measured seconds for `calls`), plus seconds per micro-batch and per step. The CPU's fitted
@@ -28,18 +29,23 @@ from gpupoor.plan.flops import BatchFacts, Work, step_work, total_flops
 COEFFICIENTS = {
     "cpu": {"matmul": 1.62, "recompute": 0.469, "attention": 2.0, "lora": 0.0, "elementwise": 0.0, "casts": 3.62,
             "dora": 1.48, "dequantize": 4.36, "optimizer": 4.57, "calls": 3.46, "micro_batch_s": 0.0,
-            "step_s": 0.00109, "first_step_s": 0.5},
+            "step_s": 0.00109, "first_step_s": 0.5,
+            # GRPO's sampling, fitted with the rest fixed (bench/time_accuracy.py --calibrate-grpo)
+            "decode": 1.0, "decode_calls": 4.43, "decode_steps": 0.0, "decode_casts": 6.79},
     # fitted on the H100's rows (bench/time_accuracy.py --calibrate-gpu bench/results/gpu-2026-11-28): matmul and
     # dequantize; the rest fixed (GPU_FIXED there says why); every kind at the matmul rate (only it is probed)
     "cuda": {"matmul": 3.04, "recompute": 3.04, "attention": 0.0, "lora": 0.0, "elementwise": 2650.0, "casts": 0.0,
              "dora": 2650.0, "dequantize": 3737.0, "optimizer": 544.0, "calls": 1e-5, "micro_batch_s": 0.0,
-             "step_s": 0.0, "first_step_s": 1.0},
+             "step_s": 0.0, "first_step_s": 1.0,
+             # GRPO is not planned on a GPU (gpupoor.plan.make): no GPU run has calibrated its sampling
+             "decode": 0.0, "decode_calls": 0.0, "decode_steps": 0.0, "decode_casts": 0.0},
 }
 # Which measured rate each kind of work is divided by ("call": multiplied by a call's seconds). A rate not measured
 # (a GPU: its coefficients are fitted against the matmul rate alone) falls back to the matmul rate, and a call to 1 s.
 RATE_OF_KIND = {"matmul": "matmul", "recompute": "matmul", "lora": "lora", "attention": "attention",
                 "elementwise": "values", "casts": "values", "dora": "values", "dequantize": "values",
-                "optimizer": "optimizer", "calls": "call"}
+                "optimizer": "optimizer", "calls": "call", "decode": "decode", "decode_calls": "call",
+                "decode_steps": "call", "decode_casts": "call"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class Rates:
     values: float | None = None  # elementwise values a second (a norm, the gated activation, a residual add)
     optimizer: float | None = None  # parameters a second an AdamW step updates (fp32)
     call: float | None = None  # seconds of a tiny module call, forward and backward
+    decode: float | None = None  # FLOP/s of a matmul of GRPO's decode step: as many rows as answers sampled at once
 
     def unit_s(self, kind: str) -> float:
         """Seconds one unit of `kind` (a FLOP, a value, a call) takes at coefficient 1."""
@@ -169,7 +176,7 @@ def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rates: Rates, 
     training = recipe.training
     accumulation = training.gradient_accumulation_steps
     steps = count_steps(training.max_steps, training.epochs, accumulation, batch.micro_batches, processes)
-    work = step_work(shape, settings, batch, accumulation)
+    work = (grpo_step_work if settings.sampled_answers else step_work)(shape, settings, batch, accumulation)
     step_s = predict_step_s(work, rates, accumulation, settings.device)
     device = "cuda" if settings.device == "cuda" else "cpu"
     startup_s = import_s + LOAD_FIXED_S + LOAD_S_PER_GIB[device] * weight_file_bytes / 2**30

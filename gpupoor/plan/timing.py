@@ -13,7 +13,8 @@ from gpupoor.plan.measure import attention_probe_shape, probe_rows
 from gpupoor.plan.time import GPU_PEAKS, PAPER_PROBE_FRACTION, Rates, TimePlan, make_time_plan
 
 FILE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-PROBES = ("rate", "lora", "attention", "values", "optimizer", "call")  # Rates' fields, in order ("rate": the matmul)
+# Rates' fields, in order ("rate": the matmul; "decode": GRPO's, at as many rows as answers sampled at once)
+PROBES = ("rate", "lora", "attention", "values", "optimizer", "call", "decode")
 
 
 def plan_threads(recipe, requested: int | None) -> int:
@@ -125,6 +126,8 @@ def _source(rate: Rates, settings, shape, m: int, paper_gpu: str | None, threads
         probed += (f", LoRA's {rate.lora / 1e9:,.0f} GFLOP/s, attention {rate.attention / 1e9:,.0f} GFLOP/s, "
                    f"{rate.values / 1e9:.2f} G elementwise values/s, AdamW {rate.optimizer / 1e9:.2f} G "
                    f"parameters/s, {rate.call * 1e6:.0f} us a module call")
+        if rate.decode:
+            probed += f", GRPO's decode matmuls {rate.decode / 1e9:,.0f} GFLOP/s ({settings.sampled_answers} rows)"
     return (f"this machine's {settings.precision} {probed} ({f'{threads} threads' if cpu else gpu_name}; probed "
             f"once, cached) x per-term efficiencies fitted on measured {'CPU' if cpu else 'GPU'} runs "
             "(docs/benchmarks.md, Time plan accuracy)")
@@ -137,6 +140,8 @@ def _rate_keys(settings, shape, m: int, data: dict | None) -> dict:
             "lora": f"lora {settings.precision} {m}x{shape.hidden}x{shape.intermediate} rank {settings.rank}",
             "values": f"values {settings.precision} {m}x{shape.hidden}x{shape.intermediate}",
             "optimizer": "adamw fp32", "call": "call"}
+    if settings.sampled_answers:  # a plain matmul at the decode step's rows: the same cache entry as one
+        keys["decode"] = cache.rate_key(settings.precision, settings.sampled_answers, shape.hidden, shape.intermediate)
     if data is not None:
         length, _ = attention_probe_shape(data, settings.attention_per_example)
         keys["attention"] = cache.attention_key(settings, shape, length)
@@ -165,6 +170,8 @@ def _probes(keys: dict, rates: dict, settings, shape, device: str, threads: int 
         request["optimizer"] = {"threads": threads}
     if keys["call"] not in rates:
         request["call"] = {"threads": threads}
+    if "decode" in keys and keys["decode"] not in rates:
+        request["decode"] = {**common, "m": settings.sampled_answers, "k": shape.hidden, "n": shape.intermediate}
     return request
 
 

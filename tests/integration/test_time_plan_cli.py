@@ -134,3 +134,25 @@ def test_a_first_plan_on_a_visible_gpu_goes_at_the_probed_matmul_rate(make_recip
                      timing={"threads": None, "gpu": None, "time_limit_s": None, "say": lambda text: None})
     assert plan.time_error is None and asked == [{"rate", "data", "write_to"}]
     assert plan.time.rates.matmul == 5e14 and plan.time.rates.attention is None and plan.time.steps == 10
+
+
+def test_a_grpo_plan_counts_sampling_and_training_compares_with_it(make_recipe, tmp_path):
+    """GRPO's time plan adds sampling (the prompts into the cache, decode steps of every answer) to the update, with
+    the decode step's matmul probed at its rows; spread over grpo.iterations; training compares its step time."""
+    grpo = {"group_size": 4, "max_new_tokens": 6, "rewards": [{"scorer": "length<=8"}]}
+    recipe = make_recipe(training={"objective": "grpo", "micro_batch_size": 2, "max_steps": 7}, grpo=grpo)
+    plan = plan_json(recipe)["time"]
+    work = {w["key"]: w["amount"] for w in plan["work"]}
+    assert {"linears", "prefill", "decode", "decode_calls", "decode_steps"} <= set(work)
+    assert plan["rates"]["decode"] > 0 and "GRPO's decode matmuls" in plan["source"] and "(8 rows)" in plan["source"]
+    spread = plan_json(recipe, "--set", "grpo.iterations=2")["time"]
+    halves = {w["key"]: w["amount"] for w in spread["work"]}
+    assert halves["decode"] == pytest.approx(work["decode"] / 2) and halves["linears"] == work["linears"]
+    assert spread["step_s"] < plan["step_s"]
+    on_paper = plan_json(recipe, "--device", "cuda", "--gpu", "A100")
+    assert "time" not in on_paper and "not calibrated on a GPU" in on_paper["time_error"]
+    run = tmp_path / "run"
+    trained = invoke("train", recipe, "--output-dir", run)
+    assert trained.exit_code == 0, trained.output
+    assert "step time" in trained.output and "s planned (" in trained.output
+    assert [r["predicted_step_s"] for r in read_metrics(run) if "predicted_step_s" in r] == [round(plan["step_s"], 4)]
