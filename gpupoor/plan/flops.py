@@ -75,13 +75,18 @@ def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -
     work.append(Work("head", "matmul", 2 * shape.embedding_params * head_tokens * head_passes,
                      f"{shape.vocab:,} x {shape.hidden} on {head_tokens:,.0f} "
                      + ("target tokens (fused loss)" if s.fused_loss else "tokens")))
-    adapters = sum(s.rank * sum(shape.linear(name)) for layer in training.layers for name in layer.adapters)
-    if adapters and METHODS[training.method].low_rank:
+    adapters = adapter_weights(shape, s, training)
+    if adapters:
         lora = 2 * adapters * t * 3 + 2 * adapters * t * (1 if recompute else 0)
+        if first_inputs:  # nor do the lowest layer's q, k and v adapters' A matrices (rank-wide, input-wide)
+            first = training.layers[training.first_active_layer]
+            lora -= 2 * t * s.rank * sum(shape.linear(name)[0] for name in ("q_proj", "k_proj", "v_proj")
+                                         if name in first.adapters)
         detail = f"rank {s.rank}: {adapters / 1e6:.2f}M adapter weights x {t:,.0f} tokens"
         work.append(Work("lora", "lora", lora, detail))
         if METHODS[training.method].magnitude:
-            work += _dora_work(shape, s, training, t, accumulation, bool(recompute))
+            forwards = (2 if recompute else 1) * accumulation
+            work += dora_work(shape, s, training, t, forwards, passes=forwards / accumulation + 1)
     # Norms, rotary embeddings, the activation, residual adds: values touched per token and layer.
     per_token = 6 * shape.hidden + 3 * shape.intermediate + shape.q + 2 * shape.kv
     work.append(Work("elementwise", "elementwise", per_token * t * (layers + 2 * active + recompute),
@@ -96,29 +101,48 @@ def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -
     work += _extra_forwards(shape, s, batch, accumulation)
     work.append(Work("optimizer", "optimizer", training.params, f"{s.optimizer} on {training.params:,} parameters"))
     # Each module call costs the same dispatch overhead whatever its size: it is most of a tiny model's step.
-    per_layer = len(LINEARS) + 2 * max((len(layer.adapters) for layer in training.layers), default=0) + 6
+    per_layer = module_calls_per_layer(training)
     calls = per_layer * (layers + active + recompute) * accumulation
     work.append(Work("calls", "calls", calls, f"{per_layer} module calls a layer and pass"))
     return work
 
 
-def _dora_work(shape: Shape, s: Settings, training, tokens: float, accumulation: int, recompute: bool) -> list[Work]:
-    """peft's DoRA (peft/tuners/lora/dora.py), in each forward (checkpointing: twice): W + BA rebuilt through an
+# Module calls of a decoder layer besides its linears and their adapters' two each: the norms, rotary, the
+# activation, the residual adds (and in a decode step the cache's update).
+OTHER_CALLS_PER_LAYER = 6
+
+
+def module_calls_per_layer(training) -> int:
+    return len(LINEARS) + 2 * max((len(layer.adapters) for layer in training.layers), default=0) \
+        + OTHER_CALLS_PER_LAYER
+
+
+def adapter_weights(shape: Shape, s: Settings, training) -> int:
+    """LoRA's (or DoRA's) weights over the trained layers: 0 for a method without low-rank adapters."""
+    if not METHODS[training.method].low_rank:
+        return 0
+    return sum(s.rank * sum(shape.linear(name)) for layer in training.layers for name in layer.adapters)
+
+
+def dora_work(shape: Shape, s: Settings, training, tokens: float, forwards: float, passes: float,
+              dropped_out: bool = True) -> list[Work]:
+    """peft's DoRA (peft/tuners/lora/dora.py), in each of `forwards` forward calls: W + BA rebuilt through an
     identity matrix and its row norms taken, detached (no backward); the output rescaled by magnitude / norm,
-    elementwise over every adapted output, forward and backward. With dropout, the base linear once more on the
-    dropped-out input (forward, and its input's gradient)."""
+    elementwise over every adapted output of `tokens` tokens `passes` times (forward, recomputed, backward). With
+    dropout (`dropped_out`: training mode), the base linear once more on the dropped-out input (forward, and its
+    input's gradient)."""
     adapted = [shape.linear(name) for layer in training.layers for name in layer.adapters]
-    forwards = (2 if recompute else 1) * accumulation
     rebuild = sum(2 * a * a * s.rank + 2 * a * s.rank * b for a, b in adapted) * forwards
     weights = sum(a * b for a, b in adapted)
     outputs = sum(b for _, b in adapted)
     work = [Work("dora_norms", "lora", rebuild, "DoRA: W + BA rebuilt for its norms, each forward"),
             Work("dora_weights", "dora", 3 * weights * forwards, f"DoRA: {weights / 1e6:.1f}M weights summed "
                  "and normed, each forward"),
-            Work("dora_scale", "dora", 5 * outputs * tokens * (forwards / accumulation + 1),
-                 f"DoRA: {outputs:,} adapted outputs a token rescaled, forward and backward")]
-    if s.dropout:
-        base = sum(2 * a * b for a, b in adapted) * tokens * (forwards / accumulation + 1)
+            Work("dora_scale", "dora", 5 * outputs * tokens * passes,
+                 f"DoRA: {outputs:,} adapted outputs a token rescaled" + (", forward and backward" if passes > 1
+                                                                          else ""))]
+    if s.dropout and dropped_out:
+        base = sum(2 * a * b for a, b in adapted) * tokens * passes
         work.append(Work("dora_base", "matmul", base, "DoRA with dropout: the base linears again on the input"))
     return work
 
@@ -149,7 +173,7 @@ def model_flops_per_token(shape: Shape, s: Settings, seq: float) -> float:
     training = what_trains(shape, s)
     weights = shape.layer_linear_params * shape.layers + shape.embedding_params
     factor = 6 if training.method == "full" else 4
-    adapters = sum(s.rank * sum(shape.linear(name)) for layer in training.layers for name in layer.adapters)
+    adapters = adapter_weights(shape, s, training)
     attention = 3 * 4 * shape.q * shape.layers * seq / 2
     return factor * weights + 6 * adapters + attention
 

@@ -10,37 +10,50 @@ before its answer) and R = P x group_size answers of A = grpo.max_new_tokens tok
   over the context so far, and a fixed cost per module call and per decode step (generate's own work: the
   logits' processing, the draw, the cache's update), counted in calls;
 - the reference (beta > 0) and the update read each prompt once and the answers after it (P x L + R x A tokens;
-  under DDP or checkpointing every answer's row whole: R x (L + A)), the loss on the answer tokens only.
+  under DDP or checkpointing every answer's row whole: R x (L + A)), the loss on the answer tokens only (the fused
+  head computes their logits again in backward);
+- what every forward pays for its weights whatever its rows (k-bit weights expanded, DoRA's norms rebuilt), at
+  each decode step.
 With grpo.iterations N, answers are sampled (and the reference read) once every N steps: a step carries 1/N of it.
-Answers are counted at A tokens: one that ends early shortens sampling and the update, so the plan is an upper
-bound for answers that stop before max_new_tokens."""
+Answers are counted at A tokens: one that ends early shortens sampling and the update, so the plan is above the run
+for answers that stop before max_new_tokens."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from gpupoor.methods import METHODS
-from gpupoor.plan.flops import BatchFacts, Work, step_work
+from gpupoor.plan.flops import BatchFacts, Work, adapter_weights, dora_work, module_calls_per_layer, step_work
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.plan.shape import LINEARS, Shape
 
-# Module calls per decoder layer in one decode step: the linears, the norms, rotary, the activation, the cache's
-# update and the residual adds (what a training layer's forward counts, flops.step_work's per_layer).
-OTHER_CALLS_PER_LAYER = 6
 HALF_CASTS_PER_LAYER = 4  # bf16/fp16: each of the two norms casts its input to fp32 and its output back
 
 
 def grpo_step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -> list[Work]:
     """The work of one GRPO optimizer step: `accumulation` micro-batches of `batch`'s prompts, each sampled (every
     grpo.iterations steps), scored against the reference (beta > 0) and updated on, then the optimizer."""
-    prompts = s.prompt_rows
-    prompt_tokens = max(batch.real_tokens - batch.targets, prompts)  # each row's tokens before its answer
-    length = prompt_tokens / prompts
-    update = update_facts(s, batch.micro_batches, prompt_tokens, length)
+    prompt_tokens, length, update = grpo_rows(s, batch)
     work = update_work(shape, s, update, prompt_tokens, accumulation)
     share = 1 / s.grpo_iterations
     return work + [_scaled(w, share * accumulation) for w in sampling_work(shape, s, prompt_tokens, length)
                    + reference_work(shape, s, update)]
+
+
+def grpo_rows(s: Settings, batch: BatchFacts) -> tuple[float, float, BatchFacts]:
+    """(a micro-batch's prompt tokens, their mean length, the update's rows) from the data's rows, whose answers
+    are the expected ones (scored by the rewards, never trained on)."""
+    prompt_tokens = max(batch.real_tokens - batch.targets, s.prompt_rows)  # each row's tokens before its answer
+    length = prompt_tokens / s.prompt_rows
+    return prompt_tokens, length, update_facts(s, batch.micro_batches, prompt_tokens, length)
+
+
+def describe_rows(s: Settings, batch: BatchFacts, accumulation: int) -> str:
+    """The time plan's line for a GRPO step's rows."""
+    _, length, update = grpo_rows(s, batch)
+    return (f"{accumulation} x {s.prompt_rows} prompts ({length:,.0f} tokens each) and their {s.sampled_answers} "
+            f"answers of up to {s.new_tokens} tokens; the update on {update.tokens:,.0f} tokens a micro-batch, "
+            f"{update.targets:,.0f} of them answers")
 
 
 def update_facts(s: Settings, micro_batches: int, prompt_tokens: float, length: float) -> BatchFacts:
@@ -59,18 +72,39 @@ def update_facts(s: Settings, micro_batches: int, prompt_tokens: float, length: 
 
 
 def update_work(shape: Shape, s: Settings, update: BatchFacts, prompt_tokens: float, accumulation: int) -> list[Work]:
-    """The update's forward and backward on `update`'s rows and the optimizer step. The head runs on the answer
-    tokens alone (their log-probabilities), whatever the loss setting."""
-    work = step_work(shape, replace(s, fused_loss=True), update, accumulation)
+    """The update's forward and backward on `update`'s rows (each of the `accumulation` micro-batches) and the
+    optimizer step. The head runs on the answer tokens alone where the answers are read after the prompts' cache
+    or through the fused head; whole rows without it compute every position's logits."""
+    work = step_work(shape, replace(s, fused_loss=_head_on_answers_only(s)), update, accumulation)
     if s.shared_prompts:
-        work = _without_unused_prompt_backward(work, shape, s, (prompt_tokens - s.prompt_rows) * accumulation)
-    return work
+        work = _without_unused_prompt_backward(work, shape, s, prompt_tokens - s.prompt_rows, accumulation)
+    position, recomputed = _head_extras(s, update)
+    extra = Work("head_extra", "matmul", 2 * shape.embedding_params * (position + recomputed) * accumulation,
+                 f"the head on {position:,.0f} last positions (the model's own logits, unused)"
+                 + (f"; the fused log-probabilities' logits again in backward ({recomputed:,.0f} tokens)"
+                    if recomputed else ""))
+    after_head = next(i for i, w in enumerate(work) if w.key == "head") + 1
+    return work[:after_head] + [extra] + work[after_head:]
+
+
+def _head_on_answers_only(s: Settings) -> bool:
+    return s.fused_loss or s.shared_prompts
+
+
+def _head_extras(s: Settings, update: BatchFacts) -> tuple[float, float]:
+    """(rows whose last position the model's own head computes besides the answers' log-probabilities, the
+    answer tokens whose logits the fused head computes again in backward): the prompts' cache is read with
+    logits_to_keep=1, and so is every answer row read through the fused head (gpupoor.objectives.cross_entropy
+    .last_hidden_state); gpupoor.objectives.preference.target_logprobs keeps no logits for backward."""
+    position = (s.prompt_rows if s.shared_prompts else 0) + (s.sampled_answers if s.fused_loss else 0)
+    return position, (update.targets if s.fused_loss else 0)
 
 
 def sampling_work(shape: Shape, s: Settings, prompt_tokens: float, length: float) -> list[Work]:
     """One micro-batch's sampling: the prompts into the cache, then max_new_tokens decode steps of every answer."""
     rows, new, layers = s.sampled_answers, s.new_tokens, shape.layers
-    weights = shape.layer_linear_params * layers + _adapter_weights(shape, s)  # peft's adapters run unmerged
+    training = what_trains(shape, s)
+    weights = shape.layer_linear_params * layers + adapter_weights(shape, s, training)  # peft's adapters unmerged
     # Each prompt but its last token into the cache (the head on one position of each); the first decode step
     # reads the last prompt token of every answer's row.
     cached = length - 1
@@ -83,10 +117,9 @@ def sampling_work(shape: Shape, s: Settings, prompt_tokens: float, length: float
     decoded = rows * new
     context = length + (new - 1) / 2  # the mean keys a decode step attends to (the cache and itself)
     flops = 2 * weights * decoded + 2 * shape.embedding_params * decoded + 4 * shape.q * layers * decoded * context
-    training = what_trains(shape, s)
     adapted = max((len(layer.adapters) for layer in training.layers), default=0) \
         if METHODS[training.method].low_rank else 0
-    per_layer = len(LINEARS) + 2 * adapted + OTHER_CALLS_PER_LAYER
+    per_layer = module_calls_per_layer(training)
     work = prefill + [
         Work("decode", "decode", flops, f"sampling: {new} decode steps of {rows} answers (linears, the "
              f"{shape.vocab:,}-word head and attention for {rows} rows at a time)"),
@@ -97,21 +130,28 @@ def sampling_work(shape: Shape, s: Settings, prompt_tokens: float, length: float
         casts = HALF_CASTS_PER_LAYER + 2 * adapted
         work.append(Work("decode_casts", "decode_casts", casts * layers * new,
                          f"sampling in {s.precision}: {casts} casts a layer at each decode step"))
-    return work
+    return work + _weights_per_forward(shape, s, new + 1, prompt_tokens - s.prompt_rows + decoded, "sampling")
 
 
 def reference_work(shape: Shape, s: Settings, update: BatchFacts) -> list[Work]:
-    """beta > 0: the answers' log-probabilities with the adapter switched off, once per sampling (no backward)."""
+    """beta > 0: the answers' log-probabilities with the adapter switched off, once per sampling (no backward),
+    read as the update reads them."""
     if not s.grpo_reference:
         return []
-    flops = 2 * shape.layer_linear_params * shape.layers * update.tokens + 2 * shape.embedding_params * update.targets
-    return [Work("reference", "matmul", flops, "GRPO's reference forward (the adapter switched off)")]
+    head_tokens = (update.targets if _head_on_answers_only(s) else update.tokens) + _head_extras(s, update)[0]
+    flops = 2 * shape.layer_linear_params * shape.layers * update.tokens + 2 * shape.embedding_params * head_tokens
+    return [Work("reference", "matmul", flops, "GRPO's reference forward (the adapter switched off)"),
+            Work("reference_attention", "attention", 4 * shape.q * shape.layers * update.row_pairs,
+                 "GRPO's reference: attention, forward")] \
+        + _weights_per_forward(shape, s, 1, update.tokens, "reference", adapter_on=False)
 
 
-def _without_unused_prompt_backward(work: list[Work], shape: Shape, s: Settings, cached: float) -> list[Work]:
+def _without_unused_prompt_backward(work: list[Work], shape: Shape, s: Settings, cached: float,
+                                    accumulation: int) -> list[Work]:
     """The update's work less what torch never runs: the loss reads the prompts' cache only through each layer's
-    keys and values, so in the last layer the `cached` prompt tokens take no backward but through k_proj and v_proj
-    (their queries, attention output and MLP feed nothing). flops.step_work counted a whole layer's."""
+    keys and values, so in the last layer the `cached` prompt tokens of each micro-batch take no backward but
+    through k_proj and v_proj (their queries, attention output and MLP feed nothing). flops.step_work counted a
+    whole layer's."""
     training = what_trains(shape, s)
     last = training.layers[-1]
     unused = [name for name in LINEARS if name not in ("k_proj", "v_proj")]
@@ -119,18 +159,26 @@ def _without_unused_prompt_backward(work: list[Work], shape: Shape, s: Settings,
         + 2 * sum(shape.linear_params(name) for name in last.weights if name in unused)  # input, weight gradients
     lora = 4 * s.rank * sum(sum(shape.linear(name)) for name in last.adapters if name in unused) \
         if METHODS[training.method].low_rank else 0
-    per_prompt = cached / max(s.prompt_rows, 1)
-    less = {"linears": grads * cached, "lora": lora * cached,
-            "attention": 8 * shape.q * cached * per_prompt}  # the prompts' queries' part of the backward
+    per_prompt = cached / max(s.prompt_rows, 1)  # each prompt's cached tokens: its queries attend to as many keys
+    less = {"linears": grads * cached * accumulation, "lora": lora * cached * accumulation,
+            "attention": 8 * shape.q * cached * per_prompt * accumulation}  # the prompts' queries' backward
     return [replace(w, amount=max(0.0, w.amount - less[w.key])) if w.key in less else w for w in work]
 
 
-def _adapter_weights(shape: Shape, s: Settings) -> int:
-    """LoRA's weights over all layers (0 for a method without low-rank adapters), as flops.step_work counts them."""
+def _weights_per_forward(shape: Shape, s: Settings, forwards: int, tokens: float, what: str,
+                         adapter_on: bool = True) -> list[Work]:
+    """What each forward call pays for its weights, whatever its rows: k-bit weights expanded (bits), DoRA's
+    W + BA rebuilt for its norms (DoRA with the adapter on; dropout is off in eval mode). Sampling makes one forward
+    per decode step: these are paid max_new_tokens times."""
+    work = []
+    if s.bits is not None:
+        work.append(Work(f"{what}_dequantize", "dequantize", shape.layer_linear_params * shape.layers * forwards,
+                         f"{what}: {s.bits}-bit weights expanded in each of {forwards} forwards"))
     training = what_trains(shape, s)
-    if not METHODS[training.method].low_rank:
-        return 0
-    return sum(s.rank * sum(shape.linear(name)) for layer in training.layers for name in layer.adapters)
+    if adapter_on and METHODS[training.method].magnitude:
+        work += [replace(w, key=f"{what}_{w.key}", detail=f"{what}: {w.detail}")
+                 for w in dora_work(shape, s, training, tokens, forwards, passes=1, dropped_out=False)]
+    return work
 
 
 def _scaled(work: Work, factor: float) -> Work:

@@ -87,9 +87,11 @@ def render_time(plan: Plan) -> str:
         return format_duration(seconds, style="age")
 
     b = t.batch
-    lines = [f"time plan{' on paper' if t.on_paper else ''}: {t.steps:,} optimizer steps of {t.accumulation} x "
-             f"{b.tokens:,.0f} tokens ({b.real_tokens / max(b.tokens, 1):.0%} data, {b.targets:,.0f} targets a "
-             f"micro-batch; {b.micro_batches:,} micro-batches an epoch)",
+    epoch = f"{b.micro_batches:,} micro-batches an epoch"
+    rows = (f"{t.rows_line} ({epoch})" if t.rows_line else
+            f"{t.accumulation} x {b.tokens:,.0f} tokens ({b.real_tokens / max(b.tokens, 1):.0%} data, "
+            f"{b.targets:,.0f} targets a micro-batch; {epoch})")
+    lines = [f"time plan{' on paper' if t.on_paper else ''}: {t.steps:,} optimizer steps of {rows}",
              f"  work of a step: {total_flops(t.work) / 1e12:,.3g} TFLOP"]
     width = max(len(w.key) for w in t.work)
     for w in t.work:

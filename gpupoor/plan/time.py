@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from gpupoor.decisions import count_steps
 from gpupoor.plan.flops import BatchFacts, Work, step_work, total_flops
-from gpupoor.plan.grpo_work import grpo_step_work
+from gpupoor.plan.grpo_work import describe_rows, grpo_rows, grpo_step_work
 
 # Per kind of work: seconds = coefficient x amount x Rates.unit_s(kind) (the amount over the rate measured for
 # that kind; a call's measured seconds for `calls`), plus seconds per micro-batch and per step. The CPU's fitted
@@ -30,8 +30,10 @@ COEFFICIENTS = {
     "cpu": {"matmul": 1.62, "recompute": 0.469, "attention": 2.0, "lora": 0.0, "elementwise": 0.0, "casts": 3.62,
             "dora": 1.48, "dequantize": 4.36, "optimizer": 4.57, "calls": 3.46, "micro_batch_s": 0.0,
             "step_s": 0.00109, "first_step_s": 0.5,
-            # GRPO's sampling, fitted with the rest fixed (bench/time_accuracy.py --calibrate-grpo)
-            "decode": 1.0, "decode_calls": 4.43, "decode_steps": 0.0, "decode_casts": 6.79},
+            # GRPO's sampling (bench/time_accuracy.py --calibrate-grpo): decode fixed at 1 (sampling's matmuls
+            # cannot run faster than the same matmul probed alone), the calls and casts fitted with the rest fixed;
+            # refitted on the same runs after the review's terms (bench/results/time-2026-11-29-grpo-xeon)
+            "decode": 1.0, "decode_calls": 3.71, "decode_steps": 0.0, "decode_casts": 7.75},
     # fitted on the H100's rows (bench/time_accuracy.py --calibrate-gpu bench/results/gpu-2026-11-28): matmul and
     # dequantize; the rest fixed (GPU_FIXED there says why); every kind at the matmul rate (only it is probed)
     "cuda": {"matmul": 3.04, "recompute": 3.04, "attention": 0.0, "lora": 0.0, "elementwise": 2650.0, "casts": 0.0,
@@ -117,10 +119,13 @@ class TimePlan:
     measured_step_s: float | None = None  # a train of this very recipe on this machine measured it
     time_limit_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    update_tokens: float | None = None  # GRPO: the tokens a micro-batch's update reads (its prompts and answers)
+    rows_line: str | None = None  # GRPO: a step's rows in words (the data's rows are prompts, not what trains)
 
     @property
     def tokens_per_step(self) -> float:
-        return self.batch.tokens * self.accumulation
+        """The tokens a step trains on: the data's rows, or GRPO's prompts and sampled answers."""
+        return (self.update_tokens if self.update_tokens is not None else self.batch.tokens) * self.accumulation
 
     @property
     def used_step_s(self) -> float:
@@ -184,6 +189,9 @@ def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rates: Rates, 
     plan = TimePlan(steps, accumulation, batch, work, rates, step_s, startup_s, COEFFICIENTS[device]["first_step_s"],
                     0, save_s, source, on_paper, measured_step_s, time_limit_s)
     plan.saves = count_saves(recipe, steps, plan.used_step_s) + 1  # and final/
+    if settings.sampled_answers:
+        plan.update_tokens = grpo_rows(settings, batch)[2].tokens
+        plan.rows_line = describe_rows(settings, batch, accumulation)
     return plan
 
 

@@ -15,6 +15,26 @@ SAMPLES_FILE = "samples.jsonl"  # GRPO's sampled answers with their rewards, one
 TIME_CHECK_STEPS = 5  # steps before the step time is compared with the plan's: the first one warms up
 
 
+def sampling_cycle(recipe: Recipe) -> int:
+    """Steps per sampling: grpo.iterations for GRPO (each sampled rollout is updated on that many steps), else 1."""
+    return recipe.grpo.iterations if recipe.training.objective == "grpo" else 1
+
+
+def time_check_steps(cycle: int) -> int:
+    """Steps before the step time is compared with the plan's: TIME_CHECK_STEPS, or the first step and two whole
+    cycles when a cycle is longer (the time line needs two cycles' means to take a median of)."""
+    return max(TIME_CHECK_STEPS, 1 + 2 * cycle)
+
+
+def typical_step_s(step_times: list[float], cycle: int = 1) -> float | None:
+    """A session's step time as the plan means it: the median after the first step (it warms up). With a cycle of
+    N > 1 steps (GRPO samples once every grpo.iterations steps) the median of the means of N steps in a row: any
+    N consecutive steps hold one sampling, and a median of single steps would be an update alone."""
+    rest = step_times[1:]
+    means = [sum(rest[i:i + cycle]) / cycle for i in range(0, len(rest) - cycle + 1, cycle)]
+    return statistics.median(means) if means else None
+
+
 class Reporter:
     """The run's metrics writer, trackers and progress line, and what it last reported."""
 
@@ -26,6 +46,8 @@ class Reporter:
         self.last_loss: float | None = None
         self.warned_nonfinite = False
         self.step_times: list[float] = []  # this session's step_s, for the time line and the facts cache
+        self.cycle = sampling_cycle(session.recipe)
+        self.check_steps = time_check_steps(self.cycle)
         self.predicted_mb = (round(session.memory_plan.comparable_peak / 2**20, 1)
                              if session.memory_plan is not None else None)
         main = session.main
@@ -54,14 +76,14 @@ class Reporter:
 
     def step(self, record: dict, state) -> None:
         """An optimizer step's record, with the memory plan's prediction (and after steps 1 and 3 the memory line,
-        after TIME_CHECK_STEPS the step time against the time plan's)."""
+        after time_check_steps the step time against the time plan's)."""
         if self.predicted_mb is not None:
             record["predicted_peak_mb"] = self.predicted_mb
         if state.step - self.first_step in (1, 3) and self.session.main:
             self._memory_line(record, state.step)
         if "step_s" in record:
             self.step_times.append(record["step_s"])
-        if state.step - self.first_step == TIME_CHECK_STEPS and self.session.main:
+        if state.step - self.first_step == self.check_steps and self.session.main:
             self._time_line(record)
         self.last_loss = record["loss"]
         self.write(record)
@@ -101,9 +123,9 @@ class Reporter:
                               always=True)
 
     def _time_line(self, record: dict) -> None:
-        """The measured step time (median after the first step) against the plan's, and into the time facts
-        cache, so the next `gpupoor plan` of this recipe on this machine uses it."""
-        measured = statistics.median(self.step_times[1:])
+        """The measured step time (typical_step_s) against the plan's, and into the time facts cache, so the next
+        `gpupoor plan` of this recipe on this machine uses it."""
+        measured = typical_step_s(self.step_times, self.cycle)
         plan = self.session.memory_plan
         timing = getattr(plan, "time", None)
         if timing is not None:
@@ -111,24 +133,27 @@ class Reporter:
             versus = f" vs {timing.step_s:.3g} s planned ({measured / timing.step_s - 1:+.0%})"
         else:
             versus = " (no time plan: `gpupoor plan RECIPE` first measures what it needs)"
-        self.progress.message(f"  step time {measured:.3g} s (median of steps {self.first_step + 2}-"
-                              f"{self.first_step + TIME_CHECK_STEPS}){versus}", always=True)
+        steps = f"steps {self.first_step + 2}-{self.first_step + self.check_steps}"
+        over = f"median of {steps}" if self.cycle == 1 else \
+            f"median of the means of {self.cycle} steps in a row, {steps}: one samples, {self.cycle - 1} reuse"
+        self.progress.message(f"  step time {measured:.3g} s ({over}){versus}", always=True)
         self._record_step_time()
 
     def _record_step_time(self) -> None:
         keys = getattr(self.session.memory_plan, "time_keys", None)
-        if keys is None or len(self.step_times) < 2:
+        measured = typical_step_s(self.step_times, self.cycle)
+        if keys is None or measured is None:
             return
         from gpupoor.plan.facts import record_step_time
 
         timing = getattr(self.session.memory_plan, "time", None)
         startup = self.session.startup.seconds() if self.session.startup is not None else {}
         imports = sum(startup.get(part, 0.0) for part in ("python and cli", "libraries"))
-        record_step_time(*keys, statistics.median(self.step_times[1:]), timing.step_s if timing else None, imports)
+        record_step_time(*keys, measured, timing.step_s if timing else None, imports)
 
     def close(self) -> None:
-        if self.session.main and len(self.step_times) > TIME_CHECK_STEPS:
-            self._record_step_time()  # the whole session's median: the figure the next plan uses
+        if self.session.main and len(self.step_times) > self.check_steps:
+            self._record_step_time()  # the whole session's: the figure the next plan uses
         self.progress.close()
         if self.trackers is not None:
             self.trackers.close()

@@ -1,0 +1,83 @@
+"""GRPO's time plan refitted after the 2026-11-29 review, from the stored runs of this folder (nothing run again).
+
+The review added work the plan had left out: the head on each row's last position (the model's own logits) and the
+fused head's logits computed again in backward, and the reference's attention. This script adds those terms to
+each stored run's plan, using that run's measured rates. It fits the sampling coefficients again as
+`bench/time_accuracy.py --calibrate-grpo` would, keeping every other coefficient. It then predicts the held-out
+runs with the result. Run from the repository root:
+    python bench/results/time-2026-11-29-grpo-xeon/replanned_after_review.py"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "bench")
+import time_accuracy  # noqa: E402
+
+from gpupoor.plan.time import COEFFICIENTS  # noqa: E402
+
+HERE = Path(__file__).parent
+SHAPES = {"deep-24x384": (384, 24), "deep-12x576": (576, 12), "deep-16x768": (768, 16), "real": (576, 30)}
+ACCURACY = {"16x768-grpo": ("deep-16x768", 4, 4, 16, False, False, 1),
+            "16x768-grpo-ckpt-beta": ("deep-16x768", 2, 4, 16, True, True, 1),
+            "real-grpo": ("real", 4, 4, 16, False, False, 1), "real-grpo-bf16": ("real", 4, 4, 16, False, False, 1)}
+CALIBRATION = {"g-24x384-4x4x16": ("deep-24x384", 4, 4, 16, False, False, 1),
+               "g-12x576-2x8x32": ("deep-12x576", 2, 8, 32, False, False, 1),
+               "g-24x384-8x2x8-beta": ("deep-24x384", 8, 2, 8, False, True, 1),
+               "g-12x576-4x4x16-iter2": ("deep-12x576", 4, 4, 16, False, False, 2),
+               "g-12x576-1x16x24": ("deep-12x576", 1, 16, 24, False, False, 1),
+               "g-24x384-4x4x16-bf16": ("deep-24x384", 4, 4, 16, False, False, 1),
+               "g-12x576-2x8x32-bf16": ("deep-12x576", 2, 8, 32, False, False, 1)}
+
+
+def added_terms(plan: dict, model: str, prompts: int, group: int, new: int, checkpointed: bool, beta: bool,
+                iterations: int) -> list[dict]:
+    """The review's terms for one run (gpupoor.plan.grpo_work: head_extra, reference's head rows and attention)."""
+    hidden, layers = SHAPES[model]
+    work = {w["key"]: w for w in plan["work"]}
+    length = float(re.search(r"\(([\d,.]+) tokens each\)", work["prefill"]["detail"]).group(1).replace(",", ""))
+    head, answers, shared = 49152 * hidden, prompts * group, not checkpointed
+    position = (prompts if shared else 0) + answers
+    terms = [{"key": "head_extra", "kind": "matmul", "amount": 2 * head * (position + answers * new), "detail": ""}]
+    if beta:
+        pairs = (prompts * (length - 1) ** 2 + answers * new * (length - 1 + new)) if shared \
+            else answers * (length + new) ** 2
+        terms += [{"key": "reference_head_extra", "kind": "matmul", "amount": 2 * head * position / iterations,
+                   "detail": ""},
+                  {"key": "reference_attention", "kind": "attention",
+                   "amount": 4 * hidden * layers * pairs / iterations, "detail": ""}]
+    return terms
+
+
+def with_terms(results: list[dict], specs: dict) -> list[dict]:
+    for r in results:
+        r["plan"]["work"] += added_terms(r["plan"], *specs[r["name"]])
+    return results
+
+
+def predicted(r: dict, coefficients: dict) -> float:
+    seconds = time_accuracy.unit_seconds(r["plan"])
+    return (sum(coefficients[k] * s for k, s in seconds.items()) + coefficients["micro_batch_s"]
+            * r["plan"]["accumulation"] + coefficients["step_s"])
+
+
+def main() -> None:
+    time_accuracy.replanned = lambda r: r["plan"]  # the stored plan (with the added terms), not a new one
+    calibration = with_terms(json.loads((HERE / "calibration-grpo.json").read_text()), CALIBRATION)
+    fitted = time_accuracy.fit(calibration, time_accuracy.GRPO_FREE)
+    coefficients = {**COEFFICIENTS["cpu"], **fitted}
+    accuracy = with_terms(json.loads((HERE / "accuracy-grpo.json").read_text()), ACCURACY)
+    out = {"fitted": fitted,
+           "calibration": {r["name"]: round(predicted(r, coefficients) / r["measured_step_s"] - 1, 4)
+                           for r in calibration},
+           "accuracy": [{"name": r["name"], "measured_step_s": r["measured_step_s"],
+                         "planned_step_s_before": round(r["plan"]["step_s"], 4),
+                         "planned_step_s": round(predicted(r, coefficients), 4),
+                         "error": round(predicted(r, coefficients) / r["measured_step_s"] - 1, 4)}
+                        for r in accuracy]}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
