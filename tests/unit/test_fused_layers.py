@@ -90,6 +90,40 @@ def test_padded_batches_and_generation_run_transformers_own_attention():
     assert torch.equal(fused.generate(input_ids=prompt, **kwargs), plain.generate(input_ids=prompt, **kwargs))
 
 
+def test_masked_attention_shares_the_key_and_value_heads_instead_of_keeping_repeated_copies(monkeypatch):
+    """GRPO's update: answers read after their left-padded prompts' cache (a mask, several queries a row). The
+    fused model gives the plain model's log-probabilities and gradients, and keeps for backward the keys and values
+    at their own 2 heads: the plain SDPA function repeats them to the 4 query heads (repeat_kv) and keeps the copies."""
+    from gpupoor.objectives.rollout import Sampled, shared_prompt_logprobs
+
+    plain = with_lora(tiny_family("llama"))
+    fused = copy.deepcopy(plain)
+    apply_fast_paths(fused, True)
+    torch.manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,)).tolist() for n in (9, 6)]  # the second left-padded by 3
+    answers = torch.randint(1, VOCAB, (4, 5)).tolist()
+    sampled = Sampled([p for p in prompts for _ in range(2)], answers)
+
+    def logprobs(model):
+        return shared_prompt_logprobs(model, sampled, 2, 5, pad_id=0)[0].sum()
+
+    results = []
+    for model in (plain, fused):
+        model.zero_grad()
+        logp = logprobs(model)
+        logp.backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    assert_same(*results)
+    shared = saved_tensor_bytes(fused, lambda: logprobs(fused))
+    monkeypatch.setattr(packed_attention, "_plain_sdpa", lambda kwargs: False)  # transformers' SDPA function
+    repeating = saved_tensor_bytes(fused, lambda: logprobs(fused))
+    config = plain.get_base_model().config
+    # per layer: the 4 answers' keys and values over 8 cached + 5 new positions, at 2 more heads (8 wide, float64)
+    repeated = config.num_hidden_layers * 2 * 4 * (config.num_attention_heads - config.num_key_value_heads) \
+        * (8 + 5) * config.head_dim * 8
+    assert repeating - shared >= repeated, (repeating, shared, repeated)
+
+
 @pytest.mark.parametrize("variant", ["dropout", "dora", "qv_only", "adapter_disabled", "full"])
 def test_each_fused_module_hands_over_where_its_arithmetic_differs(variant):
     """LoRA dropout, DoRA and a disabled adapter (DPO's reference pass) run peft's own forward; LoRA on q and v
