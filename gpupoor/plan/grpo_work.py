@@ -48,9 +48,8 @@ def grpo_rows(s: Settings, batch: BatchFacts) -> tuple[float, float, BatchFacts]
     return prompt_tokens, length, update_facts(s, batch.micro_batches, prompt_tokens, length)
 
 
-def describe_rows(s: Settings, batch: BatchFacts, accumulation: int) -> str:
-    """The time plan's line for a GRPO step's rows."""
-    _, length, update = grpo_rows(s, batch)
+def describe_rows(s: Settings, length: float, update: BatchFacts, accumulation: int) -> str:
+    """The time plan's line for a GRPO step's rows (grpo_rows' prompt length and update)."""
     return (f"{accumulation} x {s.prompt_rows} prompts ({length:,.0f} tokens each) and their {s.sampled_answers} "
             f"answers of up to {s.new_tokens} tokens; the update on {update.tokens:,.0f} tokens a micro-batch, "
             f"{update.targets:,.0f} of them answers")

@@ -190,8 +190,8 @@ def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rates: Rates, 
                     0, save_s, source, on_paper, measured_step_s, time_limit_s)
     plan.saves = count_saves(recipe, steps, plan.used_step_s) + 1  # and final/
     if settings.sampled_answers:
-        plan.update_tokens = grpo_rows(settings, batch)[2].tokens
-        plan.rows_line = describe_rows(settings, batch, accumulation)
+        _, length, update = grpo_rows(settings, batch)
+        plan.update_tokens, plan.rows_line = update.tokens, describe_rows(settings, length, update, accumulation)
     return plan
 
 

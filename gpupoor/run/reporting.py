@@ -137,11 +137,10 @@ class Reporter:
         over = f"median of {steps}" if self.cycle == 1 else \
             f"median of the means of {self.cycle} steps in a row, {steps}: one samples, {self.cycle - 1} reuse"
         self.progress.message(f"  step time {measured:.3g} s ({over}){versus}", always=True)
-        self._record_step_time()
+        self._record_step_time(measured)
 
-    def _record_step_time(self) -> None:
+    def _record_step_time(self, measured: float | None) -> None:
         keys = getattr(self.session.memory_plan, "time_keys", None)
-        measured = typical_step_s(self.step_times, self.cycle)
         if keys is None or measured is None:
             return
         from gpupoor.plan.facts import record_step_time
@@ -153,7 +152,8 @@ class Reporter:
 
     def close(self) -> None:
         if self.session.main and len(self.step_times) > self.check_steps:
-            self._record_step_time()  # the whole session's: the figure the next plan uses
+            # the whole session's step time: the figure the next plan uses
+            self._record_step_time(typical_step_s(self.step_times, self.cycle))
         self.progress.close()
         if self.trackers is not None:
             self.trackers.close()

@@ -18,17 +18,18 @@ import time_accuracy  # noqa: E402
 from gpupoor.plan.time import COEFFICIENTS  # noqa: E402
 
 HERE = Path(__file__).parent
+# (hidden, layers) of each model the runs used: bench/plan_accuracy.py's deep models, and the real SmolLM2-135M
 SHAPES = {"deep-24x384": (384, 24), "deep-12x576": (576, 12), "deep-16x768": (768, 16), "real": (576, 30)}
-ACCURACY = {"16x768-grpo": ("deep-16x768", 4, 4, 16, False, False, 1),
-            "16x768-grpo-ckpt-beta": ("deep-16x768", 2, 4, 16, True, True, 1),
-            "real-grpo": ("real", 4, 4, 16, False, False, 1), "real-grpo-bf16": ("real", 4, 4, 16, False, False, 1)}
-CALIBRATION = {"g-24x384-4x4x16": ("deep-24x384", 4, 4, 16, False, False, 1),
-               "g-12x576-2x8x32": ("deep-12x576", 2, 8, 32, False, False, 1),
-               "g-24x384-8x2x8-beta": ("deep-24x384", 8, 2, 8, False, True, 1),
-               "g-12x576-4x4x16-iter2": ("deep-12x576", 4, 4, 16, False, False, 2),
-               "g-12x576-1x16x24": ("deep-12x576", 1, 16, 24, False, False, 1),
-               "g-24x384-4x4x16-bf16": ("deep-24x384", 4, 4, 16, False, False, 1),
-               "g-12x576-2x8x32-bf16": ("deep-12x576", 2, 8, 32, False, False, 1)}
+
+
+def spec(settings: dict) -> tuple:
+    """(model, prompts, group, new tokens, checkpointed, beta, iterations) of a run, from the recipe settings
+    bench/time_accuracy.py wrote for it."""
+    model = settings["model.name_or_path"]
+    return ("real" if model == time_accuracy.REAL_MODEL else Path(model).name,
+            settings["training.micro_batch_size"], settings["grpo.group_size"], settings["grpo.max_new_tokens"],
+            settings.get("memory.gradient_checkpointing", False), settings.get("grpo.beta", 0) > 0,
+            settings.get("grpo.iterations", 1))
 
 
 def added_terms(plan: dict, model: str, prompts: int, group: int, new: int, checkpointed: bool, beta: bool,
@@ -50,9 +51,9 @@ def added_terms(plan: dict, model: str, prompts: int, group: int, new: int, chec
     return terms
 
 
-def with_terms(results: list[dict], specs: dict) -> list[dict]:
+def with_terms(results: list[dict], settings_of: dict) -> list[dict]:
     for r in results:
-        r["plan"]["work"] += added_terms(r["plan"], *specs[r["name"]])
+        r["plan"]["work"] += added_terms(r["plan"], *spec(settings_of[r["name"]]))
     return results
 
 
@@ -64,10 +65,12 @@ def predicted(r: dict, coefficients: dict) -> float:
 
 def main() -> None:
     time_accuracy.replanned = lambda r: r["plan"]  # the stored plan (with the added terms), not a new one
-    calibration = with_terms(json.loads((HERE / "calibration-grpo.json").read_text()), CALIBRATION)
+    calibration = with_terms(json.loads((HERE / "calibration-grpo.json").read_text()),
+                             time_accuracy.GRPO_CALIBRATION)
     fitted = time_accuracy.fit(calibration, time_accuracy.GRPO_FREE)
     coefficients = {**COEFFICIENTS["cpu"], **fitted}
-    accuracy = with_terms(json.loads((HERE / "accuracy-grpo.json").read_text()), ACCURACY)
+    accuracy = with_terms(json.loads((HERE / "accuracy-grpo.json").read_text()),
+                          {name: settings for name, (_, settings) in time_accuracy.ACCURACY.items()})
     out = {"fitted": fitted,
            "calibration": {r["name"]: round(predicted(r, coefficients) / r["measured_step_s"] - 1, 4)
                            for r in calibration},
