@@ -45,8 +45,23 @@ def this_cpus_bf16_units(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 PIN_VARIABLE = "GPUPOOR_CPU_BF16"
 
 
+# Words that pin "no bf16 units" (a shell's usual ways of saying off); any other units must be named as
+# BF16_UNIT_FLAGS names them (or by their flag): a typo read as a units name would train in bf16 on a CPU that
+# emulates it, several times slower, without a word.
+OFF_WORDS = ("none", "off", "false", "no", "0")
+
+
+def pinned_units(units: str) -> str | None:
+    """The units' name a pinned value means ("" for none), or None when it names no known units."""
+    word = units.strip().lower()
+    if word in OFF_WORDS:
+        return ""
+    return next((name for flag, name in BF16_UNIT_FLAGS if word in (flag, name.lower())), None)
+
+
 def pinned_bf16(environ=None):
     """The CpuBf16 facts GPUPOOR_CPU_BF16 pins, or None when it is unset."""
+    import math
     import os
 
     from gpupoor.decisions import CpuBf16
@@ -60,11 +75,14 @@ def pinned_bf16(environ=None):
         ratio = float(speedup) if speedup else None
     except ValueError:
         ratio = None
-    if (speedup and (ratio is None or not ratio > 0)) or not units:
-        raise UserError(f"{PIN_VARIABLE}={value!r} is not 'none', 'UNITS' or 'UNITS:SPEEDUP'",
+    name = pinned_units(units)
+    if (speedup and (ratio is None or not math.isfinite(ratio) or not ratio > 0)) or name is None:
+        known = ", ".join(repr(name) for _, name in BF16_UNIT_FLAGS)
+        raise UserError(f"{PIN_VARIABLE}={value!r} is not 'none', 'UNITS' or 'UNITS:SPEEDUP' (UNITS one of {known}, "
+                        f"or {'/'.join(OFF_WORDS)} for none; SPEEDUP a finite number above 0)",
                         hint=f"e.g. {PIN_VARIABLE}='AMX bf16:7.5' or {PIN_VARIABLE}=none:0.02, or unset it to "
                              "read the CPU's flags and measure")
-    return CpuBf16("" if units.lower() == "none" else units, ratio)
+    return CpuBf16(name, ratio)
 
 
 def bf16_facts_from_flags():

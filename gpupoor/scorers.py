@@ -89,13 +89,38 @@ def parse_scorer(spec: str, option: str = "--metric", unit_range: bool = True) -
     if scorer is not None:
         return scorer
     module, _, name = spec.partition(":")
+    function = _import_function(module, name, spec, option)
+    return Scorer(spec, function, unit_range)
+
+
+def _import_function(module: str, name: str, spec: str, option: str) -> Callable:
+    """`module`'s `name`, importable from the current directory as docs/cli.md promises (the installed `gpupoor`
+    console script's sys.path starts at the venv's bin/, not where the user stands), then PYTHONPATH. Whatever the
+    import raises (a missing module, a syntax error, the module's own code failing) is the user's to fix: a
+    UserError naming the scorer and what Python said."""
+    import os
+    import sys
+
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(here)  # after the installed packages: a local file named like a library does not shadow it
     try:
         function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise UserError(f"{option} {spec!r}: cannot import {name} from {module} ({exc})",
-                        hint="put the module on PYTHONPATH (or in the current directory) and name its function") \
-            from None
-    return Scorer(spec, function, unit_range)
+    except AttributeError:
+        raise UserError(f"{option} {spec!r}: module {module} has no {name}",
+                        hint=f"define {name}(answer, expected, row) in {module}, or name a function it has") from None
+    except Exception as exc:  # ImportError, SyntaxError, or whatever the module's code raised
+        raise UserError(f"{option} {spec!r}: cannot import {module} ({type(exc).__name__}: {exc})",
+                        hint=f"put {module}.py in the current directory ({here}) or a folder on PYTHONPATH, and "
+                        "check that `python -c 'import " + module + "'` works there") from None
+    finally:
+        if added:
+            sys.path.remove(here)
+    if not callable(function):
+        raise UserError(f"{option} {spec!r}: {module}.{name} is {type(function).__name__} data, not a function",
+                        hint="name a function(answer, expected, row) returning a number")
+    return function
 
 
 def combined_scores(scorers: list[tuple[Scorer, float]], answers: list[str], expected: list[str], rows: list[dict],

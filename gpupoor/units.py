@@ -6,6 +6,7 @@ CLI all read `10GiB` or `11h30m` the same way, and a value that validates is a v
 
 from __future__ import annotations
 
+import math
 import re
 
 from gpupoor.errors import UserError
@@ -15,6 +16,8 @@ GiB = 2**30
 
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+MAX_DURATION_S = 365 * 24 * 3600.0
+MAX_SIZE = 2**50  # 1 PiB
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*((?:[KMGT]I?)?B)?\s*")
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*$")
 
@@ -26,6 +29,9 @@ def parse_size(text: str, option: str = "size") -> int:
     if not match:
         raise UserError(f"{option} {text!r}: use a size like 2GB, 500MB or 4GiB")
     number, unit = float(match.group(1)), (match.group(2) or "B")
+    if not math.isfinite(number * SIZE_UNITS[unit]) or number * SIZE_UNITS[unit] > MAX_SIZE:
+        raise UserError(f"{option} {text!r}: more than any machine has (the most taken is 1 PiB)",
+                        hint="give a size like 2GB, 500MB or 4GiB")
     return int(number * SIZE_UNITS[unit])
 
 
@@ -34,14 +40,18 @@ def parse_duration(text: str) -> float:
     turn it into a message at the recipe key)."""
     text = str(text)
     try:
-        return float(text)
+        total = float(text)
     except ValueError:
-        pass
-    match = _DURATION.match(text)
-    if not match or not any(match.groups()):
-        raise ValueError(f"not a duration: {text!r}; use e.g. 11h30m, 45m or 90s")
-    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
-    return hours * 3600 + minutes * 60 + seconds
+        match = _DURATION.match(text)
+        if not match or not any(match.groups()):
+            raise ValueError(f"not a duration: {text!r}; use e.g. 11h30m, 45m or 90s") from None
+        hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+        total = hours * 3600 + minutes * 60 + seconds
+    # inf, nan and 1e400 parse as floats; a limit of a year or more is no limit a session has (and overflows the
+    # dates a plan prints)
+    if not math.isfinite(total) or total > MAX_DURATION_S:
+        raise ValueError(f"not a duration a session can have: {text!r}; use one under a year, e.g. 11h30m")
+    return total
 
 
 def format_bytes(n: float) -> str:

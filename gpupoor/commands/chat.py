@@ -80,6 +80,9 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
     model, tokenizer, encoder = generator.model, generator.tokenizer, generator.encoder
     fmt = encoder.format.name
     keeps_history, how = _how_turns_are_read(fmt, source, checkpoint, history)
+    if history is not None and fmt != "chat":  # the flag was given for nothing: say so rather than ignore it
+        warn(f"--{'' if history else 'no-'}history has no effect here: the {fmt} run's lines are each answered on "
+             "their own (only a chat run carries a conversation)")
     allowed = commands_for(fmt)
     computing = f"; {generator.precision_note}" if generator.precision_note else ""
     write(f"chatting with {source} ({how}{computing}); {'   '.join(COMMANDS[c] for c in allowed)}\n")

@@ -15,12 +15,14 @@ def plan_recipe(recipe: Path, overrides: list[str], device: str | None, limit: i
     """Say the plan (`say(text, err=...)`); with `fit`, write RECIPE.fit.yaml when the recipe does not fit and
     changes can make it. `timing`: the time plan's options (threads, gpu, time_limit), None for none. The exit
     code: 3 when it does not fit (and nothing was written), else 0."""
-    from gpupoor.plan.fit import write_fit
+    from gpupoor.plan.fit import fit_target, write_fit
     from gpupoor.plan.make import make_plan
     from gpupoor.plan.render import render
     from gpupoor.recipe.loading import load_recipe
 
     loaded = load_recipe(recipe, overrides)
+    if fit:
+        fit_target(loaded)  # a file of the user's where the fit would go: refused before the plan's work
     if timing is not None:  # JSON's readers get the JSON alone: what was measured is in its time notes
         timing = _timing_options(loaded.recipe, timing, (lambda text: None) if as_json else
                                  (lambda text: say(text, err=True)))
@@ -31,8 +33,7 @@ def plan_recipe(recipe: Path, overrides: list[str], device: str | None, limit: i
     if fit and result.fits is False:
         if not result.fit_changes:
             return EXIT_DOES_NOT_FIT
-        written = write_fit(loaded, result.fit_changes, plan=result)
-        say(f"wrote {written}", err=as_json)
+        say(write_fit(loaded, result.fit_changes, plan=result), err=as_json)
         return 0
     if fit and not as_json:
         say("fits as it is: nothing to write" if result.fits else "memory unknown: pass --memory")
@@ -82,5 +83,5 @@ def _fit_time(loaded, result, device, processes: int, nodes: int, timing: dict, 
         err=as_json)
     if not changes:
         return 0
-    say(f"wrote {write_fit(loaded, changes, plan=result)}", err=as_json)
+    say(write_fit(loaded, changes, plan=result), err=as_json)
     return 0

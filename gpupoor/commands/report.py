@@ -213,8 +213,19 @@ def draw_loss(ax, runs: list[RunMetrics], log_scale: bool) -> None:
             ax.plot(eval_steps, eval_losses, "o--", color=color, markersize=4, linewidth=1,
                     label=f"{run.label} eval loss")
         _draw_markers(ax, run, color, legend)
-    ax.set_yscale("log" if log_scale else "linear")
-    ax.set_ylabel("loss" + (" (log scale)" if log_scale else ""))
+    plotted = [value for run in runs for records, key in ((run.steps, "loss"), (run.evals, "eval_loss"))
+               for value in _series(records, key)[1] if _finite(value)]
+    if log_scale and any(value <= 0 for value in plotted):
+        # GRPO's loss (and a distillation's KL term) can be 0 or negative, which a log axis cannot show: matplotlib
+        # said so in a UserWarning on a finished run's last lines and drew an empty panel. A symmetric log axis,
+        # linear within the smallest loss's magnitude of 0, shows them all.
+        smallest = min((abs(value) for value in plotted if value != 0), default=1.0)
+        ax.set_yscale("symlog", linthresh=smallest)
+        scale_name = " (symmetric log scale: some losses are 0 or below)"
+    else:
+        ax.set_yscale("log" if log_scale else "linear")
+        scale_name = " (log scale)" if log_scale else ""
+    ax.set_ylabel("loss" + scale_name)
     ax.set_title("loss per step (line), eval loss (circles)", loc="left", fontsize=10)
     legend_outside(ax)
 

@@ -447,11 +447,22 @@ def preflight(loaded: LoadedRecipe, whole: RowCheck | None = None) -> list[str]:
     warnings += check_training_data(loaded, whole)
     warnings += check_tokenizer_template(loaded)
     warnings += silent_settings(recipe)
+    if recipe.training.objective == "grpo":
+        check_rewards_import(recipe.grpo)
     if recipe.peft.init_adapter:  # (imports torch: only when there is an adapter to check)
         from gpupoor.model.init_adapter import check_init_adapter
 
         check_init_adapter(loaded)
     return warnings
+
+
+def check_rewards_import(grpo) -> None:
+    """Each `module:function` reward imports and is a function (its module's code runs now, as training would run
+    it): a typo or a missing file said at validate, not after the model has loaded."""
+    from gpupoor.scorers import parse_scorer
+
+    for index, reward in enumerate(grpo.rewards):
+        parse_scorer(reward.scorer, f"grpo.rewards[{index}].scorer", unit_range=False)
 
 
 def silent_settings(recipe) -> list[str]:

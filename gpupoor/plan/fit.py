@@ -51,18 +51,39 @@ def _age(seconds: float) -> str:
     return format_duration(seconds, style="age")
 
 
-def write_fit(loaded: LoadedRecipe, changes: dict, plan: Plan | None = None) -> Path:
+FIT_HEADER = "# Written by gpupoor plan --fit"
+
+
+def fit_target(loaded: LoadedRecipe) -> tuple[Path, bool]:
+    """Where plan --fit writes (RECIPE.fit.yaml beside the recipe), and whether that replaces an earlier fit. A file
+    there that plan --fit did not write (its first line is not FIT_HEADER) is the user's: a UserError, checked before
+    the plan is made."""
+    if loaded.source is None:
+        raise UserError("plan --fit writes a recipe that extends the recipe file: it needs one")
+    target = loaded.source.with_name(loaded.source.stem + ".fit.yaml")
+    if not target.exists() and not target.is_symlink():
+        return target, False
+    try:
+        ours = target.is_file() and target.read_bytes()[:len(FIT_HEADER)] == FIT_HEADER.encode()
+    except OSError:
+        ours = False
+    if not ours:
+        raise UserError(f"{target} exists and plan --fit did not write it: --fit would replace it",
+                        hint="move or rename that file, then run plan --fit again")
+    return target, True
+
+
+def write_fit(loaded: LoadedRecipe, changes: dict, plan: Plan | None = None) -> str:
     """Write RECIPE.fit.yaml beside the recipe: `extends: RECIPE` and only the keys the plan changed (and those
-    `--set` gave it), so the user's file stays the source of truth; a comment says what was predicted (`plan`)."""
+    `--set` gave it), so the user's file stays the source of truth; a comment says what was predicted (`plan`).
+    Returns the line to say: the file written, and that it replaced an earlier fit when it did."""
     import yaml
 
     from gpupoor.storage.files import write_text_atomic
     from gpupoor.recipe.loading import EXTENDS
 
-    if loaded.source is None:
-        raise UserError("plan --fit writes a recipe that extends the recipe file: it needs one")
+    target, replaced = fit_target(loaded)
     source = loaded.source
-    target = source.with_name(source.stem + ".fit.yaml")
     fitted = apply_changes(loaded.recipe, changes).model_dump(mode="json")
     keys = list(dict.fromkeys([*loaded.overridden, *changes]))
     body = {EXTENDS: source.name}  # beside the recipe: its relative paths resolve as they did
@@ -74,11 +95,11 @@ def write_fit(loaded: LoadedRecipe, changes: dict, plan: Plan | None = None) -> 
     except OSError as exc:
         raise UserError(f"cannot write {target}: {exc.strerror or exc}",
                         hint="copy the recipe to a writable folder and run plan --fit there") from None
-    return target
+    return f"wrote {target}" + (" (replacing the one an earlier plan --fit wrote)" if replaced else "")
 
 
 def _fit_header(name: str, changes: dict, overridden: tuple[str, ...], plan: Plan | None) -> str:
-    lines = ["Written by gpupoor plan --fit: only the keys the plan changed. " + name + " stays the source of",
+    lines = [FIT_HEADER[2:] + ": only the keys the plan changed. " + name + " stays the source of",
              "truth: edit it, then run plan --fit again."]
     if plan is not None and plan.time is not None and plan.fits is not False:
         lines.append(f"Predicted on {plan.device}: {name} trains in {_age(plan.time.total_s)}, over "

@@ -365,7 +365,8 @@ class RewardSection(_Section):
         "2N), or module:function: your function(answer, expected, row) returning a finite number (row: the "
         "prompt and expected answer as text, docs/grpo.md)."
     )
-    weight: float = Field(1.0, description="Its weight in the answer's reward (the weighted sum of the scores).")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the answer's reward (the weighted "
+                          "sum of the scores); at least one reward's weight is not 0.")
 
     @field_validator("scorer")
     @classmethod
@@ -421,6 +422,9 @@ class GrpoSection(_Section):
         twice = sorted({r.scorer for r in value if [o.scorer for o in value].count(r.scorer) > 1})
         if twice:
             raise ValueError(f"{', '.join(twice)} listed more than once: give each scorer once, with its weight")
+        if all(r.weight == 0 for r in value):  # every answer's reward 0, every advantage 0: nothing would train
+            raise ValueError("every reward's weight is 0, so every answer's reward and advantage would be 0 and "
+                             "training would change nothing: give at least one reward a weight other than 0")
         return value
 
 

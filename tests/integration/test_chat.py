@@ -22,6 +22,11 @@ def test_chat_answers_each_message_and_obeys_its_commands(tmp_path, tiny_model):
     assert "(/system does not apply to the alpaca format" in result.output
     assert "unknown command /bogus" in result.output
     assert "but the model's context is 1024" in result.output and "/reset starts over)" in result.output
+    # --history on an alpaca run was silently ignored: it is said
+    result = CliRunner().invoke(app, ["chat", str(run), "--max-new-tokens", "2", "--history"], input="hi\n")
+    assert result.exit_code == 0, result.output
+    assert "warning: --history has no effect here: the alpaca run's lines are each answered on their own" \
+        in result.output
 
 
 def test_chat_keeps_the_conversation_of_a_chat_run(tmp_path, tiny_model, monkeypatch):

@@ -89,7 +89,14 @@ def test_grpo_refusals_name_the_key(make_recipe, tmp_path):
              ({"grpo": {"rewards": [{"scorer": "exactly"}]}}, "'exactly' is not a scorer gpupoor knows"),
              ({"grpo": {"rewards": [{"scorer": "exact"}, {"scorer": "exact", "weight": 2}]}},
               "exact listed more than once"),
-             ({"grpo": {"epsilon": 0.3, "epsilon_high": 0.2}}, "grpo.epsilon_high 0.2 is below grpo.epsilon 0.3")]
+             ({"grpo": {"epsilon": 0.3, "epsilon_high": 0.2}}, "grpo.epsilon_high 0.2 is below grpo.epsilon 0.3"),
+             # every advantage would be 0 by construction: it trained to the end and changed nothing
+             ({"grpo": {"rewards": [{"scorer": "exact", "weight": 0}, {"scorer": "json", "weight": 0.0}]}},
+              "every reward's weight is 0"),
+             ({"grpo": {"rewards": [{"scorer": "exact", "weight": float("nan")}]}}, "grpo.rewards.0.weight"),
+             # a reward function that does not import is said at validate, before any model loads
+             ({"grpo": {"rewards": [{"scorer": "no_such_rewards_module:score"}]}},
+              "grpo.rewards[0].scorer 'no_such_rewards_module:score': cannot import no_such_rewards_module")]
     for number, (sections, message) in enumerate(cases):
         grpo = sections.pop("grpo", {})
         recipe = grpo_recipe(make_recipe, f"bad{number}.yaml", grpo=grpo, **sections)

@@ -583,3 +583,24 @@ def test_chat_says_what_is_wrong_with_a_line_and_goes_on(tiny_model):
            "type it again)" in result.output
     assert "(<stdin>:3: a NUL byte at byte 7 of the line: binary data, not text; it was not sent" in result.output
     assert result.output.count("model> ") == 2  # first and second answered: the session went on
+
+
+@pytest.mark.parametrize("value", ["inf", "1e400", "nan", "-inf", "400d"])
+def test_plan_time_limit_that_is_no_duration_is_refused_as_train_refuses_it(make_recipe, value):
+    """`plan --time-limit inf` (or 1e400) exited 1 with an OverflowError where train gave exit 2."""
+    recipe = make_recipe()
+    plan = runner.invoke(app, ["plan", str(recipe), f"--time-limit={value}"])
+    assert plan.exit_code == 2 and "--time-limit" in plan.output, plan.output
+    assert "Traceback" not in plan.output and "OverflowError" not in plan.output
+    train = runner.invoke(app, ["train", str(recipe), f"--time-limit={value}", "--output-dir",
+                                str(recipe.parent / "never")])
+    assert train.exit_code == 2 and "--time-limit" in train.output, train.output
+    assert not (recipe.parent / "never").exists()
+
+
+@pytest.mark.parametrize("value", ["9" * 400, "2000000TiB"])
+def test_a_size_past_any_machine_is_refused(value):
+    from gpupoor.units import parse_size
+
+    with pytest.raises(UserError, match="--memory .*more than any machine has"):
+        parse_size(value, "--memory")

@@ -64,15 +64,22 @@ def test_the_units_are_read_from_the_cpus_flags(tmp_path):
 
 @pytest.mark.parametrize("value, facts", [("none", CpuBf16("", None)), ("none:0.02", CpuBf16("", 0.02)),
                                           ("AMX bf16:7.5", CpuBf16("AMX bf16", 7.5)),
-                                          ("AVX-512 bf16", CpuBf16("AVX-512 bf16", None))])
+                                          ("AVX-512 bf16", CpuBf16("AVX-512 bf16", None)),
+                                          ("amx_bf16", CpuBf16("AMX bf16", None)),
+                                          ("false", CpuBf16("", None)), ("0", CpuBf16("", None)),
+                                          ("OFF", CpuBf16("", None)), ("no:0.1", CpuBf16("", 0.1))])
 def test_the_pin_gives_the_facts(value, facts):
     assert cpu.pinned_bf16({cpu.PIN_VARIABLE: value}) == facts
 
 
-@pytest.mark.parametrize("value", ["AMX:fast", "AMX:-1", ":7"])
+@pytest.mark.parametrize("value", ["AMX:fast", "AMX bf16:-1", ":7", "AMX bf16:inf", "AMX bf16:nan", "AMX bf16:0",
+                                   "yes", "disabled", "AMX", "AMX bf16x"])
 def test_a_bad_pin_is_refused_naming_the_variable(value):
-    with pytest.raises(UserError, match=cpu.PIN_VARIABLE):
+    """A word that is neither off nor a known units name is refused: `false` was read as the name of bf16 units,
+    and `precision: auto` trained in bf16 on a CPU without them."""
+    with pytest.raises(UserError, match=cpu.PIN_VARIABLE) as info:
         cpu.pinned_bf16({cpu.PIN_VARIABLE: value})
+    assert "'AMX bf16'" in str(info.value) and "none" in str(info.value)
 
 
 def test_training_measures_only_where_a_choice_rests_on_it(monkeypatch):

@@ -113,3 +113,23 @@ def test_rewards_are_weighted_sums_of_scorers_and_each_is_kept():
     totals, each = combined_scores(scorers, ["42", "42 is it"], ["42", "42"], [{}, {}], ["r:1", "r:2"])
     assert each == {"exact": [1.0, 0.0], "length<=4": [1.0, 0.0]}
     assert totals == [1.5, 0.0]
+
+
+def test_a_scorer_module_in_the_current_directory_imports_without_it_on_sys_path(tmp_path, monkeypatch):
+    """The installed `gpupoor` script's sys.path starts at the venv's bin/, not the current directory: a
+    `module:function` there could not be imported, though docs/cli.md and docs/grpo.md promise it."""
+    import sys
+
+    (tmp_path / "cwd_only_rewards.py").write_text("def short(answer, expected, row):\n    return len(answer) < 3\n"
+                                                  "NOT_A_FUNCTION = 3\n")
+    (tmp_path / "cwd_broken_rewards.py").write_text("def short(answer:\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert parse_scorer("cwd_only_rewards:short")("ab", "", {}, "r:1") == 1.0
+    assert str(tmp_path) not in sys.path  # looked in, not left there
+    with pytest.raises(UserError, match="cwd_only_rewards.NOT_A_FUNCTION is int data, not a function"):
+        parse_scorer("cwd_only_rewards:NOT_A_FUNCTION")
+    with pytest.raises(UserError, match="module cwd_only_rewards has no missing"):
+        parse_scorer("cwd_only_rewards:missing")
+    with pytest.raises(UserError, match="cannot import cwd_broken_rewards \\(SyntaxError"):
+        parse_scorer("cwd_broken_rewards:short")

@@ -512,7 +512,8 @@ def test_fit_file_says_what_was_predicted_and_follows_the_users_recipe(tmp_path,
     loaded = load_recipe(source, ["memory.gradient_checkpointing=false", "training.learning_rate=3e-4"])
     plan = make_plan(loaded, "cuda", memory=4 * 2**30)
     assert plan.fits is False and plan.fit_changes and plan.fit_peak <= 4 * 2**30
-    text = write_fit(loaded, plan.fit_changes, plan).read_text()
+    assert write_fit(loaded, plan.fit_changes, plan) == f"wrote {tmp_path / 'qwen.fit.yaml'}"
+    text = (tmp_path / "qwen.fit.yaml").read_text()
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
     assert f"peaks at {format_bytes(plan.peak)}" in header and "4.00 GiB" in header
     assert f"with the changes below, {format_bytes(plan.fit_peak)}" in header
@@ -530,7 +531,8 @@ def test_fit_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch):
     source.write_text((RECIPES / "qwen2.5-1.5b-lora.yaml").read_text())
     (tmp_path / "qwen.fit.yaml").mkdir()  # where the fitted recipe would go: a directory
     result = runner.invoke(app, ["plan", str(source), "--device", "cuda", "--memory", "4GiB", "--fit"])
-    assert result.exit_code == 2 and f"cannot write {tmp_path / 'qwen.fit.yaml'}" in result.output, result.output
+    assert result.exit_code == 2, result.output
+    assert f"{tmp_path / 'qwen.fit.yaml'} exists and plan --fit did not write it" in result.output
 
 
 # ---------------------------------------------------------------------------------------- several processes
@@ -707,3 +709,25 @@ def test_a_4bit_base_on_the_cpu_keeps_its_file_mapped_and_the_plan_counts_the_pa
     bf16_file = replace(shape, file_dtype="bf16")
     assert not resolve_settings(loaded.recipe, "cpu", bf16_file).weights_mapped
     assert not resolve_settings(loaded.recipe, "cuda", shape).weights_mapped
+
+
+def test_fit_replaces_its_own_file_saying_so_and_refuses_the_users(tmp_path, monkeypatch):
+    """plan --fit replaced an existing RECIPE.fit.yaml without a word: an earlier fit is replaced and the line says
+    so; a file there that plan --fit did not write is the user's, refused (exit 2) before the plan is made."""
+    from gpupoor.cli import app
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = tmp_path / "qwen.yaml"
+    source.write_text((RECIPES / "qwen2.5-1.5b-lora.yaml").read_text())
+    args = ["plan", str(source), "--device", "cuda", "--memory", "4GiB", "--fit", "--no-time"]
+    first = CliRunner().invoke(app, args)
+    target = tmp_path / "qwen.fit.yaml"
+    assert first.exit_code == 0 and f"wrote {target}\n" in first.output, first.output
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and f"wrote {target} (replacing the one an earlier plan --fit wrote)" in again.output
+    target.write_text("# my own notes\nseed: 3\n")
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and f"{target} exists and plan --fit did not write it" in refused.output
+    assert "peak" not in refused.output  # refused before the plan
+    assert target.read_text() == "# my own notes\nseed: 3\n"

@@ -32,3 +32,21 @@ def test_sparkline_averages_into_at_most_40_marks_and_skips_non_finite():
     assert loss_sparkline(records) == "loss █▁ 3 -> 1 (steps 1-4)"
     assert loss_sparkline([{"step": 1, "loss": None}]) is None and loss_sparkline([]) is None
     assert loss_sparkline([{"step": s, "loss": 2.0} for s in range(1, 4)]) == "loss ▄▄▄ 2 -> 2 (steps 1-3)"
+
+
+def test_log_scale_of_losses_at_or_below_zero_draws_them_without_a_warning(tmp_path):
+    """A GRPO run's loss is often 0 or negative: on the log-scale loss panel (drawn for every report.html)
+    matplotlib warned 'Data has no positive values' into a finished run's last lines and drew nothing."""
+    import warnings
+
+    from gpupoor.commands.report import RunMetrics, figure_png, loss_panel
+
+    steps = [{"step": s, "loss": loss} for s, loss in enumerate([0.5, 0.0, -0.25, -0.1, 0.2], start=1)]
+    negative = RunMetrics(tmp_path, "grpo", steps, [{"step": 5, "eval_loss": -0.3}], [], [])
+    positive = RunMetrics(tmp_path, "sft", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}], [], [], [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figure = loss_panel([negative], log_scale=True)
+        assert figure.axes[0].get_yscale() == "symlog" and "symmetric log" in figure.axes[0].get_ylabel()
+        assert figure_png(figure).startswith(b"\x89PNG")
+        assert loss_panel([positive], log_scale=True).axes[0].get_yscale() == "log"
