@@ -356,22 +356,40 @@ def serve(
     source: Path = typer.Argument(..., help="A run directory, an adapter directory or a model directory."),
     checkpoint: str = typer.Option("final", "--checkpoint", help="final, or step-N of a run's checkpoints."),
     host: str = typer.Option("localhost", "--host", help="The address to listen on (localhost: this machine only)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535, help="The port to listen on."),
-    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where an adapter is merged into its base "
-                                            "first (removed at exit). Default: the system's temporary folder."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="The port to listen on (checked free before "
+                             "the merge)."),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="An existing folder where an adapter is merged "
+                                            "into its base first (removed at exit, and at the next start if the "
+                                            "server was killed). Default: the system's temporary folder."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send "
+                                                    "and /v1/models lists. Default: the run's (or model "
+                                                    "directory's) name."),
+    request_time_limit: str = typer.Option("2m", "--request-time-limit", help="The longest one request generates "
+                                           "(e.g. 30s, 2m); its answer then ends with finish_reason length."),
     force: bool = typer.Option(False, "--force", help="Go on when the base model changed since the run trained "
                                "on it (by default that is refused, exit 2)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Serve the tuned model over an OpenAI-compatible HTTP API (transformers' server: /v1/chat/completions,
-    /v1/completions, /v1/models, streaming) with the run's chat template, until Ctrl-C."""
+    /v1/completions, /v1/models, streaming) with the run's chat template, until Ctrl-C, SIGTERM or SIGHUP.
+
+    Requests are answered one at a time, in arrival order, each generating for at most --request-time-limit: a
+    request waits at most that long for each one ahead of it. max_tokens is capped at the model's context less the
+    prompt (the answer then ends with finish_reason length); a prompt that fills the context is refused (400,
+    context_length_exceeded). Every request field is honoured or refused with a 400 naming it (docs/cli.md)."""
 
     def action() -> int:
         from gpupoor.commands.serve import serve as run_server
         from gpupoor.quiet import quiet_libraries
+        from gpupoor.units import parse_duration
 
+        try:
+            time_limit_s = parse_duration(request_time_limit)
+        except ValueError as exc:
+            raise UserError(f"--request-time-limit: {exc}") from None
         quiet_libraries()
         run_server(source, checkpoint=checkpoint, host=host, port=port, work_dir=work_dir, force=force,
+                   served_model_name=served_model_name, request_time_limit_s=time_limit_s,
                    say=lambda text: typer.echo(text, err=True))
         return 0
 

@@ -12,22 +12,34 @@ model, its server follows the OpenAI API as the `openai` client reads it, and it
   chat run, and for an alpaca run `alpaca-chat`, which renders a user turn exactly as the Alpaca prompt it trained
   on; a completion or text run is asked through `/v1/completions`;
 - the precision and threads gpupoor would choose here (bf16 on a CPU with bf16 matrix units, else fp32);
+- each request checked before transformers sees it (gpupoor/commands/serve_requests.py): every field honoured or
+  refused naming it, a prompt past the context refused, max_tokens capped at the context, one request at a time
+  with a time limit each, the model served under the run's name;
 - errors in the OpenAI shape (`{"error": {"message", "type", "param", "code"}}`) for every request that fails,
-  whatever raised, so a client's error handling reads them; the server keeps running.
+  whatever raised, so a client's error handling reads them; the server keeps running;
+- what would stop it listening (--host, --port, --work-dir) checked before the merge; Ctrl-C, SIGTERM and SIGHUP
+  stop it with one line and the merged copy removed (a killed server's is removed at the next start).
 
 It listens on localhost unless `--host` says otherwise."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
+import re
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from gpupoor.errors import UserError
 
+SCRATCH_PREFIX = ".gpupoor-serve-"
+DEFAULT_TIME_LIMIT_S = 120.0
 INSTALL = "pip install 'gpupoor[serve]' (fastapi, uvicorn and openai: what transformers' server needs)"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -81,9 +93,13 @@ def servable(source: Path, checkpoint: str, dtype: str, work_dir: Path | None, f
     from gpupoor.model.merge import merge_lora
     from gpupoor.storage.run_weights import RunWeights, resolve_model
 
+    from gpupoor.storage.files import writer_tag
+
     weights = resolve_model(source, checkpoint)
     fmt, template, why = run_template(source, checkpoint)
-    with tempfile.TemporaryDirectory(prefix=".gpupoor-serve-", dir=work_dir) as scratch:
+    sweep_serve_leftovers(Path(work_dir or tempfile.gettempdir()), say)
+    # Named with this process (PID@HOST): what a server killed with SIGKILL leaves, the next one removes.
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{writer_tag()}-", dir=work_dir) as scratch:
         served = Path(scratch) / "model"
         if weights.is_adapter:
             say(f"merging the adapter into its base ({dtype}, in {scratch})")
@@ -108,84 +124,116 @@ def _set_chat_template(model_dir: Path, template: str) -> None:
     config_path.write_text(json.dumps(config, indent=2))
 
 
-def openai_errors(app):
-    """An ASGI app that answers every failed request in OpenAI's error shape: FastAPI's `{"detail": ...}` bodies
-    rewritten, and an exception the server did not handle answered 500 instead of a dropped connection."""
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             422: "invalid_request_error", 429: "rate_limit_error"}
-
-    def body_of(status: int, message: str) -> bytes:
-        return json.dumps({"error": {"message": message, "type": kinds.get(status, "server_error"),
-                                            "param": None, "code": status}}).encode()
-
-    async def wrapped(scope, receive, send):
-        if scope["type"] != "http":
-            return await app(scope, receive, send)
-        failed = {"status": None, "headers": [], "parts": [], "sent": False}  # a response of 400 or more, held back
-
-        async def capture(message):
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                failed["status"], failed["headers"] = message["status"], message.get("headers", [])
-                return
-            if message["type"] == "http.response.body" and failed["status"] is not None:
-                failed["parts"].append(message.get("body", b""))
-                return
-            failed["sent"] = True
-            await send(message)
-
-        try:
-            await app(scope, receive, capture)
-        except Exception as exc:  # the server keeps running; the client gets an error it can read
-            if failed["sent"]:  # a response under way (a stream) cannot become an error now
-                raise
-            # (Starlette answers 500 as plain text and raises again.) generate's own checks of a request's values
-            # (max_tokens -5) raise ValueError or TypeError: the request's fault, 400; anything else, 500
-            status = 400 if isinstance(exc, (ValueError, TypeError)) else 500
-            await _send_json(send, status, body_of(status, f"{type(exc).__name__}: {exc}"), [])
-            return
-        if failed["status"] is not None:
-            await _send_json(send, failed["status"], _as_openai(b"".join(failed["parts"]), failed["status"],
-                                                                body_of), failed["headers"])
-
-    return wrapped
+def check_before_merging(host: str, port: int, work_dir: Path | None, time_limit_s: float,
+                         served_model_name: str | None) -> None:
+    """What would make the server fail to start, said before the merge rather than after it: a --work-dir to write
+    the merge into, and a --host and --port it can listen on (bound as uvicorn binds them, then let go)."""
+    if work_dir is not None:
+        if not work_dir.exists():
+            raise UserError(f"--work-dir {work_dir}: does not exist", hint="create it, or choose another folder")
+        if not work_dir.is_dir():
+            raise UserError(f"--work-dir {work_dir}: is not a directory", hint="choose a folder")
+        if not os.access(work_dir, os.W_OK | os.X_OK):
+            raise UserError(f"--work-dir {work_dir}: this user may not write in it",
+                            hint="choose a folder you can write in, or fix its permissions")
+    if not time_limit_s > 0:
+        raise UserError(f"--request-time-limit: {time_limit_s:g} s leaves no time to generate",
+                        hint="give a duration, e.g. 30s, 2m")
+    if served_model_name is not None and (not served_model_name.strip() or not served_model_name.isprintable()):
+        raise UserError(f"--served-model-name {served_model_name!r}: give a name clients can send, e.g. my-run")
+    check_can_listen(host, port)
 
 
-def _as_openai(raw: bytes, status: int, body_of) -> bytes:
-    """A failed response's JSON body in OpenAI's shape (kept when it already is)."""
+def check_can_listen(host: str, port: int) -> None:
+    """Bind every address `host` resolves to at `port` (as asyncio's create_server, which uvicorn uses, binds them),
+    then close the sockets; a failure is said naming the option."""
     try:
-        body = json.loads(raw)
-    except ValueError:
-        return body_of(status, raw.decode(errors="replace") or "request failed")
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return raw
-    detail = body.get("detail", body.get("error", body)) if isinstance(body, dict) else body
-    if isinstance(detail, list):  # pydantic's list of errors: where and what, one per problem
-        detail = "; ".join(f"{'.'.join(map(str, e.get('loc', [])))}: {e.get('msg')}" if isinstance(e, dict)
-                           else str(e) for e in detail)
-    return body_of(status, str(detail))
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UserError(f"--host {host!r}: not a name or address this machine can resolve "
+                        f"({getattr(exc, 'strerror', None) or exc})",
+                        hint="use localhost (this machine only), 0.0.0.0 (every interface) or one of its addresses"
+                        ) from None
+    for family, kind, proto, _, address in dict.fromkeys((a[0], a[1], a[2], a[3], a[4]) for a in addresses):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a closing socket is no bar
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise UserError(f"--port {port}: already in use on {address[0]} (another server listens there)",
+                                    hint=f"stop it, or choose another --port (ss -ltnp 'sport = :{port}' shows "
+                                    "who listens)") from None
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise UserError(f"--host {host}: {address[0]} is not an address of this machine",
+                                    hint="use localhost, 0.0.0.0 or one of this machine's addresses") from None
+                if exc.errno == errno.EACCES:
+                    raise UserError(f"--port {port}: this user may not listen on it (ports below 1024 need root)",
+                                    hint="choose a port from 1024 up") from None
+                raise UserError(f"--host {host} --port {port}: cannot listen there: {exc.strerror or exc}") from None
 
 
-async def _send_json(send, status: int, body: bytes, headers) -> None:
-    kept = [(k, v) for k, v in headers if k.lower() not in (b"content-length", b"content-type")]
-    await send({"type": "http.response.start", "status": status,
-                "headers": kept + [(b"content-type", b"application/json"),
-                                   (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+def sweep_serve_leftovers(folder: Path, say: Callable[[str], None]) -> None:
+    """Remove the scratch folders (merged models) of servers on this machine that were killed (SIGKILL, the OOM
+    killer) before they could remove them; name those that look like one but are not ours to remove."""
+    from gpupoor.storage.files import WRITER, sweep_leftovers
+
+    removed, kept = sweep_leftovers(folder, re.compile(rf"{re.escape(SCRATCH_PREFIX)}{WRITER}-[a-z0-9_]+"))
+    for entry, _ in removed:
+        say(f"removed {entry}, left by a gpupoor serve that was killed")
+    for entry, why in kept:
+        if "is running" not in why:  # another server at work: its own
+            say(f"note: {entry} looks like a gpupoor serve's merged model, left alone: {why}")
+
+
+def served_model(model: Servable, name: str, time_limit_s: float):
+    """What the request checks need of the served model: its context, its generation config, its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.cli.serving.utils import BaseHandler, Modality
+
+    from gpupoor.commands.serve_requests import ServedModel
+
+    config = AutoConfig.from_pretrained(model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    if (model.path / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(model.path)
+    else:
+        generation = GenerationConfig.from_model_config(config)
+    settings = {k: v for k, v in generation.to_diff_dict().items() if k != "transformers_version"}
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+
+    def count_chat(messages: list) -> int:
+        # rendered as transformers' server renders them (its message conversion, then the chat template)
+        rendered = tokenizer.apply_chat_template(BaseHandler.get_processor_inputs_from_messages(messages, Modality.LLM),
+                                                 add_generation_prompt=True, tokenize=True, return_dict=True)
+        return len(rendered["input_ids"])
+
+    return ServedModel(name=name, path=str(model.path), context=context if isinstance(context, int) else None,
+                       generation_config=settings, time_limit_s=time_limit_s, count_chat=count_chat,
+                       count_text=lambda text: len(tokenizer(text)["input_ids"]),
+                       vocab_size=int(getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)))
 
 
 def serve(source: Path, *, checkpoint: str = "final", host: str = "localhost", port: int = 8000,
-          work_dir: Path | None = None, force: bool = False, say: Callable[[str], None] = print,
+          work_dir: Path | None = None, force: bool = False, served_model_name: str | None = None,
+          request_time_limit_s: float = DEFAULT_TIME_LIMIT_S, say: Callable[[str], None] = print,
           ready: Callable[[object], None] | None = None) -> None:
-    """Serve the model at `source` until interrupted (see the module's doc). `ready(server)`, for tests: called
-    with the uvicorn server instead of running it in this thread."""
+    """Serve the model at `source` until interrupted (see the module's doc): Ctrl-C, SIGTERM and SIGHUP stop the
+    server and remove the merged copy. `ready(server)`, for tests: called with transformers' Serve once it listens
+    (it runs in a thread of its own; the caller stops it with `server.kill_server()`)."""
     import torch
     import uvicorn
     from transformers.cli.serve import Serve
 
+    from gpupoor.commands.serve_requests import openai_api
     from gpupoor.decisions import choose_cpu_threads
+    from gpupoor.errors import termination_raised
     from gpupoor.hardware import busy_cpu_cores, resolve_device, resolve_inference_precision, usable_cpu_count
 
     check_installed()
+    check_before_merging(host, port, work_dir, request_time_limit_s, served_model_name)
     device = resolve_device("auto").value
     precision = resolve_inference_precision(device, None)
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision.value, "float32")
@@ -194,20 +242,51 @@ def serve(source: Path, *, checkpoint: str = "final", host: str = "localhost", p
         choice = choose_cpu_threads(None, usable_cpu_count(), 1, busy_cpu_cores())
         torch.set_num_threads(int(choice.value))
         threads = f", {choice.value} threads"
-    with servable(source, checkpoint, precision.value, work_dir, force, say) as model:
-        say(f"serving {source} as model {str(model.path)!r} on http://{host}:{port}/v1 ({device}{threads}, computing "
-            f"in {precision.value}: {precision.reason}; chat template: {model.template_note})")
+    with termination_raised(), servable(source, checkpoint, precision.value, work_dir, force, say) as model:
+        served = served_model(model, served_model_name or model.name, request_time_limit_s)
+        say(f"serving {source} as model {served.name!r} on http://{host}:{port}/v1 ({device}{threads}, computing "
+            f"in {precision.value}: {precision.reason}; chat template: {model.template_note}; context "
+            f"{served.context or 'unknown'} tokens; one request at a time, each for at most "
+            f"{request_time_limit_s:g} s)")
         original_config = uvicorn.Config
 
-        def config_with_openai_errors(app, **kwargs):
-            return original_config(openai_errors(app), **{**kwargs, "log_level": "warning"})
+        def config_with_checks(app, **kwargs):
+            return original_config(openai_api(app, served), **{**kwargs, "log_level": "warning"})
 
-        uvicorn.Config = config_with_openai_errors  # transformers' Serve builds its app and its uvicorn config
+        uvicorn.Config = config_with_checks  # transformers' Serve builds its app and its uvicorn config
         try:
-            # (log_level error: each request's "[Request received]" line is a warning in transformers' logger)
+            # (log_level error: each request's "[Request received]" line is a warning in transformers' logger).
+            # In a thread of its own: signals reach this (main) thread, which stops it and removes the merge.
             server = Serve(force_model=str(model.path), device=device, dtype=dtype, host=host, port=port,
-                           log_level="error", non_blocking=ready is not None)
+                           log_level="error", non_blocking=True)
         finally:
             uvicorn.Config = original_config
-        if ready is not None:
-            ready(server)
+        try:
+            _wait_until_listening(server, host, port)
+            say(f"listening on http://{host}:{port}/v1 (Ctrl-C stops it)")
+            if ready is not None:
+                ready(server)
+            while server._thread.is_alive():
+                server._thread.join(0.5)
+        finally:
+            _stop(server)
+
+
+def _wait_until_listening(server, host: str, port: int) -> None:
+    """Until uvicorn listens; it failing to (the port taken since it was checked) is said naming the option."""
+    while not server.server.started:
+        if not server._thread.is_alive():
+            raise UserError(f"--host {host} --port {port}: the server could not listen there (see the line above)",
+                            hint="choose another --port, or stop what listens there")
+        time.sleep(0.05)
+
+
+def _stop(server) -> None:
+    """uvicorn's own shutdown (it stops taking requests and closes its connections), without waiting for an
+    answer still being generated; then transformers' model and generation threads let go."""
+    server.server.should_exit = True
+    server._thread.join(timeout=5)
+    if server._thread.is_alive():
+        server.server.force_exit = True
+        server._thread.join(timeout=10)
+    server.kill_server()
