@@ -317,8 +317,10 @@ def evaluate(
                                         "file training reads), each with its expected answer (alpaca: output; chat: "
                                         "the last assistant turn; completion: completion)."),
     pass_if: list[str] = typer.Option([], "--pass-if", show_default=False, help="Exit 1 unless the tuned model "
-                                      "reaches it: METRIC>=X (its mean), METRIC-gain>=X (its rise over the base), "
-                                      "general>=N (with --general); repeatable."),
+                                      "reaches it: METRIC>=X (its mean, X from 0 to 1), METRIC-gain>=X (its rise "
+                                      "over the base, X from -1 to 1), general>=N (with --general, N from 0 to 2); "
+                                      "METRIC is one of --metric's, any regex:PATTERN too (split at the last >=); "
+                                      "repeatable. Checked before the model loads."),
     tasks: list[str] = typer.Option([], "--tasks", show_default=False, help="lm-evaluation-harness tasks (the "
                                     "`tasks` extra): a name it knows, or a task YAML file of yours; repeatable. Its "
                                     "own tasks download their datasets from the hub: they need a network."),
@@ -329,8 +331,9 @@ def evaluate(
                                  "answers, to see what fine-tuning broke."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Score only the first N rows."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="The longest answer, in tokens."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="The JSON report. Default: "
-                                          "RUN_DIR/eval/NAME.json, or eval-NAME.json beside the data."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="The JSON report, in a folder that exists "
+                                          "(never one of the inputs). Default: RUN_DIR/eval/NAME.json, or "
+                                          "eval-NAME.json beside the data."),
     force: bool = typer.Option(False, "--force", help="Go on when the base model changed since the run trained "
                                "on it (by default that is refused, exit 2)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),

@@ -22,6 +22,7 @@ from gpupoor.scorers import SCORER_HELP, Scorer, parse_scorer
 # Questions a base instruction model answers and a word any sensible answer contains (as the real demo's judge).
 GENERAL = (("What is the capital of France?", "paris"), ("What is the opposite of hot?", "cold"))
 BATCH = 16
+SHOWN_CHARACTERS = 200  # of an answer in the printed table; the JSON keeps it whole
 METRIC_HELP = SCORER_HELP.replace("returning a bool or a number", "returning a bool or a number in [0, 1]")
 
 
@@ -52,12 +53,41 @@ class Requirement:
         return f"{self.text}: it gained {value:+.0%}" if self.gain else f"{self.text}: it reached {value:.0%}"
 
 
+PASS_IF_FORMS = (f"METRIC>=X (its mean, X from 0 to 1), METRIC-gain>=X (its rise over the base, X from -1 to 1) or "
+                 f"general>=N (general questions still answered, N from 0 to {len(GENERAL)}, with --general)")
+PASS_IF_EXAMPLES = "e.g. --pass-if 'exact>=0.8' --pass-if 'exact-gain>=0.5' --pass-if 'regex:^\\d+$>=0.9'"
+# Longest first: a run of operator characters ends in one of these; what comes before it belongs to the metric
+# (a regex: metric may hold `>=` or `=` of its own).
+COMPARISONS = (">=", "<=", "==", "!=", "=>", "=<", ">", "<", "=")
+NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
 def parse_requirement(spec: str) -> Requirement:
-    found = re.fullmatch(r"\s*([\w:.]+?)(-gain)?\s*>=\s*(-?[0-9.]+)\s*", spec)
-    if not found:
-        raise UserError(f"--pass-if {spec!r}: write METRIC>=X (its mean), METRIC-gain>=X (its rise over the base) "
-                        "or general>=N", hint="e.g. --pass-if exact>=0.8 --pass-if exact-gain>=0.5 --pass-if general>=2")
-    return Requirement(spec.strip(), found.group(1), bool(found.group(2)), float(found.group(3)))
+    """One --pass-if value, split at its last comparison (so `regex:^a>=b$>=0.5` is the metric `regex:^a>=b$`),
+    every part checked: the comparison is >=, the bound a finite number the tuned model can reach."""
+    found = re.fullmatch(r"(.*?)([<>=!]+)([^<>=!]*)", spec.strip(), re.DOTALL)
+    if not found or not found.group(1).strip():
+        raise UserError(f"--pass-if {spec!r}: write {PASS_IF_FORMS}", hint=PASS_IF_EXAMPLES)
+    left, run, bound = found.groups()
+    comparison = next((c for c in COMPARISONS if run.endswith(c)), run)
+    if comparison != ">=":
+        raise UserError(f"--pass-if {spec!r}: the comparison is {comparison!r}; --pass-if takes >= only (what the "
+                        "tuned model must reach at least)", hint=f"write {PASS_IF_FORMS}")
+    metric = (left + run[:-len(comparison)]).strip()
+    gain = metric.endswith("-gain")
+    name = metric.removesuffix("-gain") if gain else metric
+    if not NUMBER.fullmatch(bound.strip()):
+        raise UserError(f"--pass-if {spec!r}: {bound.strip()!r} is not a finite number", hint=f"write {PASS_IF_FORMS}")
+    least = float(bound)
+    if name == "general":
+        if gain or least != int(least) or not 0 <= least <= len(GENERAL):
+            raise UserError(f"--pass-if {spec!r}: --general asks {len(GENERAL)} questions, so write general>=N "
+                            f"with N a whole number from 0 to {len(GENERAL)}")
+    elif not (-1.0 if gain else 0.0) <= least <= 1.0:
+        span, what = ("-1 to 1", "its rise over the base") if gain else ("0 to 1", "its mean")
+        raise UserError(f"--pass-if {spec!r}: X is {what}, from {span} (a metric scores each answer from 0 to 1), "
+                        f"not {least:g}", hint=f"write {PASS_IF_FORMS}")
+    return Requirement(spec.strip(), name, gain, least)
 
 
 @dataclass
@@ -71,16 +101,43 @@ class HeldOut:
     example: tuple  # (input_ids, labels) tensors, training's encoding of the whole row
 
 
-def read_held_out(path: Path, encoder, limit: int | None) -> list[HeldOut]:
-    """The rows of a JSONL (or any data file training reads) in the run's format, each checked; errors name
-    file:line."""
+def read_held_out_rows(data: Path, limit: int | None) -> list:
+    """The rows of --data (a JSONL or any data file training reads), read before any model loads so that a wrong
+    path or a malformed line costs no loading time. Messages and each row's `file:line` name the file as the user
+    typed it (`/dev/stdin`, not the /proc/PID/fd/... it resolves to)."""
+    from gpupoor.data.loading import Row, read_rows, resolve_source
+    from gpupoor.recipe.loading import DATA_SUFFIXES, resolve_local_path
+
+    typed = str(data)
+    local = resolve_local_path(typed, Path.cwd(), DATA_SUFFIXES)  # None: a dataset on the hub
+    named = data.expanduser()
+    allowed = f"a file of held-out rows ({', '.join(DATA_SUFFIXES)}) or a datasets.save_to_disk directory"
+    if local is not None:
+        if not named.exists():
+            raise UserError(f"--data {typed}: no such file", hint=f"give --data {allowed}; a relative path is read "
+                            f"from the current directory ({Path.cwd()})")
+        if not (named.is_file() or named.is_dir()):
+            raise UserError(f"--data {typed}: not a regular file (a pipe, socket or device); eval reads the rows by "
+                            "their file's suffix", hint=f"save the rows to a .jsonl file and give its path: {allowed}")
+        if named.is_file() and local.suffix.lower() not in DATA_SUFFIXES:
+            raise UserError(f"--data {typed}: not a data file eval reads", hint=f"give --data {allowed}")
+    try:
+        rows = read_rows(resolve_source(typed, Path.cwd(), "train", "--data"), limit)
+    except UserError as exc:
+        if local is None or str(local) == typed:
+            raise
+        raise UserError(exc.message.replace(str(local), typed), hint=exc.hint) from None
+    if not rows:
+        raise UserError(f"--data {typed}: no rows in it", hint="give held-out rows in the run's format")
+    if local is not None and str(local) != typed:
+        rows = [Row(row.fields, typed + row.where.removeprefix(str(local))) for row in rows]
+    return rows
+
+
+def encode_held_out(rows: list, encoder) -> list[HeldOut]:
+    """Each row in the run's format, checked to hold its expected answer; errors name file:line."""
     import torch
 
-    from gpupoor.data.loading import read_rows, resolve_source
-
-    rows = read_rows(resolve_source(str(path), Path.cwd(), "train", "--data"), limit)
-    if not rows:
-        raise UserError(f"--data {path}: no rows in it", hint="give held-out rows in the run's format")
     held_out = []
     for row in rows:
         fields = dict(row.fields)
@@ -140,7 +197,8 @@ def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint:
              force: bool = False, tasks: list[str] | None = None, pass_if: list[str] | None = None,
              say: Callable[[str], None] = print, progress: Callable[[str], None] = print) -> dict:
     """The eval report of the model at `source` on the rows of `data` (see the module's doc) and, with `tasks`, on
-    lm-evaluation-harness's tasks (gpupoor/commands/eval_tasks.py); written as JSON."""
+    lm-evaluation-harness's tasks (gpupoor/commands/eval_tasks.py); written as JSON. Every input is checked
+    before the model loads: a real evaluation takes minutes, and bad input must not cost them."""
     from gpupoor.commands.generate import load_generator
     from gpupoor.storage.files import write_text_atomic
 
@@ -148,34 +206,88 @@ def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint:
         raise UserError("nothing to evaluate on", hint="give --data HELD_OUT.jsonl (rows in the run's format), "
                         "--tasks NAME (lm-evaluation-harness), or both")
     chosen = [parse_metric(spec) for spec in dict.fromkeys(metrics or ["exact"])]
-    required = _requirements(pass_if or [], [m.name for m in chosen], general, data)
+    required = _requirements(pass_if or [], [m.name for m in chosen], general, data, _has_base(source, checkpoint))
+    rows = read_held_out_rows(data, limit) if data is not None else []
+    prepared = None
+    if tasks:
+        from gpupoor.commands.eval_tasks import prepare_tasks
+
+        prepared = prepare_tasks(tasks)
+    target = output or _default_output(source, data)
+    check_output(target, output is not None, source, data, prepared.files if prepared else [])
+
     generator = load_generator(source, checkpoint, force=force, warn=lambda text: say(f"warning: {text}"))
-    rows = read_held_out(data, generator.encoder, limit) if data is not None else []
+    held_out = encode_held_out(rows, generator.encoder)
     if generator.precision_note:
         say(generator.precision_note)
     if getattr(generator.model, "disable_adapter", None) is None:
-        gains = [r.text for r in required if r.gain]
-        if gains:  # before any work: a gain is measured against the base column
-            raise UserError(f"--pass-if {gains[0]}: a gain needs the base column, which a whole model has not",
-                            hint="use METRIC>=X on a whole model, or evaluate an adapter run")
         say("no base column: this is a whole model, not an adapter on a base (evaluate the base model directory "
             "on its own to compare)")
-    report, columns = _held_out_report(generator, data, rows, chosen, general, max_new_tokens, say, progress) \
-        if rows else ({}, [])
+    report, columns = _held_out_report(generator, data, held_out, chosen, general, max_new_tokens, say, progress) \
+        if held_out else ({}, [])
     if required:
         reasons = [why for why in (r.shortfall(columns) for r in required) if why]
         report["verdict"] = {"passed": not reasons, "pass_if": [r.text for r in required], "reasons": reasons}
         say(("FAIL: " + "; ".join(reasons)) if reasons else f"PASS: {', '.join(r.text for r in required)}")
-    if tasks:
+    if prepared is not None:
         from gpupoor.commands.eval_tasks import render_tasks, run_tasks
 
-        report["tasks"] = run_tasks(generator, tasks, limit, progress)
+        report["tasks"] = run_tasks(generator, prepared, limit, progress)
         say(render_tasks(report["tasks"]))
-    target = output or _default_output(source, data)
     target.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(target, json.dumps(report, indent=2) + "\n")
     say(f"wrote {target}")
     return report
+
+
+def _has_base(source: Path, checkpoint: str) -> bool | None:
+    """Whether the model at `source` is an adapter, whose base column a gain is measured against; None when
+    `source` is no directory (loading it says why)."""
+    from gpupoor.storage.run_weights import locate_weights
+
+    return locate_weights(source, checkpoint).is_adapter if source.is_dir() else None
+
+
+def check_output(target: Path, explicit: bool, source: Path, data: Path | None, task_files: list[Path]) -> None:
+    """Before any work, that the report can be written at `target`: not a directory, in a folder that exists (or,
+    for the default RUN/eval/, can be made) and that this user can write, and not one of the inputs (the held-out
+    rows, a task YAML, the model's own files), which it would overwrite."""
+    import errno
+    import tempfile
+
+    from gpupoor.storage.files import blocking_file
+
+    option = f"--output {target}" if explicit else f"the report's default path {target}"
+    fix = "give --output a file path in a folder you can write" if explicit else "give --output FILE elsewhere"
+    if target.is_dir():
+        raise UserError(f"{option} is a directory", hint=f"name a file, e.g. --output {target / 'eval.json'}")
+    if target.exists() and not target.is_file():  # a device or a pipe: the report is renamed into place over it
+        raise UserError(f"{option} is not a regular file (a device, pipe or socket)", hint=fix)
+    folder = target.absolute().parent
+    blocker = blocking_file(folder)
+    if blocker is not None:
+        raise UserError(f"{option}: {blocker} is a file, not a directory", hint=fix)
+    if explicit and not folder.is_dir():
+        raise UserError(f"{option}: the folder {folder} does not exist",
+                        hint=f"create it first (mkdir -p {folder}) or give --output a path in an existing folder")
+    probe = next(place for place in (folder, *folder.parents) if place.is_dir())  # RUN/eval/ is made when written
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the disk's failure, not the input's: exit 1 naming it
+            raise
+        raise UserError(f"{option}: cannot write in {probe} ({exc.strerror or exc})", hint=fix) from None
+    if target.exists():
+        inputs = [(data, "the --data file"), *((path, "a --tasks file") for path in task_files)]
+        for path, what in inputs:
+            if path is not None and path.expanduser().exists() and target.samefile(path.expanduser()):
+                raise UserError(f"{option} is {what}: writing the report would overwrite it",
+                                hint="give --output another file for the report")
+        inside = source.is_dir() and target.resolve().is_relative_to(source.resolve())
+        if inside and not target.resolve().is_relative_to((source / "eval").resolve()):
+            raise UserError(f"{option} is a file of the model at {source}: writing the report would overwrite it",
+                            hint="give --output a file outside the model's directory (RUN/eval/ is the default)")
 
 
 def _held_out_report(generator, data: Path, rows: list[HeldOut], chosen: list[Scorer], general: bool,
@@ -198,17 +310,23 @@ def _held_out_report(generator, data: Path, rows: list[HeldOut], chosen: list[Sc
     return report, columns
 
 
-def _requirements(specs: list[str], metrics: list[str], general: bool, data: Path | None) -> list[Requirement]:
-    """--pass-if, checked before any work: each names a metric scored (or `general`, with --general)."""
+def _requirements(specs: list[str], metrics: list[str], general: bool, data: Path | None,
+                  has_base: bool | None) -> list[Requirement]:
+    """--pass-if, checked before any work: each names a metric scored (or `general`, with --general), and a gain
+    a model with a base column."""
     required = [parse_requirement(spec) for spec in specs]
     for requirement in required:
         if data is None:
-            raise UserError(f"--pass-if {requirement.text}: needs --data, the held-out rows it is measured on")
+            raise UserError(f"--pass-if {requirement.text!r}: needs --data, the held-out rows it is measured on")
         if requirement.name == "general" and not general:
-            raise UserError(f"--pass-if {requirement.text}: add --general, which asks the general questions")
+            raise UserError(f"--pass-if {requirement.text!r}: add --general, which asks the general questions")
         if requirement.name != "general" and requirement.name not in metrics:
-            raise UserError(f"--pass-if {requirement.text}: {requirement.name} is not among the metrics scored "
-                            f"({', '.join(metrics)})", hint=f"add --metric {requirement.name}")
+            raise UserError(f"--pass-if {requirement.text!r}: {requirement.name} is not among the metrics scored "
+                            f"({', '.join(metrics)}); it can name one of those or general",
+                            hint=f"add --metric '{requirement.name}', or name a metric scored")
+        if requirement.gain and has_base is False:
+            raise UserError(f"--pass-if {requirement.text!r}: a gain needs the base column, which a whole model has not",
+                            hint="use METRIC>=X on a whole model, or evaluate an adapter run")
     return required
 
 
@@ -237,7 +355,7 @@ def render(report: dict, columns: list[Column], metrics: list[Scorer], rows: lis
             f"{f'{c.general_kept}/{len(GENERAL)}':>16}" for c in columns))
         for i, (question, word) in enumerate(GENERAL):
             lines.append(f"  {question} (must say {word!r}): " + "; ".join(
-                f"{c.name} {c.general[i]!r}" for c in columns))
+                f"{c.name} {clip(c.general[i])}" for c in columns))
     first = metrics[0].name
     differing = [i for i in range(len(rows)) if (len({c.answers[i] for c in columns}) > 1 if len(columns) > 1
                                                  else columns[0].scores[first][i] < 1)]
@@ -245,6 +363,15 @@ def render(report: dict, columns: list[Column], metrics: list[Scorer], rows: lis
         lines.append(f"first rows where {'the models differ' if len(columns) > 1 else 'the answer is not ' + first}:")
     here = f"{Path.cwd()}/"
     for i in differing[:examples]:
-        lines.append(f"  {rows[i].where.removeprefix(here)}: expected {rows[i].expected!r}; " + "; ".join(
-            f"{c.name} {c.answers[i]!r}" for c in columns))
+        lines.append(f"  {rows[i].where.removeprefix(here)}: expected {clip(rows[i].expected)}; " + "; ".join(
+            f"{c.name} {clip(c.answers[i])}" for c in columns))
     return "\n".join(lines)
+
+
+def clip(text: str, most: int = SHOWN_CHARACTERS) -> str:
+    """A text as the printed table shows it: quoted whole up to `most` characters, else its first `most`, an
+    ellipsis and its length, so a model that rambles for kilobytes does not bury the table (the JSON report keeps
+    every answer whole)."""
+    if len(text) <= most:
+        return repr(text)
+    return f"{text[:most]!r}... ({len(text)} characters)"

@@ -48,24 +48,27 @@ def test_eval_refuses_what_it_cannot_score(run, tmp_path):
     assert result.exit_code == 2 and "not a regular expression" in result.output
 
 
-def test_eval_runs_an_lm_evaluation_harness_task_of_local_data(run, tmp_path):
+def test_eval_runs_an_lm_evaluation_harness_task_of_local_data(run, tmp_path, monkeypatch, capfd):
     """--tasks with a task YAML of one's own (local data: no network): the harness scores the base and the tuned
     model, the same loaded weights with the adapter off and on; on the rows it trained on, the tuned model's
-    perplexity of the answers is the lower."""
+    perplexity of the answers is the lower. Run outside a git repository, nothing of git's reaches the terminal
+    (the harness asks git for a commit hash)."""
     pytest.importorskip("lm_eval")
     import yaml
 
     from gpupoor.data.formats import alpaca_prompt
 
+    monkeypatch.chdir(tmp_path)
     trained = [json.loads(line) for line in (run.parent / "lora.jsonl").read_text().splitlines()][:6]
     rows = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": alpaca_prompt(r["instruction"], r.get("input", "")),
                                                 "answer": r["output"]} for r in trained])
-    (tmp_path / "qa.yaml").write_text(yaml.safe_dump({
-        "task": "gpupoor_test_qa", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(rows)}},
-        "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{prompt}}",
-        "doc_to_target": "{{answer}}", "metric_list": [{"metric": "perplexity"}, {"metric": "acc"}]}))
+    task = {"task": "gpupoor_test_qa", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(rows)}},
+            "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{prompt}}",
+            "doc_to_target": "{{answer}}", "metric_list": [{"metric": "perplexity"}, {"metric": "acc"}]}
+    (tmp_path / "qa.yaml").write_text(yaml.safe_dump(task))
     result = invoke("eval", run, "--tasks", tmp_path / "qa.yaml", "--output", tmp_path / "tasks.json")
     assert result.exit_code == 0, result.output
+    assert "not a git repository" not in result.output + capfd.readouterr().err
     tasks = json.loads((tmp_path / "tasks.json").read_text())["tasks"]
     base, tuned = tasks["base"]["gpupoor_test_qa"], tasks["tuned"]["gpupoor_test_qa"]
     assert tuned["perplexity"] < base["perplexity"]
@@ -76,16 +79,40 @@ def test_eval_runs_an_lm_evaluation_harness_task_of_local_data(run, tmp_path):
     assert nothing.exit_code == 2 and "nothing to evaluate on" in nothing.output
 
 
+def test_a_task_the_harness_cannot_read_is_refused_before_the_model_loads(run, tmp_path, monkeypatch):
+    """A task YAML whose data the harness cannot parse: exit 2 naming the file and what the harness said (before,
+    exit 1 `DatasetGenerationError` after the model had loaded)."""
+    pytest.importorskip("lm_eval")
+    import yaml
+
+    import gpupoor.commands.generate
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(gpupoor.commands.generate, "load_generator", refuse)
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a", "answer": "b"}\n{"prompt": oops\n')
+    task = tmp_path / "broken.yaml"
+    task.write_text(yaml.safe_dump({
+        "task": "gpupoor_test_broken", "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(tmp_path / "broken.jsonl")}}, "test_split": "test",
+        "output_type": "loglikelihood", "doc_to_text": "{{prompt}}", "doc_to_target": "{{answer}}"}))
+    result = invoke("eval", run, "--tasks", task)
+    assert result.exit_code == 2, result.output
+    assert f"--tasks {task}: lm-evaluation-harness cannot read this task (DatasetGenerationError" in result.output
+    assert "JSON parse error" in result.output and "fix the task YAML or the data it names" in result.output
+
+
 def test_pass_if_sets_the_exit_code_from_the_tuned_models_scores(run, tmp_path):
     data = run.parent / "lora.jsonl"
     common = ["eval", run, "--data", data, "--limit", "4", "--max-new-tokens", "4", "--output", tmp_path / "e.json"]
     passed = invoke(*common, "--pass-if", "exact>=0", "--pass-if", "exact-gain>=-1")
     assert passed.exit_code == 0 and "PASS: exact>=0, exact-gain>=-1" in passed.output, passed.output
-    failed = invoke(*common, "--pass-if", "exact>=1.5")
-    assert failed.exit_code == 1 and "FAIL: exact>=1.5: it reached" in failed.output, failed.output
+    failed = invoke(*common, "--pass-if", "exact>=1")
+    assert failed.exit_code == 1 and "FAIL: exact>=1: it reached" in failed.output, failed.output
     verdict = json.loads((tmp_path / "e.json").read_text())["verdict"]
-    assert verdict["passed"] is False and verdict["pass_if"] == ["exact>=1.5"]
-    for spec, said in (("exact>0.5", "write METRIC>=X"), ("contains>=0.5", "contains is not among the metrics"),
-                       ("general>=2", "add --general")):
+    assert verdict["passed"] is False and verdict["pass_if"] == ["exact>=1"]
+    for spec, said in (("exact>0.5", "--pass-if takes >= only"), ("contains>=0.5", "contains is not among the metrics"),
+                       ("general>=2", "add --general"), ("exact>=1.5", "from 0 to 1")):
         refused = invoke(*common, "--pass-if", spec)
         assert refused.exit_code == 2 and said in refused.output, (spec, refused.output)
