@@ -170,6 +170,7 @@ def test_a_missing_data_file_speaks_of_data_not_of_a_recipe(no_loading, model, t
     assert "recipe" not in output and "current directory" in output and LOADED not in output
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux's /proc/self/fd, where /dev/stdin leads")
 def test_a_pipe_is_named_as_typed(no_loading, model, tmp_path):
     """/dev/stdin is a link to /proc/self/fd/0, a pipe under a shell's `|`: said as the user wrote it."""
     read_end, write_end = os.pipe()
