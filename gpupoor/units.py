@@ -58,6 +58,18 @@ def format_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
 
 
+def format_bytes_apart(a: float, b: float) -> tuple[str, str]:
+    """`a` and `b` in one unit (format_bytes' for the larger), with as many decimals as it takes for two sizes that
+    differ to read differently: a disk short by 3 MiB of 1 GiB is "1.003 GiB needed, 1.000 GiB free", never
+    "1.00 GiB needed, 1.00 GiB free"; past a GiB's billionth, in bytes."""
+    unit, name, digits = (GiB, "GiB", 2) if max(abs(a), abs(b)) >= GiB else (MiB, "MiB", 0)
+    for places in range(digits, 10):
+        apart = f"{a / unit:.{places}f} {name}", f"{b / unit:.{places}f} {name}"
+        if apart[0] != apart[1] or a == b:
+            return apart
+    return f"{int(a):,} bytes", f"{int(b):,} bytes"
+
+
 def format_duration(seconds: float, style: str = "clock") -> str:
     """`clock` (a countdown, e.g. an ETA): 0:07, 12:34, 1:02:03. `age` (how long ago, how long left): 45s
     under two minutes, 17m under two hours, then 3h05m."""

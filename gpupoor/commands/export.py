@@ -1,8 +1,9 @@
 """`gpupoor export`: a run (or a model directory) as GGUF files for llama.cpp, Ollama and LM Studio, one per
 `--quant`, from one merge, and a table of what each quantization cost in perplexity.
 
-Everything that can be refused is refused before any work: the format, the quant names, the eval file, the
-architecture, the output paths, and a disk without room for what the export writes (gpupoor/export/space.py).
+Everything that can be refused is refused before any work: the format, the quant names, the eval text (read and
+tokenized with the model's tokenizer: a file, or the run's eval set), the architecture, the output paths and
+--work-dir, and a disk without room for what the export writes (gpupoor/export/space.py).
 An adapter is merged once into a temporary fp32 model directory in the work directory (`--work-dir`, default the
 output folder; the streaming merge of merge-lora, QLoRA through the dequantized base) and removed afterwards; a
 full fine-tune or a model directory is read as it is. Ctrl-C, SIGTERM and SIGHUP remove what was half written and
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from gpupoor.errors import UserError
 
 if TYPE_CHECKING:
+    from gpupoor.export.quality import EvalText
     from gpupoor.export.space import SpacePlan
     from gpupoor.export.writer import ExportWriter, Written
 
@@ -87,8 +89,11 @@ def output_paths(source: ExportSource, quants: list[str], output: Path | None,
         paths = {q: folder / f"{source.name}-{q}{suffix}" for q in quants}
         table = folder / f"{source.name}.quality.json"
     for path in paths.values():
-        if path.exists():
+        if path.exists() or path.is_symlink():
             raise UserError(f"{path} already exists", hint="choose another --output, or delete it")
+    if table.exists() and not table.is_file():  # found only when it is written, after all the work
+        raise UserError(f"{table} (the quality table's file) is not a file", hint="move it, or choose another "
+                        "--output, and export again")
     return paths, table
 
 
@@ -148,6 +153,9 @@ def export(path: Path, *, quants: list[str], fmt: str = "gguf", output: Path | N
     if quality and eval_file is None and source.run_dir is None:
         raise UserError(f"{path} is not a run, so there is no eval set to measure the quantization cost on",
                         hint="pass --eval FILE (plain text, or JSONL rows with a \"text\" field), or --no-quality")
+    # Tokenized now, not after the files are written: a text of under two tokens, or a run whose eval set is not
+    # text, found then would leave files a corrected rerun is refused for. The tokenizer is the one the merge copies.
+    text = eval_text_for(source, eval_file, eval_text, eval_tokens) if quality else None
     folder = next(iter(paths.values())).parent
     check_writable(folder, f"--output {folder}", hint="give --output a file in a writable directory")
     work = work_dir.expanduser().absolute() if work_dir is not None else folder
@@ -158,9 +166,25 @@ def export(path: Path, *, quants: list[str], fmt: str = "gguf", output: Path | N
     with termination_raised(), _said_if_stopped(progress, say), _disk_full_said(progress), \
             _folder_removed_if_empty(folder), _folder_removed_if_empty(work), \
             model_directory(source, work, say) as model_dir:
-        rows = _write_and_measure(model_dir, source, writer, paths, table, progress, say,
-                                  (eval_file, eval_text, eval_tokens) if quality else None)
+        rows = _write_and_measure(model_dir, source, writer, paths, table, progress, say, text)
     return rows
+
+
+def eval_text_for(source: ExportSource, eval_file: Path | None, raw: str | None, eval_tokens: int) -> EvalText:
+    """The text the quality table is measured on, tokenized: `--eval FILE` (`raw`: its text, read already), else
+    the run's eval set; with the tokenizer the exported model carries (merge-lora copies an adapter's own, else its
+    base's)."""
+    from gpupoor.export.quality import file_eval_text, run_eval_text
+    from gpupoor.model.load import load_tokenizer
+    from gpupoor.recipe.schema import ModelSection
+
+    own = not source.is_adapter or (source.weights_dir / "tokenizer_config.json").is_file()
+    location = str(source.weights_dir) if own else source.base
+    tokenizer = load_tokenizer(location, ModelSection(name_or_path=location),
+                               key="the exported model's tokenizer" if own else "the adapter's base model")
+    if eval_file is not None:
+        return file_eval_text(eval_file, tokenizer, eval_tokens, raw=raw)
+    return run_eval_text(source.run_dir, tokenizer, eval_tokens)
 
 
 @dataclass
@@ -192,9 +216,8 @@ def _space_plan(source: ExportSource, quants: list[str], work: Path, folder: Pat
 
 def _write_and_measure(model_dir: Path, source: ExportSource, writer: ExportWriter, paths: dict[str, Path],
                        table: Path, progress: Progress, say: Callable[[str], None],
-                       evaluation: tuple | None) -> list[QualityRow]:
-    """Each file, its companions beside it (GGUF: a Modelfile), and (`evaluation`: the eval file, its text, the
-    token cap) the table."""
+                       text: EvalText | None) -> list[QualityRow]:
+    """Each file, its companions beside it (GGUF: a Modelfile), and (`text`: what to measure on) the table."""
     written = []
     for quant, target in paths.items():
         progress.writing = target
@@ -204,10 +227,10 @@ def _write_and_measure(model_dir: Path, source: ExportSource, writer: ExportWrit
         written.append(file)
     progress.writing = table.parent
     write_companions(model_dir, written, writer, source, say)
-    if evaluation is None:
+    if text is None:
         return [QualityRow(f.quant, f.path.name, f.size_bytes, round(f.bits_per_weight, 3), None, None,
                            dict(f.types)) for f in written]
-    return measure(model_dir, source, writer, written, *evaluation, table, say)
+    return measure(model_dir, writer, written, text, table, say)
 
 
 @contextlib.contextmanager
@@ -256,20 +279,14 @@ def _disk_full_said(progress: Progress):
                         "(--work-dir, --output), and export again") from None
 
 
-def measure(model_dir: Path, source: ExportSource, writer: ExportWriter, written: list[Written],
-            eval_file: Path | None, eval_text: str | None, eval_tokens: int, table: Path,
+def measure(model_dir: Path, writer: ExportWriter, written: list[Written], text: EvalText, table: Path,
             say: Callable[[str], None]) -> list[QualityRow]:
-    """Perplexity of the full-precision model and of each file read back (on `eval_text`, read from `eval_file`
-    before any work, else the run's eval set), printed as a table and written as JSON beside the files."""
-    from gpupoor.export.quality import file_eval_text, perplexity_of_model_dir, run_eval_text
+    """Perplexity of the full-precision model and of each file read back (on `text`, tokenized before any work:
+    eval_text_for), printed as a table and written as JSON beside the files."""
+    from gpupoor.export.quality import perplexity_of_model_dir
     from gpupoor.hardware import dtype_of, resolve_inference_precision
-    from gpupoor.model.load import load_tokenizer
-    from gpupoor.recipe.schema import ModelSection
     from gpupoor.units import ProgressLine
 
-    tokenizer = load_tokenizer(str(model_dir), ModelSection(name_or_path=str(model_dir)))
-    text = file_eval_text(eval_file, tokenizer, eval_tokens, raw=eval_text) if eval_file else \
-        run_eval_text(source.run_dir, tokenizer, eval_tokens)
     tokens = sum(int((labels != -100).sum()) for _, labels in text.examples)
     # Scored where export runs, the CPU: in bf16 where its matrix units multiply faster, as generate computes.
     compute = resolve_inference_precision("cpu", None)

@@ -18,7 +18,7 @@ from typing import Callable
 
 from gpupoor.errors import UserError
 from gpupoor.storage.files import WRITER, sweep_leftovers
-from gpupoor.units import format_bytes
+from gpupoor.units import format_bytes, format_bytes_apart
 
 SCRATCH_PREFIX = ".gpupoor-export-"  # + PID@HOST + "-": the fp32 merge, removed at the end
 # What an export writes under a temporary name: the merge's scratch folder, and each file before its rename.
@@ -62,18 +62,19 @@ class SpacePlan:
         for where, needed in self.demands():
             free = _free(where)
             if free < needed:
-                raise UserError(f"not enough free space: the export writes about {format_bytes(needed)} on the file "
-                                f"system of {where} ({self.breakdown()}), and {format_bytes(free)} is free there",
+                needs, has = format_bytes_apart(needed, free)  # rounded alike, they would read as if it fit
+                raise UserError(f"not enough free space: the export writes about {needs} on the file system of "
+                                f"{where} ({self.breakdown()}), and {has} is free there",
                                 hint=self._hint())
 
     def disk_full(self, where: Path | None, finished: list[Path]) -> UserError:
         """The full disk said with the numbers, once what was half written is gone."""
         place = where or self.folder
         kept = f"; complete and kept: {', '.join(map(str, finished))}" if finished else ""
-        return UserError(f"the disk filled while writing {place}: the export needs about "
-                         f"{format_bytes(self.needed())} ({self.breakdown()}), and "
-                         f"{format_bytes(_free(place))} is free there now; what was half written was removed{kept}",
-                         hint=self._hint())
+        needs, has = format_bytes_apart(self.needed(), _free(place))
+        return UserError(f"the disk filled while writing {place}: the export needs about {needs} "
+                         f"({self.breakdown()}), and {has} is free there now; what was half written was "
+                         f"removed{kept}", hint=self._hint())
 
     def _hint(self) -> str:
         merge = "put the fp32 merge on another disk with --work-dir DIR, or " if self.merge_bytes else ""

@@ -192,3 +192,14 @@ def test_what_a_killed_merge_left_beside_its_output_is_removed_by_the_next_merge
     assert result.output.count("left by a merge that was killed") == 2, result.output
     assert "written on host other-node-7" in result.output and result.output.count("left alone") == 3
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted(kept)
+
+
+def test_an_eval_text_too_short_to_score_is_refused_before_the_merge(lora_run, tmp_path):
+    """It was found after the GGUF and its Modelfile were written, and both were left; the tokenizer is the run's,
+    loaded before any work."""
+    (tmp_path / "short.txt").write_text("a")
+    out = tmp_path / "out"
+    result = invoke("export", lora_run, "-q", "q8_0", "--output", out / "m.gguf", "--eval", tmp_path / "short.txt")
+    assert result.exit_code == 2, result.output
+    assert "short.txt: fewer than two tokens of text to score" in result.output
+    assert "merging" not in result.output and not out.exists()
