@@ -1,7 +1,7 @@
 """Errors meant for people. Anything raised as a UserError exits with code 2 and no traceback. And Terminated:
-SIGTERM or SIGHUP as an exception, for the verbs with nothing to checkpoint (export, merge-lora), so that their
-`with` blocks remove what they half wrote, as they do for Ctrl-C (train and resume checkpoint instead:
-gpupoor/run/signals.py)."""
+SIGTERM or SIGHUP as an exception, for every verb with nothing to checkpoint (gpupoor.outcome.guarded raises them
+around each command), so that their `with` blocks and temporary folders remove what they half wrote, as they do
+for Ctrl-C (train and resume checkpoint instead: gpupoor/run/signals.py)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,11 @@ def termination_raised():
         yield
         return
     handler = _RaiseOnce()
-    previous = {sig: signal.signal(sig, handler) for sig in TERMINATING}
+    # (a signal the process was started ignoring stays ignored: `nohup gpupoor export ...` outlives its terminal)
+    previous = {sig: signal.signal(sig, handler) for sig in TERMINATING if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         yield
     finally:
         for sig, before in previous.items():
-            signal.signal(sig, signal.SIG_DFL if before is None else before)  # None: a handler set from C
+            if signal.getsignal(sig) is handler:  # one set inside the block (train's SIG_IGN while it exits) stays
+                signal.signal(sig, signal.SIG_DFL if before is None else before)  # None: a handler set from C

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from gpupoor.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, RunFailed, UserError
+from gpupoor.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, RunFailed, UserError, termination_raised
 from gpupoor.run.startup import from_command_line
 
 
@@ -67,9 +67,11 @@ def with_stop_requests(action: Callable[..., int | None]) -> Callable[[], int | 
 
 
 def guarded(debug: bool, action: Callable[[], int | None]) -> None:
-    """Run a command: bad input exits 2 with a message, other failures exit 1, tracebacks only with --debug."""
+    """Run a command: bad input exits 2 with a message, other failures exit 1, tracebacks only with --debug.
+    SIGTERM and SIGHUP unwind it as Ctrl-C does (what it half wrote removed on the way out), exit 143 / 129."""
     try:
-        code = action() or 0
+        with termination_raised():
+            code = action() or 0
     except UserError as exc:
         if debug:
             raise

@@ -79,10 +79,7 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
     generator = load_generator(source, checkpoint, base, None, force=force, warn=warn)
     model, tokenizer, encoder = generator.model, generator.tokenizer, generator.encoder
     fmt = encoder.format.name
-    keeps_history, how = _how_turns_are_read(fmt, source, checkpoint, history)
-    if history is not None and fmt != "chat":  # the flag was given for nothing: say so rather than ignore it
-        warn(f"--{'' if history else 'no-'}history has no effect here: the {fmt} run's lines are each answered on "
-             "their own (only a chat run carries a conversation)")
+    keeps_history, how = _how_turns_are_read(fmt, source, checkpoint, history, warn)
     allowed = commands_for(fmt)
     computing = f"; {generator.precision_note}" if generator.precision_note else ""
     write(f"chatting with {source} ({how}{computing}); {'   '.join(COMMANDS[c] for c in allowed)}\n")
@@ -151,8 +148,12 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
             turns.append({"role": "assistant", "content": answer})
 
 
-def _how_turns_are_read(fmt: str, source: Path, checkpoint: str, history: bool | None) -> tuple[bool, str]:
+def _how_turns_are_read(fmt: str, source: Path, checkpoint: str, history: bool | None,
+                        warn: Callable[[str], None]) -> tuple[bool, str]:
     """(does a chat run carry the conversation, the banner's words for how a line is read)."""
+    if history is not None and fmt != "chat":  # the flag was given for nothing: said rather than ignored
+        warn(f"--{'' if history else 'no-'}history has no effect here: the {fmt} run's lines are each answered on "
+             "their own (only a chat run carries a conversation)")
     if fmt == "alpaca":
         return False, "alpaca format: each line is an instruction, answered on its own; /input TEXT gives it an input"
     if fmt != "chat":

@@ -30,6 +30,7 @@ from gpupoor.run.startup import from_command_line
 ERRORS_ENV = "GPUPOOR_LAUNCH_ERRORS"  # the folder a launched process leaves its error message in (report_once)
 # The launcher's own shutdown handling stays on for these (the workers are stopped, as torchrun does).
 LAUNCHER_SIGNALS = "SIGHUP,SIGQUIT"
+LAUNCHER_SIGNAL_NUMBERS = (signal.SIGHUP, signal.SIGQUIT)  # left to torchrun's handler, not passed on by ours
 # torchrun's --signals-to-handle, and exit codes read again after the processes are closed, came in torch 2.9.
 LAUNCHER_TORCH = (2, 9)
 
@@ -151,7 +152,7 @@ def launch(torchrun: list[str], command: list[str], debug: bool = False, say=pri
     args = parse_args([*torchrun, "-m", "gpupoor", *command])
     if not debug:
         _quiet_launcher()
-    previous = {sig: signal.signal(sig, _pass_on) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, _pass_on) for sig in STOP_SIGNALS if sig not in LAUNCHER_SIGNAL_NUMBERS}
     errors = tempfile.TemporaryDirectory(prefix="gpupoor-launch-")
     os.environ[ERRORS_ENV] = errors.name  # the processes inherit this process's environment
     try:

@@ -1,5 +1,6 @@
-"""Preemption: SIGTERM, SIGINT and SIGUSR1 ask for a checkpoint and a clean stop at the next optimizer step
-boundary. A second signal during the save is noted and ignored (the save completes); a third aborts at once,
+"""Preemption: SIGTERM, SIGINT, SIGUSR1 and SIGHUP (a closed terminal or dropped ssh session) ask for a checkpoint
+and a clean stop at the next optimizer step boundary; a signal this process was started ignoring (`nohup` ignores
+SIGHUP) stays ignored. A second signal during the save is noted and ignored (the save completes); a third aborts at once,
 leaving the last committed checkpoint valid (the commit protocol guarantees it)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import os
 import signal
 import sys
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 EXIT_ABORTED = 130
 
 
@@ -43,6 +44,8 @@ class StopRequest:
 
     def install(self) -> "StopRequest":
         for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_IGN:  # nohup's SIGHUP: the user asked that it not stop the run
+                continue
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
