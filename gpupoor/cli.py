@@ -33,6 +33,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 flags_show_no_type()
 
+MOST_PROCESSES = 2**20  # plan's --processes and --nodes: past any cluster, short of numbers that overflow its sums
+MOST_THREADS = 4096  # plan's --threads: past any CPU's cores
 SET_HELP = "Override a recipe key, e.g. --set training.max_steps=100 (value parsed as YAML). Repeatable."
 DEBUG_HELP = "Show full tracebacks."
 FORCE_FIT_HELP = "Start even when the memory plan predicts that the recipe does not fit the GPU."
@@ -129,7 +131,7 @@ def train(
                                "random-weight model of the same architecture, the first rows, a few CPU steps."),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
     force: bool = typer.Option(False, "--force", help=FORCE_FIT_HELP),
-    profile: Optional[int] = typer.Option(None, "--profile", min=1, help=PROFILE_HELP),
+    profile: Optional[int] = typer.Option(None, "--profile", min=1, max=1000, help=PROFILE_HELP),
     resume_if_present: bool = typer.Option(False, "--resume-if-present", help="When the output directory already "
                                            "holds a run, resume it (with this recipe: changes that alter the "
                                            "trajectory are refused) instead of refusing: one command line for a "
@@ -172,7 +174,7 @@ def resume(
     force: bool = typer.Option(False, "--force", help="Resume even with trajectory-changing recipe changes "
                                "or changed data."),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
-    profile: Optional[int] = typer.Option(None, "--profile", min=1, help=PROFILE_HELP),
+    profile: Optional[int] = typer.Option(None, "--profile", min=1, max=1000, help=PROFILE_HELP),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Continue a run exactly from its newest valid checkpoint."""
@@ -442,8 +444,9 @@ def generate(
     def action() -> int:
         if fmt is not None and fmt not in ("text", "alpaca", "chat", "completion"):
             raise UserError(f"--format {fmt!r}: use text, alpaca, chat or completion")
-        from gpupoor.commands.generate import answer_prompts, check_prompt_source
+        from gpupoor.commands.generate import answer_prompts, check_prompt_source, check_sampling
 
+        check_sampling(temperature)
         check_prompt_source(prompt, file)
         from gpupoor.quiet import quiet_libraries
 
@@ -476,8 +479,10 @@ def chat(
 
     def action() -> int:
         from gpupoor.commands.chat import StdinLines, chat as chat_loop
+        from gpupoor.commands.generate import check_sampling
         from gpupoor.quiet import quiet_libraries
 
+        check_sampling(temperature)
         quiet_libraries()
         write = lambda text: typer.echo(text, nl=False)  # noqa: E731
         chat_loop(source, checkpoint, base, max_new_tokens, temperature, read=StdinLines(sys.stdin.buffer, write),
@@ -550,10 +555,10 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (peak_bytes and every term)."),
     fit: bool = typer.Option(False, "--fit", help="Write RECIPE.fit.yaml beside the recipe with the cheapest "
                              "changes predicted to make it fit."),
-    processes: int = typer.Option(1, "--processes", envvar="WORLD_SIZE", min=1, help="Plan one of N processes "
+    processes: int = typer.Option(1, "--processes", envvar="WORLD_SIZE", min=1, max=MOST_PROCESSES, help="Plan one of N processes "
                                   "training together under distributed.strategy, and compare ddp with fsdp "
                                   "(default: $WORLD_SIZE, else 1)."),
-    nodes: int = typer.Option(1, "--nodes", min=1, help="The machines the processes run on (for the text; on "
+    nodes: int = typer.Option(1, "--nodes", min=1, max=MOST_PROCESSES, help="The machines the processes run on (for the text; on "
                               "the CPU a node's processes share its RAM)."),
     time: bool = typer.Option(True, "--time/--no-time", help="Add the time plan: steps, a step's work term by "
                               "term, predicted step and total time (the first plan of a machine or of new data "
@@ -562,7 +567,7 @@ def plan(
                                              "(default: checkpoint.time_limit): sessions needed, and --fit fits it."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="With --device cuda on a machine without it: plan the "
                                       "time on paper for this GPU (H100, A100, L4, T4, RTX4090, ...)."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads training will use (default: "
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MOST_THREADS, help="CPU threads training will use (default: "
                                           "training.cpu_threads, else this process's cores)."),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
@@ -571,7 +576,7 @@ def plan(
     memory is unknown), 3 when it does not."""
 
     def action() -> int:
-        from gpupoor.commands.plan import plan_recipe
+        from gpupoor.commands.plan import check_time_options, plan_recipe
         from gpupoor.units import parse_size
 
         if device is not None and device not in ("cpu", "cuda"):
@@ -581,6 +586,12 @@ def plan(
             raise UserError(f"--memory {memory!r}: give the memory to fit in, e.g. 16GiB")
         if nodes > processes:
             raise UserError(f"--nodes {nodes} with --processes {processes}: every node runs at least one process")
+        check_time_options(time_limit, gpu)
+        ignored = [name for name, value in (("--time-limit", time_limit), ("--gpu", gpu), ("--threads", threads))
+                   if value is not None]
+        if not time and ignored:
+            raise UserError(f"{', '.join(ignored)} with --no-time: the time plan reads them, and --no-time turns it "
+                            "off", hint=f"drop --no-time, or drop {', '.join(ignored)}")
         timing = None if not time else {"threads": threads, "gpu": gpu, "time_limit": time_limit}
         return plan_recipe(recipe, set_ or [], device, limit, processes, nodes, as_json, fit, say=typer.echo,
                            timing=timing)

@@ -9,6 +9,11 @@ where only a real crash would, so tests can prove that nothing is lost.
 - `sigterm@startup`: SIGTERM once the model is built, before the first step; `sigterm@stopped`: SIGTERM after the
   stop checkpoint is committed, while the process winds down (a scheduler's repeated signal); `sigterm@exiting`:
   SIGTERM once `train`/`resume` has decided its outcome (a checkpoint or final/ committed), as the process exits.
+- `sigint@STEP`, `sighup@STEP`: SIGINT (Ctrl-C) or SIGHUP (a closed terminal) right after optimizer step STEP.
+- `ACTION@working` (sigint, sigterm or sighup): in the other verbs, once they have begun what they write (merge-lora
+  a tensor into its output, tokenize its temporary folder, eval the base's answers, serve its merge, report its
+  figures, convert-recipe its recipe, plan its plan): the bad-input harness's signal cases
+  (tests/system/test_harness_signals.py).
 - `timeout@STEP`: this process finds its time limit reached after optimizer step STEP.
 - `kill@gathered[:STEP]` (or `enospc@gathered[:STEP]`): in the middle of a save's collective part (the weights
   are gathered; FSDP: inside DCP, where this process starts writing its optimizer shard).
@@ -23,6 +28,9 @@ from __future__ import annotations
 import errno
 import os
 import signal
+
+
+SIGNALS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sighup": signal.SIGHUP}
 
 
 def _faults() -> list[tuple[str, str]]:
@@ -42,8 +50,8 @@ def at_stage(stage: str, step: int | None = None) -> None:
             continue
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if action == "sigterm":
-            os.kill(os.getpid(), signal.SIGTERM)
+        if action in SIGNALS:
+            os.kill(os.getpid(), SIGNALS[action])
         if action == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(injected at {stage})")
 
@@ -53,5 +61,6 @@ def steps_for(action: str) -> set[int]:
 
 
 def after_step(step: int) -> None:
-    if step in steps_for("sigterm"):
-        os.kill(os.getpid(), signal.SIGTERM)
+    for action, signum in SIGNALS.items():
+        if step in steps_for(action):
+            os.kill(os.getpid(), signum)

@@ -14,7 +14,8 @@ from gpupoor.errors import UserError
 def convert_recipe(theirs: Path, *, output: Path | None = None, force: bool = False,
                    say: Callable[[str], None] = print) -> Path:
     from gpupoor.recipe.convert import convert_file, render
-    from gpupoor.storage.files import write_text_atomic
+    from gpupoor import faults
+    from gpupoor.storage.files import atomic_file
 
     target = output or theirs.with_name(f"{theirs.stem}.gpupoor.yaml")
     _refuse_if_read(target, [theirs], "the recipe being converted")
@@ -25,7 +26,9 @@ def convert_recipe(theirs: Path, *, output: Path | None = None, force: bool = Fa
         raise UserError(f"{target} already exists", hint="choose another --output, or --force to replace it")
     converted = convert_file(theirs, target.parent)
     _refuse_if_read(target, converted.read[1:], "a file the recipe reads")
-    write_text_atomic(target, render(converted, theirs))
+    with atomic_file(target) as tmp:
+        tmp.write_text(render(converted, theirs), encoding="utf-8")
+        faults.at_stage("working")  # tests: a signal with the recipe half written
     say(f"wrote {target}" + (f" ({len(converted.notes)} keys not carried over: listed at its top)"
                              if converted.notes else ""))
     say(f"check it: gpupoor validate {target}")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from gpupoor import faults
 from gpupoor.errors import UserError
 from gpupoor.scorers import SCORER_HELP, Scorer, parse_scorer
 
@@ -300,6 +301,7 @@ def _held_out_report(generator, data: Path, rows: list[HeldOut], chosen: list[Sc
     if switch is not None:
         with switch():
             columns.append(score_model("base", generator, rows, chosen, general_prompts, max_new_tokens, progress))
+    faults.at_stage("working")  # tests: a signal between the two columns
     columns.append(score_model("tuned", generator, rows, chosen, general_prompts, max_new_tokens, progress))
     report = {"data": str(data), "rows": len(rows), "metrics": [m.name for m in chosen],
               "columns": [{k: v for k, v in asdict(c).items() if k != "answers"} | {

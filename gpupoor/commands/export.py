@@ -132,7 +132,7 @@ def export(path: Path, *, quants: list[str], fmt: str = "gguf", output: Path | N
     from gpupoor.errors import termination_raised
     from gpupoor.export.formats import export_format
     from gpupoor.export.quality import read_eval_file
-    from gpupoor.storage.rundir import check_writable
+    from gpupoor.storage.rundir import check_work_dir, check_writable
 
     writer = export_format(fmt)
     quants = writer.check_quants(quants)
@@ -160,7 +160,7 @@ def export(path: Path, *, quants: list[str], fmt: str = "gguf", output: Path | N
     check_writable(folder, f"--output {folder}", hint="give --output a file in a writable directory")
     work = work_dir.expanduser().absolute() if work_dir is not None else folder
     if work_dir is not None:
-        check_writable(work, f"--work-dir {work}", hint="give --work-dir a writable directory")
+        check_work_dir(work)
     space = _space_plan(source, quants, work, folder, writer, say)
     progress = Progress(space, writing=work if source.is_adapter else None)  # the merge comes first
     with termination_raised(), _said_if_stopped(progress, say), _disk_full_said(progress), \

@@ -181,10 +181,22 @@ def _prompt_rows(rows, encoder) -> list[tuple[dict, str]]:
     return prompts
 
 
+def check_sampling(temperature: float) -> None:
+    """generate's and chat's --temperature: a finite number (typer's min=0 lets inf through: a division of the
+    logits by it gives NaN probabilities, and torch's sampler fails after the model has loaded)."""
+    import math
+
+    if not math.isfinite(temperature):
+        raise UserError(f"--temperature {temperature}: give a finite number, 0 (greedy) or e.g. 0.7")
+
+
 def check_prompt_source(prompt: str | None, file: Path | None) -> None:
-    """At most one of --prompt and --file; neither reads standard input, which must then be piped."""
+    """At most one of --prompt and --file; neither reads standard input, which must then be piped. A prompt has
+    something in it (an empty one renders the format's bare frame, which the model answers with anything)."""
     import sys
 
+    if prompt is not None and not prompt.strip():
+        raise UserError("--prompt is empty: give the text to answer (the instruction, user turn or text)")
     if prompt is not None and file is not None:
         raise UserError("give one of --prompt TEXT or --file PROMPTS.jsonl, not both")
     if prompt is None and file is None and sys.stdin.isatty():

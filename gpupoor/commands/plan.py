@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from gpupoor import faults
 from gpupoor.errors import EXIT_DOES_NOT_FIT
 
 
@@ -27,6 +28,7 @@ def plan_recipe(recipe: Path, overrides: list[str], device: str | None, limit: i
         timing = _timing_options(loaded.recipe, timing, (lambda text: None) if as_json else
                                  (lambda text: say(text, err=True)))
     result = make_plan(loaded, device, memory=limit, processes=processes, nodes=nodes, timing=timing)
+    faults.at_stage("working")  # tests: a signal once the plan is made
     say(json.dumps(result.to_json(), indent=2) if as_json else render(result, str(recipe)))
     if fit and result.fits is not False and _over_time(result):
         return _fit_time(loaded, result, device, processes, nodes, timing, as_json, say)
@@ -40,20 +42,36 @@ def plan_recipe(recipe: Path, overrides: list[str], device: str | None, limit: i
     return EXIT_DOES_NOT_FIT if result.fits is False else 0
 
 
-def _timing_options(recipe, options: dict, say) -> dict:
-    """gpupoor.plan.timing.time_plan's options: --time-limit (else checkpoint.time_limit) in seconds."""
+def parse_time_limit(limit: str) -> float:
+    """--time-limit in seconds, or a UserError naming it."""
     from gpupoor.errors import UserError
     from gpupoor.units import parse_duration
 
+    try:
+        seconds = parse_duration(limit)
+    except ValueError as error:
+        raise UserError(f"--time-limit {limit!r}: {error}", hint="give a duration, e.g. 12h, 11h30m or 45m") \
+            from error
+    if not seconds > 0:
+        raise UserError(f"--time-limit {limit!r}: must be positive", hint="give a duration, e.g. 12h")
+    return seconds
+
+
+def check_time_options(time_limit: str | None, gpu: str | None) -> None:
+    """The time plan's options checked before any work (a recipe loaded, a plan made)."""
+    from gpupoor.plan.timing import gpu_on_paper
+
+    if time_limit is not None:
+        parse_time_limit(time_limit)
+    if gpu is not None:
+        gpu_on_paper(gpu)
+
+
+def _timing_options(recipe, options: dict, say) -> dict:
+    """gpupoor.plan.timing.time_plan's options: --time-limit (else checkpoint.time_limit) in seconds."""
     limit = options.get("time_limit")
     if limit is not None:
-        try:
-            seconds = parse_duration(limit)
-        except ValueError as error:
-            raise UserError(f"--time-limit {limit!r}: {error}", hint="give a duration, e.g. 12h, 11h30m or 45m") \
-                from error
-        if not seconds > 0:
-            raise UserError(f"--time-limit {limit!r}: must be positive", hint="give a duration, e.g. 12h")
+        seconds = parse_time_limit(limit)
     else:
         seconds = recipe.checkpoint.time_limit_s
     return {"threads": options.get("threads"), "gpu": options.get("gpu"), "time_limit_s": seconds, "say": say}

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpupoor import __version__
+from gpupoor import __version__, faults
 from gpupoor.storage.checkpoint import read_manifest, scan
 from gpupoor.errors import UserError
 from gpupoor.storage.files import atomic_file
@@ -126,6 +126,7 @@ def write_report(paths: list[Path], output: Path | None = None, log_scale: bool 
     try:
         with atomic_file(output) as tmp:
             tmp.write_bytes(content)
+            faults.at_stage("working")  # tests: a signal with the report half written
     except OSError as exc:
         raise UserError(f"cannot write {output}: {exc.strerror or exc}",
                         hint="pass --output to a writable location") from None

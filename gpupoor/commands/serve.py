@@ -128,14 +128,10 @@ def check_before_merging(host: str, port: int, work_dir: Path | None, time_limit
                          served_model_name: str | None) -> None:
     """What would make the server fail to start, said before the merge rather than after it: a --work-dir to write
     the merge into, and a --host and --port it can listen on (bound as uvicorn binds them, then let go)."""
+    from gpupoor.storage.rundir import check_work_dir
+
     if work_dir is not None:
-        if not work_dir.exists():
-            raise UserError(f"--work-dir {work_dir}: does not exist", hint="create it, or choose another folder")
-        if not work_dir.is_dir():
-            raise UserError(f"--work-dir {work_dir}: is not a directory", hint="choose a folder")
-        if not os.access(work_dir, os.W_OK | os.X_OK):
-            raise UserError(f"--work-dir {work_dir}: this user may not write in it",
-                            hint="choose a folder you can write in, or fix its permissions")
+        check_work_dir(work_dir)
     if not time_limit_s > 0:
         raise UserError(f"--request-time-limit: {time_limit_s:g} s leaves no time to generate",
                         hint="give a duration, e.g. 30s, 2m")

@@ -70,8 +70,9 @@ def launch_processes(context, launch_params: tuple[str, ...], debug: bool, say: 
     """Run this command (typer's `context`) in the processes torchrun's launcher starts, each with the same
     command line less the launch options (`launch_params`, torchrun_args's in its order); their exit code
     (gpupoor.run.launch)."""
-    from gpupoor.run.launch import launch, torchrun_args
+    from gpupoor.run.launch import check_process_count, launch, torchrun_args
 
+    check_process_count(context.params["nproc_per_node"])
     command = [context.info_name]
     for param in context.command.params:
         value = context.params.get(param.name)

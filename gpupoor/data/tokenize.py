@@ -36,6 +36,7 @@ from gpupoor.data.encoder import Encoder
 from gpupoor.data.loading import DataSource, Row, iter_rows
 from gpupoor.data.mixture import Mixture, Source
 from gpupoor.data.tokenized_manifest import DIR_KIND, DIR_VERSION, MANIFEST, REDO_HINT, read_manifest
+from gpupoor import faults
 from gpupoor.errors import UserError
 from gpupoor.storage.files import atomic_dir, blocking_file, sha256_file, why_not_written
 
@@ -246,6 +247,7 @@ def write_tokenized_dir(output: Path, bundle, data, tokenizer, seed: int) -> dic
         for name, dataset in ((TRAIN_FILE, bundle.train), (EVAL_FILE, bundle.eval)):
             if dataset is not None:
                 dataset.save(tmp / name)
+                faults.at_stage("working")  # tests: a signal with the temporary folder half written
                 files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         manifest["files"] = files
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from gpupoor.decisions import evaluates_in_train_mode
+from gpupoor import faults
 from gpupoor.errors import UserError
 from gpupoor.hardware import DTYPES
 from gpupoor.methods import METHODS, Method, method_of_adapter
@@ -473,6 +474,7 @@ def _write_merged_weights(plan: MergePlan, out_dir: Path, max_shard_bytes: int, 
                         raise plan.wrong_model(exc.what, exc.theirs, exc.ours) from None
                     pending_update.discard(name)
                 writer.add(name, tensor.to(plan.target_dtype) if tensor.is_floating_point() else tensor)
+                faults.at_stage("working")  # tests: a signal once the output is begun
     if pending_update:
         raise UserError(f"the adapter targets weights the base {plan.base_name} does not have, e.g. "
                         f"{sorted(pending_update)[0]}: it was trained on another architecture",

@@ -648,9 +648,10 @@ class LoggingSection(_Section):
     )
 
     profile_steps: int | None = Field(
-        None, ge=1, description="Profile this many optimizer steps with torch.profiler after 2 warm-up steps "
-        "(`train --profile N`): a Chrome/Perfetto trace, the top operators and where the step time goes "
-        "(data, forward, loss, backward, optimizer) in RUN_DIR/profile/; on CUDA also a memory snapshot."
+        None, ge=1, le=1000, description="Profile this many optimizer steps with torch.profiler after 2 warm-up "
+        "steps (`train --profile N`): a Chrome/Perfetto trace, the top operators and where the step time goes "
+        "(data, forward, loss, backward, optimizer) in RUN_DIR/profile/; on CUDA also a memory snapshot. At most "
+        "1000: a trace grows with every step profiled, and a few steps say where the time goes."
     )
 
     @field_validator("report_to")

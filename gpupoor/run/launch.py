@@ -132,6 +132,22 @@ def _quiet_launcher() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def check_process_count(nproc_per_node: int) -> None:
+    """A UserError unless this machine has a device for each process: a GPU each, or on the CPU a core each (more
+    processes than cores only take turns on them; a mistyped 40 or 4000000 started that many, and the launcher's
+    bookkeeping alone ran the machine out of memory)."""
+    import torch
+
+    from gpupoor.hardware import usable_cpu_count
+
+    have, what = (torch.cuda.device_count(), "CUDA GPUs") if torch.cuda.is_available() else \
+        (usable_cpu_count(), "CPU cores for this process")
+    if nproc_per_node > have:
+        raise UserError(f"--nproc-per-node {nproc_per_node}: this machine has {have} {what}, one for each process",
+                        hint=f"give at most {have} (processes on other machines: --nnodes with the same command "
+                        "there)")
+
+
 def launch(torchrun: list[str], command: list[str], debug: bool = False, say=print) -> int:
     """Run `python -m gpupoor COMMAND` in the processes torchrun's options `torchrun` ask for; return the exit
     code for all of them (see the module docstring)."""

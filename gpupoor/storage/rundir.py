@@ -110,6 +110,20 @@ def check_writable(run_dir: Path, what: str | None = None,
                 path.rmdir()
 
 
+def check_work_dir(work_dir: Path, option: str = "--work-dir") -> None:
+    """A scratch folder the user named (serve's and export's --work-dir, where a merge of many GB goes): it must be
+    a folder this user can write in, and exist already: created for a mistyped path, the merge would fill
+    whichever disk that path lands on."""
+    if not work_dir.exists():
+        raise UserError(f"{option} {work_dir}: does not exist", hint="create it, or choose an existing folder")
+    if not work_dir.is_dir():
+        raise UserError(f"{option} {work_dir}: is {'a file' if work_dir.is_file() else 'something'}, not a directory",
+                        hint="choose a folder")
+    if not os.access(work_dir, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {work_dir}: this user may not write in it",
+                        hint="choose a folder you can write in, or fix its permissions")
+
+
 class RunLock:
     """An exclusive lock on a run directory for as long as a process trains in it (flock: released by the
     kernel when the process dies, so a crash never leaves a stale lock)."""

@@ -163,11 +163,12 @@ def test_a_disk_that_fills_during_the_merge_is_said_with_the_space_it_needs(lora
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out, work = tmp_path / "out", tmp_path / "work"
+    work.mkdir()  # --work-dir must exist: a mistyped one is refused rather than created
     result = invoke("export", lora_run, "-q", "q8_0", "--output", out / "m.gguf", "--work-dir", work, "--no-quality")
     assert result.exit_code == 2, result.output
     assert f"the disk filled while writing {work}: the export needs about" in result.output
     assert f"for the fp32 merge in {work} and" in result.output and "--work-dir DIR" in result.output
-    assert not out.exists() and not work.exists()
+    assert not out.exists() and list(work.iterdir()) == []
 
 
 def test_what_a_killed_merge_left_beside_its_output_is_removed_by_the_next_merge(lora_run, tmp_path):

@@ -37,6 +37,16 @@ def test_a_work_dir_that_is_a_file_is_refused(tiny_model, tmp_path):
     assert (tmp_path / "work").read_text() == "mine" and not out.exists()
 
 
+def test_a_work_dir_that_does_not_exist_is_refused_not_created(tiny_model, tmp_path):
+    """It was created (parents and all) and the export ran: a mistyped --work-dir put tens of GB of merge on
+    whichever disk the typo landed on."""
+    out = tmp_path / "out"
+    result = invoke("export", tiny_model, "-q", "f32", "--output", out / "m.gguf", "--no-quality",
+                    "--work-dir", tmp_path / "scrach" / "work")
+    refused(result, f"--work-dir {tmp_path / 'scrach' / 'work'}", "does not exist")
+    assert not (tmp_path / "scrach").exists() and not out.exists()
+
+
 def test_an_output_that_is_a_directory_is_refused(tiny_model, tmp_path):
     (tmp_path / "m.gguf").mkdir()
     refused(invoke("export", tiny_model, "-q", "f32", "--output", tmp_path / "m.gguf", "--no-quality"),
