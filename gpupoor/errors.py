@@ -50,6 +50,39 @@ class Terminated(KeyboardInterrupt):
         return 128 + self.signum
 
 
+def leave_hung_up_terminal(signum: int) -> None:
+    """After SIGHUP from a terminal that closed (a dropped ssh session), every write to it fails with EIO: the
+    process's last lines (a checkpoint saved, `stopped by SIGHUP`) would raise OSError and end it with exit 1
+    instead. Standard output and error that are that terminal go to /dev/null from now on, as `nohup` would have
+    sent them; a pipe or file is left as it is."""
+    import os
+
+    if signum != signal.SIGHUP:
+        return
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd) or _hung_up(fd):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+        except OSError:
+            pass
+
+
+def _hung_up(fd: int) -> bool:
+    """A terminal whose other end is gone (isatty may still say so, or may not once it is hung up)."""
+    import os
+    import stat
+
+    try:
+        if not stat.S_ISCHR(os.fstat(fd).st_mode):
+            return False
+        os.write(fd, b"")
+        return False
+    except OSError:
+        return True
+
+
 class _RaiseOnce:
     """The handler: the first signal raises; later ones are ignored, so a repeated SIGTERM cannot cut short the
     cleanup the first one started (removing a scratch model of tens of GB takes a moment)."""
@@ -60,6 +93,7 @@ class _RaiseOnce:
     def __call__(self, signum, frame) -> None:
         if not self.raised:
             self.raised = True
+            leave_hung_up_terminal(signum)
             raise Terminated(signum)
 
 

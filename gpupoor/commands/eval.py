@@ -135,6 +135,24 @@ def read_held_out_rows(data: Path, limit: int | None) -> list:
     return rows
 
 
+def check_expected_answers(rows: list, source: Path, checkpoint: str) -> None:
+    """Each held-out row holds its answer in the run's format (alpaca's output, a chat's last assistant turn):
+    checked from the stored recipe, before any model loads. A plain model directory has no recipe: its format
+    comes from its tokenizer, and encode_held_out checks its rows once that is loaded."""
+    from gpupoor.data.formats import FORMATS, FieldNames
+    from gpupoor.storage.rundir import stored_recipe
+    from gpupoor.storage.run_weights import locate_weights
+
+    run_dir = locate_weights(source, checkpoint).run_dir if rows and source.is_dir() else None
+    if run_dir is None:
+        return
+    data = stored_recipe(run_dir).data
+    fields = (data.sources() or [data])[0]
+    fmt = FORMATS[fields.format](FieldNames.of(fields, data.sharegpt_roles))
+    for row in rows:
+        fmt.expected_answer(dict(row.fields), row.where)
+
+
 def encode_held_out(rows: list, encoder) -> list[HeldOut]:
     """Each row in the run's format, checked to hold its expected answer; errors name file:line."""
     import torch
@@ -209,6 +227,7 @@ def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint:
     chosen = [parse_metric(spec) for spec in dict.fromkeys(metrics or ["exact"])]
     required = _requirements(pass_if or [], [m.name for m in chosen], general, data, _has_base(source, checkpoint))
     rows = read_held_out_rows(data, limit) if data is not None else []
+    check_expected_answers(rows, source, checkpoint)
     prepared = None
     if tasks:
         from gpupoor.commands.eval_tasks import prepare_tasks

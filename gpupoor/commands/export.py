@@ -153,14 +153,15 @@ def export(path: Path, *, quants: list[str], fmt: str = "gguf", output: Path | N
     if quality and eval_file is None and source.run_dir is None:
         raise UserError(f"{path} is not a run, so there is no eval set to measure the quantization cost on",
                         hint="pass --eval FILE (plain text, or JSONL rows with a \"text\" field), or --no-quality")
-    # Tokenized now, not after the files are written: a text of under two tokens, or a run whose eval set is not
-    # text, found then would leave files a corrected rerun is refused for. The tokenizer is the one the merge copies.
-    text = eval_text_for(source, eval_file, eval_text, eval_tokens) if quality else None
     folder = next(iter(paths.values())).parent
     check_writable(folder, f"--output {folder}", hint="give --output a file in a writable directory")
     work = work_dir.expanduser().absolute() if work_dir is not None else folder
     if work_dir is not None:
         check_work_dir(work)
+    # Tokenized now, not after the files are written: a text of under two tokens, or a run whose eval set is not
+    # text, found then would leave files a corrected rerun is refused for. The tokenizer is the one the merge copies.
+    # (After the cheap checks of the paths: loading a tokenizer may take a while.)
+    text = eval_text_for(source, eval_file, eval_text, eval_tokens) if quality else None
     space = _space_plan(source, quants, work, folder, writer, say)
     progress = Progress(space, writing=work if source.is_adapter else None)  # the merge comes first
     with termination_raised(), _said_if_stopped(progress, say), _disk_full_said(progress), \

@@ -44,8 +44,12 @@ def _version(text: str) -> tuple[int, int]:
 def torchrun_args(nproc_per_node: int, nnodes: str, node_rank: int, master_addr: str, master_port: int | None,
                   rdzv_endpoint: str | None) -> list[str]:
     """The torchrun command line for these options (the names are torchrun's; parsed by torchrun's own parser)."""
+    # torchrun's launcher installs its handler for each of these without asking whether the signal was ignored: under
+    # `nohup` it would take the SIGHUP of a closed terminal and stop every process
+    handled = [name for name in LAUNCHER_SIGNALS.split(",")
+               if signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN]
     args = ["--nproc-per-node", str(nproc_per_node), "--nnodes", nnodes, "--max-restarts", "0",
-            "--signals-to-handle", LAUNCHER_SIGNALS]
+            "--signals-to-handle", ",".join(handled) or "SIGQUIT"]
     if rdzv_endpoint:  # c10d rendezvous: the nodes find each other at the endpoint (no node ranks)
         return [*args, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
     args += ["--node-rank", str(node_rank), "--master-addr", master_addr]

@@ -9,6 +9,8 @@ import os
 import signal
 import sys
 
+from gpupoor.errors import leave_hung_up_terminal
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 EXIT_ABORTED = 130
 
@@ -32,6 +34,7 @@ class StopRequest:
             return
         self.count += 1
         self.name = self.name or signal.Signals(signum).name
+        leave_hung_up_terminal(signum)  # (a closed terminal: its EIO would end the run with exit 1, unsaved)
         if self.count == 1:
             print(f"\n{self.name}: saving a checkpoint at the end of this step, then stopping "
                   "(send again twice to abort at once)", file=sys.stderr, flush=True)

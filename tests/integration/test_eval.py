@@ -37,7 +37,7 @@ def test_eval_scores_the_base_and_the_tuned_model_on_the_runs_rows(run, tmp_path
     assert "eval loss" in result.output and "general questions kept" in result.output
 
 
-def test_eval_refuses_what_it_cannot_score(run, tmp_path):
+def test_eval_refuses_what_it_cannot_score(run, tmp_path, monkeypatch):
     text_rows = write_jsonl(tmp_path / "text.jsonl", [{"text": "no answer here"}])
     result = invoke("eval", run, "--data", text_rows)  # the run is alpaca: the row lacks its fields
     assert result.exit_code == 2 and "text.jsonl:1" in result.output
@@ -46,6 +46,17 @@ def test_eval_refuses_what_it_cannot_score(run, tmp_path):
     assert result.exit_code == 2 and "--metric 'bleu'" in result.output and "regex:PATTERN" in result.output
     result = invoke("eval", run, "--data", rows, "--metric", "regex:([")
     assert result.exit_code == 2 and "not a regular expression" in result.output
+    # a row without its answer is found from the run's recipe, before the model loads (it was found after)
+    import gpupoor.commands.generate
+
+    loaded = []
+    original = gpupoor.commands.generate.load_generator
+    monkeypatch.setattr(gpupoor.commands.generate, "load_generator",
+                        lambda *a, **k: loaded.append(1) or original(*a, **k))
+    unanswered = write_jsonl(tmp_path / "unanswered.jsonl", [{"instruction": "sort", "output": "ok"},
+                                                              {"instruction": "sort"}])
+    result = invoke("eval", run, "--data", unanswered)
+    assert result.exit_code == 2 and "unanswered.jsonl:2" in result.output and loaded == [], result.output
 
 
 def test_eval_runs_an_lm_evaluation_harness_task_of_local_data(run, tmp_path, monkeypatch, capfd):

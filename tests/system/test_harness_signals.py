@@ -68,3 +68,37 @@ def test_a_signal_inside_the_work_leaves_nothing_behind(world, verb, action, tmp
         run = args[args.index("--output-dir") + 1] if verb == "train" else args[1]
         resumed = run_cli(["resume", run], {"GPUPOOR_CACHE": str(world.root / "cache")}, cwd=world.root)
         assert resumed.returncode == 0, resumed.stderr
+
+
+def test_sighup_from_a_terminal_that_closed_still_ends_in_a_checkpoint(world, tmp_path):
+    """A dropped ssh session: the terminal is gone, so every write to it fails (EIO), then SIGHUP arrives. The
+    stop's own lines raised OSError and the run ended with exit 1 and no checkpoint; now its output goes to
+    /dev/null, as nohup would have sent it, and it stops as for any other signal."""
+    import os
+    import select
+    import subprocess
+    import sys
+    import time
+
+    from conftest import has_a_step
+
+    master, terminal = os.openpty()
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpupoor", "train", str(world.recipe), "--output-dir", str(run), "--set",
+         "training.max_steps=100000", "--set", "logging.progress=none"], stdin=terminal, stdout=terminal,
+        stderr=terminal, env={**os.environ, "GPUPOOR_CACHE": str(world.root / "cache"), "TMPDIR": str(tmp_path)},
+        start_new_session=True)
+    os.close(terminal)
+    try:
+        deadline = time.monotonic() + 300
+        while not has_a_step(run):  # read what it writes, so the terminal's buffer never fills
+            assert process.poll() is None and time.monotonic() < deadline
+            if select.select([master], [], [], 0.1)[0]:
+                os.read(master, 65536)
+        os.close(master)  # the terminal hangs up: writes to it fail from now on
+        process.send_signal(signal.SIGHUP)
+        assert process.wait(timeout=300) == 75
+    finally:
+        process.kill()
+    assert sorted(path.name for path in (run / "checkpoints").iterdir() if path.name.startswith("step-"))

@@ -23,3 +23,22 @@ def test_launch_layout_counts_nodes():
     assert launch_layout({}) == (1, 1)
     assert launch_layout({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == (8, 2)
     assert launch_layout({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}) == (2, 2)
+
+
+def test_the_launcher_leaves_a_sighup_the_process_ignores_ignored():
+    """torchrun's launcher installs a handler for each signal of --signals-to-handle without asking whether it was
+    ignored: under `nohup` it took the closed terminal's SIGHUP and stopped every process."""
+    import signal
+
+    from gpupoor.run.launch import torchrun_args
+
+    def handled(disposition) -> str:
+        previous = signal.signal(signal.SIGHUP, disposition)
+        try:
+            args = torchrun_args(2, "1", 0, "127.0.0.1", None, None)
+        finally:
+            signal.signal(signal.SIGHUP, previous)
+        return args[args.index("--signals-to-handle") + 1]
+
+    assert handled(signal.SIG_DFL) == "SIGHUP,SIGQUIT"
+    assert handled(signal.SIG_IGN) == "SIGQUIT"
