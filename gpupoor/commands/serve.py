@@ -247,7 +247,7 @@ def serve(source: Path, *, checkpoint: str = "final", host: str = "localhost", p
         original_config = uvicorn.Config
 
         def config_with_checks(app, **kwargs):
-            return original_config(openai_api(app, served), **{**kwargs, "log_level": "warning"})
+            return original_config(openai_api(app, served, say), **{**kwargs, "log_level": "warning"})
 
         uvicorn.Config = config_with_checks  # transformers' Serve builds its app and its uvicorn config
         try:

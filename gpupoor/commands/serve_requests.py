@@ -23,6 +23,8 @@ GENERATING = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # /reset); they bypass these checks, and two of them load or unload models: they are answered 404.
 SERVED_ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
                  ("OPTIONS", "/v1/models"), ("GET", "/health")}
+MODEL_ROUTE = "/v1/models/"
+STARTED = int(time.time())  # the served model's `created` (OpenAI's field: a Unix time)
 DEFAULT_NEW_TOKENS = 1024  # transformers' server's own default when a request names no max_tokens
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
          422: "invalid_request_error", 429: "rate_limit_error"}
@@ -286,7 +288,7 @@ def _max_tokens(body: dict, endpoint: str, prompt_tokens: int, where: str, model
 
 # ---- the ASGI wrapper ----
 
-def openai_api(app, model: ServedModel):
+def openai_api(app, model: ServedModel, say: Callable[[str], None] = lambda text: None):
     """transformers' app behind the checks: generating requests checked (check_request), queued and answered one
     at a time in arrival order; the served path shown as the model's name in every answer; every failed request
     answered in OpenAI's error shape (FastAPI's `{"detail": ...}` bodies rewritten, an exception the server did not
@@ -298,10 +300,13 @@ def openai_api(app, model: ServedModel):
     async def wrapped(scope, receive, send):
         if scope["type"] != "http":
             return await app(scope, receive, send)
+        if scope["method"] == "GET" and scope["path"].startswith(MODEL_ROUTE):  # the openai client's models.retrieve
+            return await _send_json(send, *_one_model(scope["path"][len(MODEL_ROUTE):], model.name), [])
         if (scope["method"], scope["path"]) not in SERVED_ROUTES:
             return await _send_json(send, 404, error_body(404, f"{scope['method']} {scope['path']}: not served "
                                                           "here (POST /v1/chat/completions, POST /v1/completions, "
-                                                          "GET /v1/models, GET /health)", None, "not_found"), [])
+                                                          "GET /v1/models, GET /v1/models/NAME, GET /health)", None,
+                                                          "not_found"), [])
         endpoint = GENERATING.get(scope["path"]) if scope["method"] == "POST" else None
         if endpoint is None:
             return await _answer(app, scope, receive, send, path_text, name_text, None)
@@ -317,10 +322,32 @@ def openai_api(app, model: ServedModel):
             return await _send_json(send, refused.status, refused.body(), [])
         replay = _replaying(json.dumps(forwarded).encode(), receive)
         async with one_at_a_time:
+            if await _client_gone(receive):  # a client that timed out (and retried) while queued: no answer to give
+                say(f"skipped a {scope['path']} request: its client left while it waited its turn")
+                return
             cut = _Cut(stops, time.monotonic() + model.time_limit_s)
             await _answer(app, _with_length(scope), replay, send, path_text, name_text, cut)
 
     return wrapped
+
+
+def _one_model(requested: str, name: str) -> tuple[int, bytes]:
+    """GET /v1/models/NAME: the served model's entry, or OpenAI's 404 for any other name."""
+    if requested != name:
+        return 404, error_body(404, f"The model '{requested}' does not exist: this server serves '{name}'", "model",
+                               "model_not_found")
+    return 200, json.dumps({"id": name, "object": "model", "created": STARTED, "owned_by": "gpupoor"}).encode()
+
+
+async def _client_gone(receive) -> bool:
+    """Whether the client hung up while its request waited for the one before (the body is read: the only message
+    left to come is the disconnect). Looked at without waiting for it."""
+    listening = asyncio.ensure_future(receive())
+    done, _ = await asyncio.wait({listening}, timeout=0.005)
+    if listening in done:
+        return listening.result().get("type") == "http.disconnect"
+    listening.cancel()
+    return False
 
 
 @dataclass

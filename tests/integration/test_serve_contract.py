@@ -86,6 +86,11 @@ def test_the_model_is_served_under_the_runs_name(served):
     body = refused(lambda: chat(client, "gpt-4o", max_tokens=3), "model", status=404)
     assert body["code"] == "model_not_found"
     assert any("as model 'my-run'" in line for line in said)
+    # models.retrieve (GET /v1/models/NAME) was a 404 for the served name too
+    retrieved = client.models.retrieve(model)
+    assert (retrieved.id, retrieved.object) == (model, "model")
+    body = refused(lambda: client.models.retrieve("gpt-4o"), "model", status=404)
+    assert body["code"] == "model_not_found"
 
 
 def test_a_prompt_past_the_context_is_refused_on_both_endpoints(served):
@@ -217,3 +222,25 @@ def test_concurrent_clients_are_answered_one_at_a_time_within_the_bound(served):
     assert answers["short"][0].usage.completion_tokens == 2
     for key in ("long1", "long2"):
         assert answers[key][0].choices[0].finish_reason == "length"
+
+
+def test_a_request_whose_client_left_while_it_waited_is_not_generated(served):
+    """A client that times out while its request is queued (and the openai client retries, twice by default) left
+    a request the server still generated for up to the time limit, holding every client behind it."""
+    import json as json_module
+
+    client, model, _, said = served
+    holder = threading.Thread(target=chat, args=(client, model),
+                              kwargs={"max_tokens": 10**6, "temperature": 0, "logit_bias": {str(EOS_ID): -100}})
+    holder.start()  # generates for the whole time limit
+    time.sleep(TIME_LIMIT_S / 2)
+    body = json_module.dumps({"model": model, "prompt": "hi", "max_tokens": 5})
+    with socket.create_connection((client.base_url.host, client.base_url.port)) as raw:
+        raw.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    holder.join(30)
+    deadline = time.monotonic() + 10
+    while not any("its client left while it waited" in line for line in said) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any(line == "skipped a /v1/completions request: its client left while it waited its turn"
+               for line in said), said[-5:]
