@@ -7,24 +7,16 @@ import socket
 
 import pytest
 
-from conftest import alpaca_rows, invoke, write_jsonl, write_recipe
+from conftest import invoke
+
+from support.serve import free_port, tiny_alpaca_run
 
 openai = pytest.importorskip("openai")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def alpaca_run(tmp_path_factory, tiny_model):
-    root = tmp_path_factory.mktemp("serve")
-    data = write_jsonl(root / "train.jsonl", alpaca_rows(16))
-    assert invoke("train", write_recipe(root / "r.yaml", tiny_model, data, training={"max_steps": 2}),
-                  "--output-dir", root / "run").exit_code == 0
-    return root / "run"
+    return tiny_alpaca_run(tmp_path_factory.mktemp("serve"), tiny_model)
 
 
 def test_the_openai_client_talks_to_a_served_run(alpaca_run, tmp_path):

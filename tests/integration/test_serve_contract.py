@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from conftest import alpaca_rows, invoke, write_jsonl, write_recipe
+
+from support.serve import free_port, tiny_alpaca_run
 
 openai = pytest.importorskip("openai")
 
@@ -20,21 +21,13 @@ CONTEXT = 1024  # the tiny model's max_position_embeddings
 EOS_ID = 2  # the tiny tokenizer's </s>
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_model):
     """(client, model name, work dir, what serve said) of a server of a tiny alpaca run, up for the module."""
     from gpupoor.commands.serve import serve
 
     root = tmp_path_factory.mktemp("serve-contract")
-    data = write_jsonl(root / "train.jsonl", alpaca_rows(16))
-    assert invoke("train", write_recipe(root / "r.yaml", tiny_model, data, training={"max_steps": 2}),
-                  "--output-dir", root / "my-run").exit_code == 0
+    tiny_alpaca_run(root, tiny_model, name="my-run")
     work = root / "work"
     work.mkdir()
     port, said, up, failed = free_port(), [], {}, []

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from support.serve import free_port
 
 
 @dataclass
@@ -35,11 +36,6 @@ class World:
         """A path nothing is at (an output a good command line would create)."""
         self._fresh += 1
         return self.root / "outputs" / f"{self._fresh}-{name}"
-
-    def free_port(self) -> int:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            return probe.getsockname()[1]
 
     # Bad paths, each made once by `make_world`'s caller (world.make_bad_files).
     def missing(self, suffix: str) -> Path:
@@ -167,7 +163,7 @@ class Verb:
     args: Callable[[World], list[str]]  # a command line good in every part
     options: dict[str, list[Bad]]  # every option and argument (by metavar) -> its bad values
     # writes or serves: stopped by each signal inside its work in tests/system/test_harness_signals.py
-    signals: bool = field(default=False)
+    signals: bool = False
 
 
 def _flags(*names: str) -> dict[str, list[Bad]]:
@@ -204,7 +200,7 @@ VERBS: dict[str, Verb] = {
         "--metric": [_text("unknown", "bleu"), _text("a bad regex", "regex:(")], "--checkpoint": CHECKPOINT,
         "--limit": INT_MIN1, "--max-new-tokens": INT_MIN1,
         "--output": output_file(".json", lambda w: w.data, new=False), **_flags("--general", "--force")}, signals=True),
-    "serve": Verb(lambda w: [w.run, "--port", str(w.free_port())], {
+    "serve": Verb(lambda w: [w.run, "--port", str(free_port())], {
         "SOURCE": RUN, "--checkpoint": CHECKPOINT, "--host": [_text("not an address", "bad host!")],
         "--port": PORT, "--work-dir": WORK_DIR, "--served-model-name": [_text("empty", "")],
         "--request-time-limit": DURATION, **_flags("--force")}, signals=True),
