@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpupoor.model.load import load_base_model
+from gpupoor.model.load import load_base_model, probing
 from gpupoor.model.methods import apply_method, check_module_names
 from gpupoor.recipe.schema import MemorySection, ModelSection, PeftSection, QuantizationSection
 
@@ -44,7 +44,7 @@ def build_model(location: str, model_cfg: ModelSection, peft_cfg: PeftSection, *
         _no_input_grads(model)
     check_module_names(model, peft_cfg)
     torch.manual_seed(seed)  # LoRA A is randomly initialized: make it a function of the seed
-    model = apply_method(model, peft_cfg, load_init_weights=not smoke)
+    model = apply_method(model, peft_cfg, load_init_weights=not (smoke or probing()))
     _no_input_grads(model.get_base_model() if hasattr(model, "get_base_model") else model)
     # peft keeps LoRA weights in fp32 but leaves modules_to_save (and `full` its weights) in the base dtype: an fp16
     # copy cannot be unscaled by the GradScaler and a bf16 one loses small AdamW updates. Trainable tensors are fp32.

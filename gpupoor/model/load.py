@@ -21,6 +21,25 @@ from gpupoor.units import parse_size
 # Dimensions of the shrunken model `--smoke` builds from the real config: small enough to step in
 # milliseconds on a CPU, same architecture class so the recipe's code path is the real one.
 SMOKE_DIMS = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2}
+# The time plan's step probe (gpupoor.run.step_probe) trains the recipe on the model's own architecture and
+# dimensions cut to a few layers, random weights: (layers, of the trained model's layers) while it runs, else None.
+# A teacher or reference built meanwhile keeps the same share of its own layers.
+_probe_depth: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def probe_depth(layers: int, of: int):
+    """Every base model built inside holds `layers` of its trained model's `of` layers (random weights)."""
+    global _probe_depth
+    before, _probe_depth = _probe_depth, (layers, of)
+    try:
+        yield
+    finally:
+        _probe_depth = before
+
+
+def probing() -> bool:
+    return _probe_depth is not None
 
 
 def model_location(model: ModelSection, base_dir: Path) -> str:
@@ -31,7 +50,31 @@ def model_location(model: ModelSection, base_dir: Path) -> str:
     return str(local) if local is not None else model.name_or_path
 
 
+def _remembered(kind: str, location: str, model: ModelSection, load):
+    """`load()`, or within the step probe a copy of what it returned the first time (a GGUF's metadata takes
+    seconds to read, and the probe builds the same model's tokenizer and config once per depth)."""
+    if _probe_depth is None and not _remember:
+        return load()
+    key = (kind, location, model.revision, model.trust_remote_code)
+    if key not in _loaded:
+        _loaded[key] = load()
+    return copy.deepcopy(_loaded[key])
+
+
+_remember = False  # set by the time plan's child (gpupoor.run.measuring) for its whole life: what it loads, it loads once
+_loaded: dict = {}
+
+
+def remember_loads() -> None:
+    global _remember
+    _remember = True
+
+
 def load_tokenizer(location: str, model: ModelSection, key: str = "model.name_or_path"):
+    return _remembered("tokenizer", location, model, lambda: _load_tokenizer(location, model, key))
+
+
+def _load_tokenizer(location: str, model: ModelSection, key: str):
     from transformers import AutoTokenizer
 
     if gguf.is_gguf(location):
@@ -63,6 +106,10 @@ def _require_if_hub(location: str, key: str, revision: str | None) -> None:
 
 
 def load_config(location: str, model: ModelSection):
+    return _remembered("config", location, model, lambda: _load_config(location, model))
+
+
+def _load_config(location: str, model: ModelSection):
     from transformers import AutoConfig
 
     if gguf.is_gguf(location):
@@ -109,6 +156,31 @@ def shrink_config(config):
     return config
 
 
+def layer_count(config) -> int | None:
+    return next((getattr(config, n) for n in LAYER_KEYS if getattr(config, n, None) is not None), None)
+
+
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def cut_layers(config, layers: int):
+    """The same model with its first `layers` decoder layers: every dimension kept."""
+    config = copy.deepcopy(config)
+    _set_first(config, LAYER_KEYS, layers)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:layers]
+    if getattr(config, "max_window_layers", None) is not None:
+        config.max_window_layers = min(config.max_window_layers, layers)
+    return config
+
+
+def _probe_config(config):
+    """The config the step probe builds: its share of this model's layers (at least one)."""
+    layers, of = _probe_depth
+    own = layer_count(config) or of
+    return cut_layers(config, max(1, round(layers * own / max(of, 1))))
+
+
 def quantization_config(quant: QuantizationSection, precision: str, cpu_offload: bool = False):
     if quant.bits is None:
         return None
@@ -137,16 +209,18 @@ def load_base_model(location: str, model_cfg: ModelSection, *, quant: Quantizati
 
     # A GGUF's loader builds the config from the file itself: reading it here too would parse the file's
     # metadata (its whole vocabulary) once more.
-    config = None if gguf.is_gguf(location) and not smoke else load_config(location, model_cfg)
+    random = smoke or probing()  # built from the config with random weights, nothing read
+    config = None if gguf.is_gguf(location) and not random else load_config(location, model_cfg)
     if config is not None:
         config.use_cache = False  # no KV cache in training: it costs memory and breaks packed attention
     dtype = dtype_of(precision)
     cpu_offload = bool(max_gpu_memory) and device == "cuda"
     quantization = quantization_config(quant, precision, cpu_offload)
     common = {"attn_implementation": attention, "trust_remote_code": model_cfg.trust_remote_code}
-    if smoke:
+    if random:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(shrink_config(config), dtype=dtype, **common)
+        built = shrink_config(config) if smoke else _probe_config(config)
+        model = AutoModelForCausalLM.from_config(built, dtype=dtype, **common)
         if quantization is not None:
             # Quantize the random tiny model the way from_pretrained would, by a save/load round trip.
             model = _requantize(model, quantization, dtype, device, common)

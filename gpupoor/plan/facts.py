@@ -110,7 +110,7 @@ def step_key(recipe, data: str, device: str, precision: str) -> str:
            "distill": recipe.distill.model_dump(mode="json") if recipe.distill else None,
            "preference": recipe.preference.model_dump(mode="json"), "objective": training.objective,
            "batch": [training.micro_batch_size, training.gradient_accumulation_steps, training.optimizer],
-           "data": data}
+           "data": data, "grpo": recipe.grpo.model_dump(mode="json") if training.objective == "grpo" else None}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -124,11 +124,11 @@ def attention_key(settings, shape, length: int) -> str:
 
 
 def measure(request: dict) -> dict:
-    """Run gpupoor.plan.measure in a child process (torch stays out of this one) and return its answer."""
+    """Run gpupoor.run.measuring in a child process (torch stays out of this one) and return its answer."""
     with tempfile.TemporaryDirectory(prefix="gpupoor-measure-") as folder:
         path = Path(folder) / "request.json"
         path.write_text(json.dumps(request))
-        done = subprocess.run([sys.executable, "-m", "gpupoor.plan.measure", str(path)], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "gpupoor.run.measuring", str(path)], capture_output=True,
                               text=True, timeout=MEASURE_TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:

@@ -1,6 +1,6 @@
 """What the time plan measures once and caches (gpupoor.plan.facts): the data as the loop collates it, and this
 machine's matmul rate at the run's precision and shapes. It imports torch, so `gpupoor plan` runs it in a child
-process (`python -m gpupoor.plan.measure REQUEST.json`): the plan itself never imports torch, and a repeated plan
+process (`python -m gpupoor.run.measuring REQUEST.json`): the plan itself never imports torch, and a repeated plan
 reads the cache.
 
 The data is built by training's own code (gpupoor.data.build.build_data: the same tokenized cache, mixture,
@@ -9,9 +9,7 @@ epoch is collated as the loop collates it and counted."""
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -19,19 +17,25 @@ from pathlib import Path
 MAX_COUNTED_BATCHES = 2000
 PROBE_REPEATS = 10
 PROBE_SECONDS = 0.05  # each probe matmul about this long: tens of milliseconds in all
+FIRST_BATCHES = 16  # the epoch's first micro-batches counted one by one (the step probe trains on them)
 
 
 def data_facts(recipe_json: dict, sampler: str) -> dict:
     """The first epoch's micro-batches counted: tokens (padding included), targets, attention pairs. The recipe
     as the plan loaded it (its paths already resolved)."""
     from gpupoor.data.build import build_data
+    from gpupoor.model.gguf import is_gguf, read_gguf
     from gpupoor.model.load import load_tokenizer, model_location
     from gpupoor.recipe.schema import Recipe
 
     started = time.perf_counter()
     recipe = Recipe.model_validate(recipe_json)
     location = model_location(recipe.model, Path.cwd())
+    if is_gguf(location):
+        read_gguf(Path(location))  # as a train's memory plan has read it before the tokenizer loads
+    started = time.perf_counter()
     tokenizer = load_tokenizer(location, recipe.model)
+    tokenizer_s = time.perf_counter() - started  # a train's start-up loads it the same way
     data = build_data(recipe.data, tokenizer, micro_batch_size=recipe.training.micro_batch_size, seed=recipe.seed,
                       base_dir=Path.cwd(), sampler=sampler, resuming=False)
     batches = data.plan.epoch(0)
@@ -39,8 +43,10 @@ def data_facts(recipe_json: dict, sampler: str) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     counted = [_count(data.collate(indices, pad)) for indices in batches[::step]]
     mean = {key: statistics.fmean(c[key] for c in counted) for key in counted[0]}
+    # the step probe trains the epoch's first batches: their padded tokens scale its times to the epoch's mean
+    first = [_count(data.collate(indices, pad))["tokens"] for indices in batches[:FIRST_BATCHES]]
     return {"micro_batches": len(data.plan), **mean, "data_s": round(time.perf_counter() - started, 3),
-            "cache_hit": data.cache_hit}
+            "cache_hit": data.cache_hit, "first_tokens": first, "tokenizer_s": round(tokenizer_s, 3)}
 
 
 def _count(batch: dict) -> dict:
@@ -214,46 +220,3 @@ def probe_rows(device: str, hidden: int, intermediate: int, tokens: int) -> int:
     rough 100 GFLOP/s (CPU) or 100 TFLOP/s (GPU)."""
     rate = 1e14 if device == "cuda" else 1e11
     return int(max(16, min(tokens, rate * PROBE_SECONDS / (2 * hidden * intermediate))))
-
-
-def main() -> None:
-    request = json.loads(Path(sys.argv[1]).read_text())
-    started = time.perf_counter()
-    import peft  # noqa: F401 -- what training imports: their time is start-up the plan predicts
-    import torch
-    import transformers  # noqa: F401
-
-    answer: dict = {"import_s": round(time.perf_counter() - started, 3), "torch": torch.__version__}
-    for kind in ("rate", "decode"):  # the decode step's matmul: the same probe at its rows
-        if kind in request:
-            r = request[kind]
-            answer[kind] = matmul_rate(r["device"], r["precision"], r.get("threads"), r["m"], r["k"], r["n"])
-    if "data" in request:
-        d = request["data"]
-        answer["data"] = data_facts(d["recipe"], d["sampler"])
-    if "attention" in request:  # its shape from the data facts: measured just now or cached (sent with the request)
-        a = request["attention"]
-        length, count = attention_probe_shape(answer.get("data") or a["data"], a["per_example"])
-        answer["attention"] = {"length": length, "rate": attention_rate(
-            a["device"], a["precision"], a.get("threads"), a["heads"], a["kv_heads"], a["head_dim"], length, count,
-            a["per_example"])}
-    if "lora" in request:
-        r = request["lora"]
-        answer["lora"] = lora_rate(r["device"], r["precision"], r.get("threads"), r["m"], r["k"], r["n"], r["rank"])
-    if "values" in request:
-        v = request["values"]
-        answer["values"] = values_rate(v["device"], v["precision"], v.get("threads"), v["m"], v["hidden"],
-                                       v["intermediate"])
-    if "optimizer" in request:
-        answer["optimizer"] = optimizer_rate(request["optimizer"].get("threads"))
-    if "call" in request:
-        answer["call"] = call_seconds(request["call"].get("threads"))
-    if "write_to" in request:
-        from gpupoor.plan.facts import write_rate
-
-        answer["write_rate"] = write_rate(Path(request["write_to"]))
-    print(json.dumps(answer))
-
-
-if __name__ == "__main__":
-    main()

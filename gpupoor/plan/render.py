@@ -100,22 +100,39 @@ def render_time(plan: Plan) -> str:
                   f"{w.amount:>10,.0f} steps" if w.kind == "decode_steps" else f"{w.amount / 1e6:>8,.1f}M values")
         lines.append(f"  {w.key:<{width}}  {amount}  {w.detail}")
     measured = f" (measured by train here: {t.measured_step_s:.3g} s)" if t.measured_step_s else ""
-    lines.append(f"  step {t.step_s:.3g} s{measured}; start-up {t.startup_s:.3g} s; {t.saves} saves of "
-                 f"{t.save_s:.2g} s; total {_age(t.total_s)}")
-    lines.append(f"  from {t.source}")
+    total_low, total_high = t.total_range_s
+    lines.append(f"  step {t.used_step_s:.3g} s{_step_range(t)}{measured}; start-up {t.startup_s:.3g} s; {t.saves} saves of "
+                 f"{t.save_s:.2g} s; total {_age(t.total_s)}" + (
+                     f" (likely {_age(total_low)} to {_age(total_high)})" if total_high > total_low else ""))
+    if t.measured:
+        lines.extend(f"  measured: {what}" for what in t.measured)
+    else:
+        lines.append(f"  from {t.source}")
+    lines.extend(f"  assumes: {what}" for what in t.assumed)
     if t.time_limit_s is not None:
         sessions, per = t.sessions(), t.steps_per_session()
+        fewest, most = t.sessions_range()
         limit = _age(t.time_limit_s)
+        likely = f" (likely {fewest} to {most})" if fewest and most and fewest != most else ""
         if not per:
             lines.append(f"  time limit {limit}: too short for one step after start-up and the save reserve")
         elif sessions == 1:
-            lines.append(f"  time limit {limit}: finishes in one session ({_age(t.total_s)})")
+            lines.append(f"  time limit {limit}: finishes in one session ({_age(t.total_s)})"
+                         + (f"; at the slow end of the range it needs {most}" if most and most > 1 else ""))
         else:
-            lines.append(f"  time limit {limit}: NEEDS {sessions} sessions: each saves a checkpoint after about "
-                         f"{per:,} steps and stops; `gpupoor resume` goes on from there")
+            lines.append(f"  time limit {limit}: NEEDS {sessions} sessions{likely}: each saves a checkpoint after "
+                         f"about {per:,} steps and stops; `gpupoor resume` goes on from there")
     for note in t.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def _step_range(t) -> str:
+    """The step's range in words (" (3.5-4.8 s)"), empty where it has none."""
+    if t.measured_step_s or t.step_range_s is None:
+        return ""
+    low, high = t.step_range_s
+    return f" ({low:.3g}-{high:.3g} s)"
 
 
 def _changes_text(changes: dict) -> str:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from gpupoor.decisions import count_steps
 from gpupoor.plan.flops import BatchFacts, Work, step_work, total_flops
 from gpupoor.plan.grpo_work import describe_rows, grpo_rows, grpo_step_work
+from gpupoor.plan.probed import STARTUP_SPREAD, STEP_SPREAD, probed_step, spread, weights_read_s
 
 # Per kind of work: seconds = coefficient x amount x Rates.unit_s(kind) (the amount over the rate measured for
 # that kind; a call's measured seconds for `calls`), plus seconds per micro-batch and per step. The CPU's fitted
@@ -121,6 +122,35 @@ class TimePlan:
     notes: list[str] = field(default_factory=list)
     update_tokens: float | None = None  # GRPO: the tokens a micro-batch's update reads (its prompts and answers)
     rows_line: str | None = None  # GRPO: a step's rows in words (the data's rows are prompts, not what trains)
+    # The range the total may fall in: the step and start-up at their low and high ends (measured plans: the
+    # held-out runs' spread; GRPO: also answers that end early or run to grpo.max_new_tokens)
+    step_range_s: tuple[float, float] | None = None
+    startup_range_s: tuple[float, float] | None = None
+    measured: list[str] = field(default_factory=list)  # what this plan's figures were measured from
+    assumed: list[str] = field(default_factory=list)  # what they assume instead
+
+    def _with(self, step_s: float, startup_s: float) -> "TimePlan":
+        from dataclasses import replace
+
+        return replace(self, step_s=step_s, startup_s=startup_s, measured_step_s=None, step_range_s=None,
+                       startup_range_s=None)
+
+    def ends(self) -> tuple["TimePlan", "TimePlan"]:
+        """The plan at the low and the high end of its range (itself twice when it has none)."""
+        if self.measured_step_s or self.step_range_s is None:
+            return self, self
+        startup = self.startup_range_s or (self.startup_s, self.startup_s)
+        return (self._with(self.step_range_s[0], startup[0]), self._with(self.step_range_s[1], startup[1]))
+
+    @property
+    def total_range_s(self) -> tuple[float, float]:
+        low, high = self.ends()
+        return low.total_s, high.total_s
+
+    def sessions_range(self) -> tuple[int | None, int | None]:
+        """Sessions the run needs at the low and the high end of the range."""
+        low, high = self.ends()
+        return low.sessions(), high.sessions()
 
     @property
     def tokens_per_step(self) -> float:
@@ -157,6 +187,7 @@ class TimePlan:
         return max(0, int(usable / per_step))
 
     def to_json(self) -> dict:
+        low, high = self.ends()
         return {"steps": self.steps, "accumulation": self.accumulation, "tokens_per_step": self.tokens_per_step, "micro_batches_per_epoch":
                 self.batch.micro_batches, "flops_per_step": total_flops(self.work),
                 "work": [{"key": w.key, "kind": w.kind, "amount": w.amount, "detail": w.detail} for w in self.work],
@@ -164,7 +195,10 @@ class TimePlan:
                 "startup_s": self.startup_s, "first_step_s": self.first_step_s, "saves": self.saves,
                 "save_s": self.save_s, "total_s": self.total_s, "source": self.source, "on_paper": self.on_paper,
                 "time_limit_s": self.time_limit_s, "sessions": self.sessions(),
-                "steps_per_session": self.steps_per_session(), "notes": self.notes}
+                "steps_per_session": self.steps_per_session(), "total_range_s": [low.total_s, high.total_s],
+                "step_range_s": [low.used_step_s, high.used_step_s], "startup_range_s": [low.startup_s, high.startup_s],
+                "sessions_range": [low.sessions(), high.sessions()], "measured": self.measured, "assumed": self.assumed,
+                "notes": self.notes}
 
 
 def predict_step_s(work: list[Work], rates: Rates, accumulation: int, device: str) -> float:
@@ -176,8 +210,13 @@ def predict_step_s(work: list[Work], rates: Rates, accumulation: int, device: st
 def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rates: Rates, source: str, processes: int,
                    import_s: float, weight_file_bytes: int, checkpoint_bytes: int, write_rate: float,
                    on_paper: bool = False, measured_step_s: float | None = None,
-                   time_limit_s: float | None = None) -> TimePlan:
-    """The time plan of `recipe` on `settings.device` from the measured (or on-paper) facts."""
+                   time_limit_s: float | None = None, probe: dict | None = None, load: dict | None = None,
+                   cli_s: float | None = None, first_tokens: list | None = None,
+                   tokenizer_s: float | None = None) -> TimePlan:
+    """The time plan of `recipe` on `settings.device` from the measured (or on-paper) facts. `probe`: the recipe's
+    steps measured at two depths (gpupoor.run.step_probe), the plan's step and start-up where given; `load`: the
+    real weights' load measured by parts; `cli_s`: this command's own start before the plan (the same Python,
+    command line and recipe checks a `train` runs first)."""
     training = recipe.training
     accumulation = training.gradient_accumulation_steps
     steps = count_steps(training.max_steps, training.epochs, accumulation, batch.micro_batches, processes)
@@ -188,11 +227,81 @@ def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rates: Rates, 
     save_s = SAVE_FIXED_S + checkpoint_bytes / write_rate
     plan = TimePlan(steps, accumulation, batch, work, rates, step_s, startup_s, COEFFICIENTS[device]["first_step_s"],
                     0, save_s, source, on_paper, measured_step_s, time_limit_s)
+    if probe is not None:
+        _use_probe(plan, shape, settings, rates, probe, load, cli_s, import_s, weight_file_bytes, first_tokens,
+                   tokenizer_s)
+    else:
+        plan.step_range_s = spread(plan.step_s, FITTED_SPREAD)
+        plan.startup_range_s = spread(plan.startup_s, FITTED_SPREAD)
+        plan.assumed.append("every kind of work at its probe's rate x efficiencies fitted on another machine "
+                            f"(range +/-{FITTED_SPREAD:.0%})" if not on_paper else "a published peak")
     plan.saves = count_saves(recipe, steps, plan.used_step_s) + 1  # and final/
     if settings.sampled_answers:
         _, length, update = grpo_rows(settings, batch)
         plan.update_tokens, plan.rows_line = update.tokens, describe_rows(settings, length, update, accumulation)
     return plan
+
+
+# A plan from the fitted efficiencies alone (nothing measured at the recipe's shapes): its range either way.
+FITTED_SPREAD = 0.4
+
+
+def _use_probe(plan: TimePlan, shape, settings, rates: Rates, probe: dict, load: dict | None, cli_s: float | None,
+               import_s: float, weight_bytes: int, first_tokens: list | None, tokenizer_s: float | None) -> None:
+    """The step, its range and the start-up from the measured probe (gpupoor.plan.probed)."""
+    optimizer = sum(COEFFICIENTS["cpu"][w.kind] * w.amount * rates.unit_s(w.kind) for w in plan.work
+                    if w.kind == "optimizer") if settings.device == "cpu" else 0.0
+    grpo = bool(settings.sampled_answers)
+    step = probed_step(probe, accumulation=plan.accumulation, optimizer_s=optimizer,
+                       epoch_tokens=None if grpo else plan.batch.tokens, first_tokens=None if grpo else first_tokens)
+    low, high = spread(step.step_s, STEP_SPREAD)
+    point = step.step_s
+    if grpo:  # the probe's random weights answer to max_new_tokens; a trained model's answers end earlier
+        shortest, halfway = _answer_shares(shape, settings, plan, rates)
+        point, low = step.step_s * halfway, low * shortest
+        plan.assumed.append(f"answers halfway between the data's own answers ({_reference_tokens(settings, plan.batch):.0f}"
+                            f" tokens) and grpo.max_new_tokens ({settings.new_tokens}); the range spans both")
+    plan.step_s, plan.step_range_s = point, (low, high)
+    plan.first_step_s = step.first_step_extra_s
+    read = weights_read_s(load, weight_bytes)
+    parts = sum(step.startup_parts.values()) + (tokenizer_s or 0.0)  # the probe's runs reused the data's tokenizer
+    cli = cli_s if cli_s is not None else LOAD_FIXED_S
+    weights = read if read is not None else LOAD_S_PER_GIB["cpu"] * weight_bytes / 2**30
+    plan.startup_s = cli + import_s + parts + step.build_s + weights
+    plan.startup_range_s = spread(plan.startup_s, STARTUP_SPREAD)
+    plan.measured.append(f"a step: the recipe trained {len(probe['depths'][0]['step_s'])} steps at {step.depths[0]} and "
+                         f"{step.depths[1]} of its {probe['layers']} layers (random weights), extrapolated: "
+                         f"{step.rest_s:.3g} s + {step.layer_s:.3g} s a layer a micro-batch (probe {step.probe_s:.0f} s)")
+    plan.measured.append(f"start-up: the libraries' import {import_s:.1f} s, "
+                         + (f"the tokenizer {tokenizer_s:.1f} s, " if tokenizer_s is not None else "")
+                         + ", ".join(f"{part} {seconds:.1f} s" for part, seconds in step.startup_parts.items())
+                         + f", the model built {step.build_s:.1f} s"
+                         + (f", its weights read {read:.1f} s" if read is not None else "")
+                         + (f", this command's own start {cli_s:.1f} s" if cli_s is not None else ""))
+    if read is None:
+        plan.assumed.append(f"the weights read at {1 / LOAD_S_PER_GIB['cpu']:.2g} GiB/s (not measured)")
+    if cli_s is None:
+        plan.assumed.append(f"Python and the command line start in {LOAD_FIXED_S:g} s")
+
+
+def _reference_tokens(settings, batch: BatchFacts) -> float:
+    """The data's own answers' mean length in tokens (a GRPO row's targets), at least one, at most max_new_tokens."""
+    return min(max(batch.targets / max(settings.prompt_rows, 1), 1.0), settings.new_tokens)
+
+
+def _answer_shares(shape, settings, plan: TimePlan, rates: Rates) -> tuple[float, float]:
+    """A GRPO step with answers as long as the data's own, and halfway to max_new_tokens, against one with every
+    answer max_new_tokens long: the work model's ratios (what the probe measured is the last)."""
+    from dataclasses import replace
+
+    def step_at(tokens: float) -> float:
+        changed = replace(settings, new_tokens=max(1, round(tokens)))
+        return predict_step_s(grpo_step_work(shape, changed, plan.batch, plan.accumulation), rates, plan.accumulation,
+                              settings.device)
+
+    full = step_at(settings.new_tokens)
+    reference = _reference_tokens(settings, plan.batch)
+    return step_at(reference) / full, step_at((reference + settings.new_tokens) / 2) / full
 
 
 def count_saves(recipe, steps: int, step_s: float) -> int:

@@ -4,6 +4,7 @@ or a named GPU's published peak on paper, then gpupoor.plan.time's arithmetic. `
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,12 +39,15 @@ def gpu_on_paper(name: str) -> tuple[float, str]:
 
 
 def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | None, gpu: str | None,
-              time_limit_s: float | None, say, cached_only: bool = False) -> TimePlan | None:
+              time_limit_s: float | None, say, cached_only: bool = False,
+              cli_s: float | None = None) -> TimePlan | None:
     """The time plan; `say` tells the user when this plan measures (a first plan of this machine or data).
-    `cached_only` (training's comparison): None rather than measure what the cache lacks. Either way the plan
-    keeps `time_keys` (the machine, the recipe's step key), where training records the step time it measured."""
+    `cached_only`: None rather than measure what the cache lacks. `cli_s`: the command's own start before the
+    plan (a train's "python and cli"; a `plan` command's own age). Either way the plan keeps `time_keys` (the
+    machine, the recipe's step key), where training records the step time it measured."""
     from gpupoor.storage.rundir import portable_recipe
 
+    cli_s = _own_start() if cli_s is None else cli_s
     recipe = portable_recipe(loaded)  # paths absolute, as the run dir stores them: the child resolves the same files
     device = settings.device
     if gpu and device != "cuda":
@@ -69,26 +73,17 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
         request["data"] = {"recipe": recipe.model_dump(mode="json"), "sampler": settings.sampler}
     if "write_rate" not in here or "import_s" not in here:
         request["write_to"] = str(cache.facts_path().parent)
+    probes, loads = here.setdefault("probes", {}), here.setdefault("loads", {})
+    weights = None if on_paper else weight_files(recipe)
+    load_key = _load_key(weights)
+    if not on_paper:
+        request.update(_step_request(recipe, settings, shape, threads, step_key in probes,
+                                     weights if load_key not in loads else None))
     if request and cached_only:
         return None
     if request:
-        what = [w for w, kinds in (("the data as training will see it", ("data",)),
-                                   ("this machine's speed", PROBES),
-                                   ("the disk's write rate", ("write_to",))) if request.keys() & set(kinds)]
-        say(f"time plan: measuring {' and '.join(what)} (once; cached in {cache.facts_path()})")
-        answer = cache.measure(request)
-        here["import_s"] = answer["import_s"]
-        if "data" in answer:
-            facts["data"][data_key] = answer["data"]
-        if "attention" in answer:  # its key names the length the child took from the data
-            keys["attention"] = cache.attention_key(settings, shape, answer["attention"]["length"])
-            answer["attention"] = answer["attention"]["rate"]
-        for kind in PROBES:
-            if kind in answer:
-                rates[keys[kind]] = answer[kind]
-        if "write_rate" in answer:
-            here["write_rate"] = answer["write_rate"]
-        cache.write_facts(facts)
+        say(f"time plan: measuring {_measuring(request)} (once; cached in {cache.facts_path()})")
+        _keep(cache.measure(request), facts, here, keys, settings, shape, data_key, step_key, load_key)
     batch = cache.batch_facts(facts["data"][data_key])
     if on_paper:
         peak, _ = gpu_on_paper(gpu)
@@ -102,7 +97,14 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
     result = make_time_plan(shape, settings, recipe, batch, rates=rate, source=source, processes=processes,
                             import_s=here["import_s"], weight_file_bytes=weight_bytes,
                             checkpoint_bytes=checkpoint_bytes, write_rate=here["write_rate"], on_paper=on_paper,
-                            measured_step_s=measured, time_limit_s=time_limit_s)
+                            measured_step_s=measured, time_limit_s=time_limit_s,
+                            probe=None if on_paper else probes.get(step_key),
+                            load=loads.get(load_key), cli_s=cli_s,
+                            first_tokens=facts["data"][data_key].get("first_tokens"),
+                            tokenizer_s=facts["data"][data_key].get("tokenizer_s"))
+    if processes > 1 and not on_paper:
+        result.assumed.append(f"the step measured in one process: {processes} processes add their gradients' "
+                              "all-reduce")
     if recipe.training.eval_every_steps and (recipe.data.eval_path or recipe.data.eval_rows or recipe.data.datasets):
         result.notes.append("evaluation (training.eval_every_steps) is not counted: add its forward passes")
     if request:
@@ -173,6 +175,78 @@ def _probes(keys: dict, rates: dict, settings, shape, device: str, threads: int 
     if "decode" in keys and keys["decode"] not in rates:
         request["decode"] = {**common, "m": settings.sampled_answers, "k": shape.hidden, "n": shape.intermediate}
     return request
+
+
+def _measuring(request: dict) -> str:
+    """What the child is about to measure, in words."""
+    return " and ".join(w for w, kinds in (("the data as training will see it", ("data",)),
+                                           ("this machine's speed", PROBES),
+                                           ("a few steps of the recipe at two depths of its model", ("steps",)),
+                                           ("the weights' load", ("load",)),
+                                           ("the disk's write rate", ("write_to",))) if request.keys() & set(kinds))
+
+
+def _own_start() -> float | None:
+    """This command's own start so far (Python, the command line, the recipe's checks, the memory plan), which a
+    `train` spends too before its start-up clock's first mark; None in a process not started for one command."""
+    from gpupoor.process import from_command_line, process_age_s
+
+    return process_age_s() if from_command_line() else None
+
+
+def _step_request(recipe, settings, shape, threads: int | None, have_steps: bool, weights: dict | None) -> dict:
+    """What the child measures of the recipe itself: a few steps at two depths (gpupoor.run.step_probe) and the
+    real weights' load, where the cache lacks them."""
+    request: dict = {"load": weights} if weights is not None else {}
+    if not have_steps:
+        request["steps"] = {"recipe": recipe.model_dump(mode="json"), "device": settings.device,
+                            "precision": settings.precision, "threads": threads, "layers": shape.layers,
+                            "cycle": recipe.grpo.iterations if settings.sampled_answers else 1,
+                            "last_layers": recipe.peft.last_layers}
+    return request
+
+
+def _keep(answer: dict, facts: dict, here: dict, keys: dict, settings, shape, data_key: str, step_key: str,
+          load_key: str | None) -> None:
+    """The child's answer into the facts cache, and the cache written."""
+    here["import_s"] = answer["import_s"]
+    if "data" in answer:
+        facts["data"][data_key] = answer["data"]
+    if "attention" in answer:  # its key names the length the child took from the data
+        keys["attention"] = cache.attention_key(settings, shape, answer["attention"]["length"])
+        answer["attention"] = answer["attention"]["rate"]
+    rates = here["rates"]
+    for kind in PROBES:
+        if kind in answer:
+            rates[keys[kind]] = answer[kind]
+    if "write_rate" in answer:
+        here["write_rate"] = answer["write_rate"]
+    if "steps" in answer:
+        here["probes"][step_key] = answer["steps"]
+    if "load" in answer:
+        here["loads"][load_key] = answer["load"]
+    cache.write_facts(facts)
+
+
+def weight_files(recipe) -> dict | None:
+    """What the child times of the real weights' load: a GGUF's parts, or a local directory's weight files read;
+    None for a hub id (its files are wherever the hub's cache keeps them)."""
+    from gpupoor.model.gguf import is_gguf, joined
+
+    location = Path(joined(recipe.model.name_or_path, recipe.model.gguf_file)).expanduser()
+    if is_gguf(str(location)) and location.is_file():
+        return {"gguf": str(location)}
+    if location.is_dir():
+        files = sorted(str(p) for p in location.glob("*.safetensors")) or sorted(str(p) for p in location.glob("*.bin"))
+        return {"read": files} if files else None
+    return None
+
+
+def _load_key(weights: dict | None) -> str | None:
+    if weights is None:
+        return None
+    paths = weights.get("read") or [weights["gguf"]]
+    return json.dumps([cache._file_state(path, Path("/")) for path in paths])
 
 
 def _visible_gpu_name() -> str | None:

@@ -172,11 +172,18 @@ def _plan_quietly(loaded: LoadedRecipe, device: str | None = None, timing: dict 
         return None
 
 
-def _cached_timing(session) -> dict:
-    """The time plan's options in training: this run's threads, and only what the facts cache holds."""
+def _train_timing(session, say) -> dict | None:
+    """The time plan's options in training: this run's threads; what the facts cache lacks measured now by the
+    first process (`gpupoor plan` would have measured the same), unless GPUPOOR_TIME_PLAN=cached says to use
+    only the cache. None inside the plan's own step probe (a probe plans nothing)."""
+    if os.environ.get("GPUPOOR_STEP_PROBE"):
+        return None
     threads = session.choices.get("threads")
+    startup = session.startup.seconds() if session.startup is not None else {}
+    cached_only = os.environ.get("GPUPOOR_TIME_PLAN", "measure") == "cached" or not session.main
     return {"threads": int(threads.value) if threads is not None else None, "gpu": None,
-            "time_limit_s": session.recipe.checkpoint.time_limit_s, "say": lambda text: None, "cached_only": True}
+            "time_limit_s": session.recipe.checkpoint.time_limit_s, "say": say, "cached_only": cached_only,
+            "cli_s": startup.get("python and cli")}
 
 
 @contextlib.contextmanager
@@ -235,9 +242,12 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
     chosen = session.choices["precision"].value
     if plan is not None and (plan.device, plan.precision) != (session.device, chosen):
         plan = _plan_quietly(LoadedRecipe(recipe.model_copy(update={"precision": chosen}), None), session.device)
-    if plan is not None:  # the time plan from the facts a `gpupoor plan` cached (training never probes for it)
+    timing = _train_timing(session, say) if plan is not None else None
+    if timing is not None:  # the time plan from the facts cache, what it lacks measured now (and cached)
         plan = _plan_quietly(LoadedRecipe(recipe.model_copy(update={"precision": chosen}), None), session.device,
-                             timing=_cached_timing(session)) or plan
+                             timing=timing) or plan
+        if session.startup is not None and not timing["cached_only"]:
+            session.startup.mark("time plan")
     session.memory_plan = plan
     print_summary(session, say=say, checkpoint=checkpoint, loss_path=loss_path)
     owned_lock = open_run_dir(session, lock=lock, started=started, say=say)

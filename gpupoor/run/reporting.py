@@ -137,7 +137,18 @@ class Reporter:
         over = f"median of {steps}" if self.cycle == 1 else \
             f"median of the means of {self.cycle} steps in a row, {steps}: one samples, {self.cycle - 1} reuse"
         self.progress.message(f"  step time {measured:.3g} s ({over}){versus}", always=True)
+        startup = self._startup_s()
+        if timing is not None and startup is not None and self.first_step == 0:
+            self.progress.message(f"  start-up {startup:.3g} s vs {timing.startup_s:.3g} s planned "
+                                  f"({startup / timing.startup_s - 1:+.0%})", always=True)
         self._record_step_time(measured)
+
+    def _startup_s(self) -> float | None:
+        """The start-up as the plan means it: every part of the clock but the time plan's own measuring."""
+        if self.session.startup is None:
+            return None
+        parts = self.session.startup.seconds()
+        return sum(seconds for part, seconds in parts.items() if part != "time plan") if parts else None
 
     def _record_step_time(self, measured: float | None) -> None:
         keys = getattr(self.session.memory_plan, "time_keys", None)

@@ -77,6 +77,8 @@ def print_summary(session: Session, *, say, checkpoint, loss_path: str) -> None:
         say(f"  memory plan: peak {format_bytes(plan.peak)} on {plan.device}{fits}; "
             f"activations {format_bytes(next(t.bytes for t in plan.terms if t.key == 'activations'))} "
             "(gpupoor plan RECIPE for every term)")
+        if getattr(plan, "time", None) is not None:
+            say(f"  {time_plan_line(plan.time)}")
     if checkpoint is not None:
         state = session.state
         say(f"  resuming from {checkpoint.path.name}: step {state.step}, epoch {state.epoch}, "
@@ -86,3 +88,20 @@ def print_summary(session: Session, *, say, checkpoint, loss_path: str) -> None:
         say(f"  tensorboard: tensorboard --logdir {session.run_dir / 'tensorboard'}")
     if session.startup is not None:
         say(f"  {session.startup.line()}")
+
+
+def time_plan_line(t) -> str:
+    """The time plan in one line: a step, the total and its range, the sessions a time limit needs."""
+    from gpupoor.units import format_duration
+
+    def age(seconds: float) -> str:
+        return format_duration(seconds, style="age")
+
+    low, high = t.total_range_s
+    likely = f" (likely {age(low)} to {age(high)})" if high > low else ""
+    line = f"time plan: {t.steps:,} steps of {t.used_step_s:.3g} s, start-up {t.startup_s:.3g} s: {age(t.total_s)}{likely}"
+    if t.time_limit_s is not None and t.sessions():
+        fewest, most = t.sessions_range()
+        line += f"; {t.sessions()} session{'s' if t.sessions() > 1 else ''} of {age(t.time_limit_s)}" + (
+            f" ({fewest} to {most})" if fewest and most and fewest != most else "")
+    return line

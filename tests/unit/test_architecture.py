@@ -24,7 +24,7 @@ LEAVES = {"gpupoor.errors": set(), "gpupoor.storage.files": set(), "gpupoor.unit
           "gpupoor.recipe.diff": {"gpupoor.recipe.schema"}}
 # The import order of docs/architecture.md: a part imports only the parts before it (and itself). The top-level
 # modules before `recipe` are utilities any part may use; `cli` (and `__main__`) come last.
-ORDER = ["errors", "scorers", "units", "faults", "profiling", "quiet", "optimizers", "methods", "decisions", "cpu", "hardware", "recipe", "storage",
+ORDER = ["errors", "process", "scorers", "units", "faults", "profiling", "quiet", "optimizers", "methods", "decisions", "cpu", "hardware", "recipe", "storage",
          "data", "model", "objectives", "train", "plan", "export", "run", "commands", "outcome", "cli", "__main__"]
 MAX_MODULE_LINES = 600
 
