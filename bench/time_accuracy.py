@@ -46,6 +46,7 @@ def deep(model: str, steps: int, **keys) -> dict:
 
 
 REAL_MODEL = "<the real model, dequantized>"  # resolved when a recipe is written: importing needs no model
+REAL_GGUF = Path("~/.cache/gpupoor/real/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()  # make fetch-real
 
 
 def real(steps: int | None, **keys) -> dict:
@@ -146,6 +147,11 @@ ACCURACY = {
     "real-grpo": ("the real GRPO demo's recipe, 8 steps (answers end early: the plan counts 16 tokens each)",
                   grpo(REAL_MODEL, 8, 4, 4, 16)),
     "real-grpo-bf16": ("the real GRPO demo's recipe, 8 steps, bf16", grpo(REAL_MODEL, 8, 4, 4, 16, precision="bf16")),
+    # issue #57's first row: the real model as users name it (its GGUF, dequantized at every start), chat rows
+    # packed to 256, LoRA r8, micro-batch 4
+    "real-gguf-r8-4x256": ("the real SmolLM2-135M from its GGUF, packed 4 x 256, LoRA r8, 8 steps",
+                           real(8, **{"model.name_or_path": str(REAL_GGUF), "data.max_length": 256,
+                                      "training.micro_batch_size": 4, "peft.rank": 8})),
 }
 
 
@@ -157,13 +163,16 @@ def recipe(name: str, settings: dict) -> Path:
     return write_recipe(WORK / "recipes" / f"{name}.yaml", settings)
 
 
-def forget_measured_steps() -> None:
-    """The plan must use no step time a train measured (training records them in the cache): it predicts."""
+def forget_measured_steps(probes: bool = False) -> None:
+    """The plan must use no step time a train measured (training records them in the cache): it predicts. With
+    `probes`, no step probe either: the plan measures the recipe as a first plan does."""
     facts = WORK / "cache" / "time-facts.json"
     if facts.is_file():
         cached = json.loads(facts.read_text())
         for machine in cached.get("machines", {}).values():
             machine.pop("steps", None)
+            if probes:
+                machine.pop("probes", None)
         facts.write_text(json.dumps(cached))
 
 
@@ -172,9 +181,11 @@ def run(name: str, settings: dict, threads: int) -> dict:
 
     path = recipe(name, settings)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPUPOOR_CACHE": str(WORK / "cache")}
-    forget_measured_steps()
+    forget_measured_steps(probes=True)
+    plan_started = time.perf_counter()
     planned = subprocess.run([sys.executable, "-m", "gpupoor", "plan", str(path), "--json", "--threads",
                               str(threads)], capture_output=True, text=True, env=env)
+    plan_s = time.perf_counter() - plan_started
     plan = json.loads(planned.stdout)
     if "time" not in plan:
         raise SystemExit(f"{name}: no time plan: {plan.get('time_error')}\n{planned.stderr}")
@@ -194,7 +205,7 @@ def run(name: str, settings: dict, threads: int) -> dict:
     typical = statistics.fmean if settings.get("grpo.iterations", 1) > 1 else statistics.median
     return {"name": name, "threads": threads, "wall_s": wall, "step_s": step_s,
             "measured_step_s": typical(step_s[1:]) if len(step_s) > 1 else step_s[0],
-            "startup_s": start.get("startup_s"), "plan": plan["time"], "gflops": [before, after]}
+            "startup_s": start.get("startup_s"), "plan": plan["time"], "gflops": [before, after], "plan_s": plan_s}
 
 
 def run_all(table: dict, threads: list[int], out: Path, only: list[str], keep_fastest: bool = False) -> list[dict]:
@@ -341,14 +352,24 @@ def calibrate_gpu(folder: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
+    """One row a run. With the plan's range (a measured plan): the total's likely range and whether the run fell in
+    it, and how long the first plan took (measuring included)."""
+    ranged = all("total_range_s" in r["plan"] for r in results)
+    extra = " total s likely | in range | first plan s |" if ranged else ""
     lines = ["| recipe | what | threads | step s measured | step s planned | error | total s measured | "
-             "total s planned | error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "total s planned | error |" + extra, "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+             + ("---:|---|---:|" if ranged else "")]
     for r in results:
         t = r["plan"]
         what = ACCURACY[r["name"]][0] if r["name"] in ACCURACY else "calibration"
-        lines.append(f"| {r['name']} | {what} | {r['threads']} | {r['measured_step_s']:.3f} | {t['step_s']:.3f} | "
-                     f"{t['step_s'] / r['measured_step_s'] - 1:+.1%} | {r['wall_s']:.1f} | {t['total_s']:.1f} | "
-                     f"{t['total_s'] / r['wall_s'] - 1:+.1%} |")
+        row = (f"| {r['name']} | {what} | {r['threads']} | {r['measured_step_s']:.3f} | {t['step_s']:.3f} | "
+               f"{t['step_s'] / r['measured_step_s'] - 1:+.1%} | {r['wall_s']:.1f} | {t['total_s']:.1f} | "
+               f"{t['total_s'] / r['wall_s'] - 1:+.1%} |")
+        if ranged:
+            low, high = t["total_range_s"]
+            plan_s = f"{r['plan_s']:.0f}" if "plan_s" in r else "-"
+            row += f" {low:.0f}-{high:.0f} | {'yes' if low <= r['wall_s'] <= high else 'no'} | {plan_s} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -403,8 +424,10 @@ def write_tables(results: list[dict], only: list[str]) -> None:
     model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
                  "unknown CPU")
     command = "python bench/time_accuracy.py --accuracy --write"
-    for key, rows in (("time-accuracy", [r for r in results if "grpo" not in r["name"]]),
-                      ("time-accuracy-grpo", [r for r in results if "grpo" in r["name"]])):
+    # the measured plan's tables, one a kind of CPU (issue #57): an AMD EPYC's and an Intel Xeon's
+    kind = "epyc" if "EPYC" in model else "xeon" if "Xeon" in model else "other"
+    for key, rows in ((f"time-accuracy-{kind}", [r for r in results if "grpo" not in r["name"]]),
+                      (f"time-accuracy-grpo-{kind}", [r for r in results if "grpo" in r["name"]])):
         if rows and (not only or any(r["name"] in only for r in rows)):
             write_section(ROOT / "docs" / "benchmarks.md", key,
                           f"Measured {time.strftime('%Y-%m-%d')} on {model} ({os.cpu_count()} cores), torch CPU "

@@ -3,9 +3,9 @@ recipe trained at two depths of its own model, extrapolated to all its layers, a
 its measured parts. Issue #57: the plan measures the machine it runs on rather than transfer efficiencies fitted
 on another one (gpupoor.plan.time's COEFFICIENTS stay as the fallback where nothing could be measured).
 
-Step times vary from batch to batch with the batch's padded width, so each depth's figure is the mean of its
-timed steps, scaled by the epoch's mean padded tokens over those steps' (the same batches at both depths: the
-difference between the depths is the layers alone)."""
+Step times vary from batch to batch with the batch's padded width: each timed batch (the same at both depths:
+the difference between the depths is the layers alone) is extrapolated on its own, a layer's share per padded
+token, and the medians taken at the epoch's mean padded tokens."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class ProbedStep:
 
     step_s: float  # one optimizer step (its micro-batches and the optimizer)
     first_step_extra_s: float  # the first step's warm-up beyond a step
-    build_s: float  # the model built (random weights) at full depth: the load's part beyond reading the weights
+    build_s: float  # the model built at the shallow depth: the load's fixed part beyond reading the weights
     startup_parts: dict  # measured parts of training's start-up at the real tokenizer and data
     layer_s: float  # one layer's share of a micro-batch
     rest_s: float  # the rest of a micro-batch (embedding, head and loss, fixed costs)
@@ -63,24 +63,26 @@ def probed_step(probe: dict, *, accumulation: int, optimizer_s: float, epoch_tok
     tokens = first_tokens[1:1 + count] if epoch_tokens and first_tokens and cycle == 1 else None
     if tokens is not None and (len(tokens) < count or min(tokens) <= 0):
         tokens = None
-    wholes, per_layers = [], []
+    rests, per_token = [], []
     for i in range(count):
         whole, per_layer = _extrapolate((depths[0], timed[0][i]), (depths[1], timed[1][i]), layers)
-        scale = epoch_tokens / tokens[i] if tokens is not None else 1.0
-        wholes.append(whole * scale)
-        per_layers.append(per_layer * scale)
-    whole, per_layer = statistics.median(wholes), statistics.median(per_layers)
+        rests.append(whole - layers * per_layer)
+        per_token.append(per_layer / tokens[i] if tokens is not None else per_layer)
+    # the layers' work grows with the batch's tokens, the rest (the head on the targets, fixed costs) hardly
+    per_layer = statistics.median(per_token) * (epoch_tokens if tokens is not None else 1.0)
+    whole = statistics.median(rests) + layers * per_layer
     micro = max(whole - optimizer_s, whole * 0.5)  # the optimizer's share, at most half of the probe's step
     step = accumulation * micro + (whole - micro)
     firsts = [(d["layers"], d["step_s"][0] - statistics.median(d["step_s"][1:])) for d in (low, high)]
     first, _ = _extrapolate(firsts[0], firsts[1], layers)
-    builds = [(d["layers"], d["startup"].get("model", 0.0)) for d in (low, high)]
-    build, _ = _extrapolate(builds[0], builds[1], layers)
     parts = low["startup"]
     return ProbedStep(step_s=step, first_step_extra_s=max(first, 0.0),
-                      build_s=max(build, builds[1][1]),  # a slope below 0 is noise: at least the deeper build
+                      # the shallow model built: its embedding, head and method; random weights at every depth cost far
+                      # more than the real load's (transformers builds those on no device and reads them), so
+                      # that part is measured as the weights' read instead (weights_read_s)
+                      build_s=low["startup"].get("model", 0.0),
                       startup_parts={p: parts[p] for p in MEASURED_PARTS if p in parts},
-                      layer_s=per_layer, rest_s=whole - layers * per_layer, depths=depths,
+                      layer_s=per_layer, rest_s=statistics.median(rests), depths=depths,
                       probe_s=probe.get("probe_s", 0.0))
 
 

@@ -17,9 +17,10 @@ from gpupoor.plan.measure import (attention_probe_shape, attention_rate, call_se
 def main() -> None:
     request = json.loads(Path(sys.argv[1]).read_text())
     started = time.perf_counter()
-    import peft  # noqa: F401 -- what training imports: their time is start-up the plan predicts
+    from gpupoor.run.session import import_libraries
+
+    import_libraries()  # what a run imports, in its order: their time is start-up the plan predicts
     import torch
-    import transformers  # noqa: F401
 
     answer: dict = {"import_s": round(time.perf_counter() - started, 3), "torch": torch.__version__}
     from gpupoor.model.load import remember_loads

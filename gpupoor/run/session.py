@@ -226,6 +226,20 @@ def _config_dtype_holds_every_weight(directory: Path, model) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def import_libraries() -> None:
+    """What a run imports before its start-up clock's "libraries" mark (torch, transformers, peft through
+    gpupoor's builders), in the run's order: the time plan's child times the same imports (their order changes
+    the total: peft first costs seconds more)."""
+    import torch  # noqa: F401
+
+    import gpupoor.data.build  # noqa: F401
+    import gpupoor.model.build  # noqa: F401
+    import gpupoor.train.optim  # noqa: F401
+    from gpupoor.quiet import quiet_libraries
+
+    quiet_libraries()
+
+
 def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: bool = False,
                   clock=None, trained_in: dict | None = None) -> Session:
     """Hardware choices, tokenizer, data, model and optimizer, in the order that keeps the RNG stream fixed.
@@ -234,6 +248,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     from gpupoor.run.startup import StartupClock
 
     clock = clock or StartupClock()
+    import_libraries()
     import torch
 
     from gpupoor import faults

@@ -10,31 +10,46 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# Steps each depth trains: the first warms up; then two timed steps a sampling cycle, at least four.
+# Steps each depth trains: the first warms up; then timed ones, TIMED_STEPS, or as many as take about
+# TIMED_SECONDS at the shallow depth (a tiny model's steps are milliseconds: a few of them are all noise), at
+# most MAX_TIMED_STEPS; whole sampling cycles, at least two (GRPO).
 TIMED_STEPS = 4
+TIMED_SECONDS = 2.0
+MAX_TIMED_STEPS = 40
 READ_PROBE_BYTES = 256 * 2**20
 DEQUANTIZE_SAMPLE_BYTES = 32 * 2**20
 
 
 def probe_depths(layers: int, last_layers: int | None) -> tuple[int, int]:
-    """The two depths trained: 1 and 3 layers; with peft.last_layers N, the N trained layers and then two frozen
-    ones below them (the depth adds frozen layers, which cost less than trained ones)."""
+    """The two depths trained: 1 layer and a quarter of them (at least 3: the gap between the depths is what a
+    layer costs, and over a few layers a step's noise is a large share of it); with peft.last_layers N, the N
+    trained layers and then frozen ones below them (the depth adds frozen layers, which cost less)."""
     low = min(last_layers, layers) if last_layers else 1
-    return low, min(low + 2, max(layers, low + 1))
+    return low, min(layers, max(low + 2, round(layers / 4)))
 
 
-def probe_recipe(recipe_json: dict, *, device: str, precision: str, threads: int | None, cycle: int) -> dict:
+def timed_steps(shallow_step_s: float | None, cycle: int) -> int:
+    """Steps to time at each depth: TIMED_STEPS, more where a step is short; whole cycles, at least two."""
+    wanted = TIMED_STEPS if not shallow_step_s else min(MAX_TIMED_STEPS, max(
+        TIMED_STEPS, math.ceil(TIMED_SECONDS / shallow_step_s)))
+    return max(2, math.ceil(wanted / cycle)) * cycle
+
+
+def probe_recipe(recipe_json: dict, *, device: str, precision: str, threads: int | None, cycle: int,
+                 timed: int | None = None) -> dict:
     """The recipe as the probe trains it: a few steps, one micro-batch a step, nothing evaluated, saved or
     tracked beyond what every run does, on the plan's device, precision and threads."""
     recipe = json.loads(json.dumps(recipe_json))
     training = recipe["training"]
-    training.update({"max_steps": 1 + max(TIMED_STEPS, 2 * cycle), "epochs": None,
+    training.update({"max_steps": 1 + (timed or timed_steps(None, cycle)), "epochs": None,
                      "gradient_accumulation_steps": 1, "eval_every_steps": None, "device": device})
     if device == "cpu":
         training["cpu_threads"] = threads
@@ -69,14 +84,20 @@ def run_depth(recipe_json: dict, layers: int, of: int, folder: Path) -> dict:
 def probe_steps(request: dict) -> dict:
     """Both depths of the recipe trained; the raw times for gpupoor.plan.probed to extrapolate."""
     os.environ["GPUPOOR_STEP_PROBE"] = "1"  # the nested runs make no time plan of their own (no probe in a probe)
-    recipe = probe_recipe(request["recipe"], device=request["device"], precision=request["precision"],
-                          threads=request.get("threads"), cycle=request["cycle"])
-    layers = request["layers"]
+    cycle, layers = request["cycle"], request["layers"]
+    options = {"device": request["device"], "precision": request["precision"], "threads": request.get("threads"),
+               "cycle": cycle}
+    recipe = probe_recipe(request["recipe"], **options)
     started = time.perf_counter()
     _read_config_once(recipe)
+    shallow, deep = probe_depths(layers, request.get("last_layers"))
     with tempfile.TemporaryDirectory(prefix="gpupoor-step-probe-") as folder:
-        depths = [run_depth(recipe, depth, layers, Path(folder))
-                  for depth in probe_depths(layers, request.get("last_layers"))]
+        first = run_depth(recipe, shallow, layers, Path(folder) / "first")
+        timed = timed_steps(statistics.median(first["step_s"][1:]), cycle)
+        if timed > len(first["step_s"]) - 1:  # short steps: time more of them, at both depths
+            recipe = probe_recipe(request["recipe"], **options, timed=timed)
+            first = run_depth(recipe, shallow, layers, Path(folder) / "again")
+        depths = [first, run_depth(recipe, deep, layers, Path(folder))]
     return {"layers": layers, "cycle": request["cycle"], "depths": depths,
             "probe_s": round(time.perf_counter() - started, 3)}
 
