@@ -259,9 +259,7 @@ def build_session(recipe: Recipe, run_dir: Path, *, smoke: bool, say, resuming: 
     from gpupoor.model.fast_paths import apply_fast_paths, apply_kernels
     from gpupoor.model.load import load_tokenizer, model_location
     from gpupoor.train.optim import build_optimizer, warmup_steps
-    from gpupoor.quiet import quiet_libraries
 
-    quiet_libraries()
     clock.mark("libraries")
     device = resolve_device(recipe.training.device)
     processes, nodes = launch_layout(os.environ)
