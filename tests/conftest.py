@@ -37,6 +37,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # `train` measures what the time plan's cache lacks (a child process training two depths of the model): a
 # test's run uses the cache alone, unless the test is about that measurement (it deletes this).
 os.environ["GPUPOOR_TIME_PLAN"] = "cached"
+os.environ["GPUPOOR_PROBE_SECONDS"] = "0"  # the step probe times its fewest steps: the tiny models step in ms
 # `precision: auto` decides the same on every CPU: fp32, as on one without bf16 matrix units (a CI machine may
 # have AMX). Tests of the CPU bf16 choice pin other answers (gpupoor.cpu.PIN_VARIABLE) or unset it.
 os.environ["GPUPOOR_CPU_BF16"] = "none"

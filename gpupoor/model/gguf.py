@@ -69,7 +69,7 @@ def read_gguf(path: Path, key: str = "model.name_or_path") -> GGUFFacts:
 
 @lru_cache(maxsize=8)
 def _read(path: Path, size: int, mtime: int, ctime: int, key: str) -> GGUFFacts:
-    reader = _reader(path, key)
+    reader, _ = timed_reader(path, size, mtime, ctime, key)
     architecture = _scalar(reader, "general.architecture")
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
@@ -98,6 +98,23 @@ def _read(path: Path, size: int, mtime: int, ctime: int, key: str) -> GGUFFacts:
     return GGUFFacts(path=path, architecture=architecture, config=config,
                      quantization=", ".join(name for name, _ in types.most_common()) or "none",
                      tokens=tokens, merges=merges, has_chat_template="tokenizer.chat_template" in reader.fields)
+
+
+@lru_cache(maxsize=2)
+def timed_reader(path: Path, size: int, mtime: int, ctime: int, key: str = "model.name_or_path"):
+    """(the file's gguf reader, the seconds its metadata took to read): read once a process while the file's
+    size and times stay (the time plan's child times what transformers' loader does again at each read)."""
+    import time
+
+    started = time.perf_counter()
+    reader = _reader(path, key)
+    return reader, time.perf_counter() - started
+
+
+def reader_of(path: Path):
+    """timed_reader for a file named by its path."""
+    stat = path.stat()
+    return timed_reader(path.resolve(), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def _reader(path: Path, key: str):

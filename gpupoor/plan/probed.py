@@ -36,6 +36,7 @@ class ProbedStep:
     rest_s: float  # the rest of a micro-batch (embedding, head and loss, fixed costs)
     depths: tuple[int, int]
     probe_s: float  # how long the probe took
+    save_s: float | None = None  # a checkpoint of the whole model (its trained weights and optimizer state)
 
 
 def _extrapolate(low: tuple[int, float], high: tuple[int, float], layers: int) -> tuple[float, float]:
@@ -46,11 +47,11 @@ def _extrapolate(low: tuple[int, float], high: tuple[int, float], layers: int) -
 
 
 def probed_step(probe: dict, *, accumulation: int, optimizer_s: float, epoch_tokens: float | None,
-                first_tokens: list[float] | None) -> ProbedStep:
+                first_tokens: list[float] | None, quantized: bool = False) -> ProbedStep:
     """`probe`: gpupoor.run.step_probe.probe_steps' answer. `optimizer_s`: the optimizer's share of a step (from
     the work model: the probe trains one micro-batch a step, so accumulation repeats the rest). `epoch_tokens`,
     `first_tokens`: the padded tokens of an epoch's mean micro-batch and of the probe's own first batches (None
-    for GRPO, whose rows are sampled).
+    for GRPO, whose rows are sampled). `quantized`: a 4- or 8-bit base, quantized layer by layer as it loads.
 
     Each timed batch is extrapolated on its own (the same batch at both depths), per padded token where the
     tokens are known, and the median taken: a burst of another process's work slows a step or two, not the
@@ -76,11 +77,18 @@ def probed_step(probe: dict, *, accumulation: int, optimizer_s: float, epoch_tok
     firsts = [(d["layers"], d["step_s"][0] - statistics.median(d["step_s"][1:])) for d in (low, high)]
     first, _ = _extrapolate(firsts[0], firsts[1], layers)
     parts = low["startup"]
+    save = None
+    if low.get("save_s") is not None and high.get("save_s") is not None:  # the run's last checkpoint, at each depth
+        save, _ = _extrapolate((depths[0], low["save_s"]), (depths[1], high["save_s"]), layers)
+    builds = [(d["layers"], d["startup"].get("model", 0.0)) for d in (low, high)]
+    build = low["startup"].get("model", 0.0)
+    if quantized:  # bitsandbytes quantizes every layer as the real load does: that part grows with the depth
+        build = max(build, _extrapolate(builds[0], builds[1], layers)[0])
     return ProbedStep(step_s=step, first_step_extra_s=max(first, 0.0),
                       # the shallow model built: its embedding, head and method; random weights at every depth cost far
                       # more than the real load's (transformers builds those on no device and reads them), so
                       # that part is measured as the weights' read instead (weights_read_s)
-                      build_s=low["startup"].get("model", 0.0),
+                      build_s=build, save_s=max(save, 0.0) if save is not None else None,
                       startup_parts={p: parts[p] for p in MEASURED_PARTS if p in parts},
                       layer_s=per_layer, rest_s=statistics.median(rests), depths=depths,
                       probe_s=probe.get("probe_s", 0.0))

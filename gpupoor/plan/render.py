@@ -102,7 +102,7 @@ def render_time(plan: Plan) -> str:
     measured = f" (measured by train here: {t.measured_step_s:.3g} s)" if t.measured_step_s else ""
     total_low, total_high = t.total_range_s
     lines.append(f"  step {t.used_step_s:.3g} s{_step_range(t)}{measured}; start-up {t.startup_s:.3g} s; {t.saves} saves of "
-                 f"{t.save_s:.2g} s; total {_age(t.total_s)}" + (
+                 f"{t.save_s:.2g} s and final/ {t.final_s:.2g} s; total {_age(t.total_s)}" + (
                      f" (likely {_age(total_low)} to {_age(total_high)})" if total_high > total_low else ""))
     if t.measured:
         lines.extend(f"  measured: {what}" for what in t.measured)

@@ -124,6 +124,7 @@ class TimePlan:
     rows_line: str | None = None  # GRPO: a step's rows in words (the data's rows are prompts, not what trains)
     # The range the total may fall in: the step and start-up at their low and high ends (measured plans: the
     # held-out runs' spread; GRPO: also answers that end early or run to grpo.max_new_tokens)
+    final_s: float = 0.0  # final/: the trained weights alone, after the last checkpoint
     step_range_s: tuple[float, float] | None = None
     startup_range_s: tuple[float, float] | None = None
     measured: list[str] = field(default_factory=list)  # what this plan's figures were measured from
@@ -168,7 +169,7 @@ class TimePlan:
 
     @property
     def total_s(self) -> float:
-        return self.startup_s + self.train_s + self.saves * self.save_s
+        return self.startup_s + self.train_s + self.saves * self.save_s + self.final_s
 
     def sessions(self) -> int | None:
         """Sessions of time_limit_s the run needs, resuming from the checkpoint each one saves before its end."""
@@ -193,7 +194,7 @@ class TimePlan:
                 "work": [{"key": w.key, "kind": w.kind, "amount": w.amount, "detail": w.detail} for w in self.work],
                 "rate_flops": self.rates.matmul, "rates": self.rates.to_json(), "step_s": self.step_s, "measured_step_s": self.measured_step_s,
                 "startup_s": self.startup_s, "first_step_s": self.first_step_s, "saves": self.saves,
-                "save_s": self.save_s, "total_s": self.total_s, "source": self.source, "on_paper": self.on_paper,
+                "save_s": self.save_s, "final_s": self.final_s, "total_s": self.total_s, "source": self.source, "on_paper": self.on_paper,
                 "time_limit_s": self.time_limit_s, "sessions": self.sessions(),
                 "steps_per_session": self.steps_per_session(), "total_range_s": [low.total_s, high.total_s],
                 "step_range_s": [low.used_step_s, high.used_step_s], "startup_range_s": [low.startup_s, high.startup_s],
@@ -212,7 +213,7 @@ def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rates: Rates, 
                    on_paper: bool = False, measured_step_s: float | None = None,
                    time_limit_s: float | None = None, probe: dict | None = None, load: dict | None = None,
                    cli_s: float | None = None, first_tokens: list | None = None,
-                   tokenizer_s: float | None = None) -> TimePlan:
+                   tokenizer_s: float | None = None, final_bytes: int = 0) -> TimePlan:
     """The time plan of `recipe` on `settings.device` from the measured (or on-paper) facts. `probe`: the recipe's
     steps measured at two depths (gpupoor.run.step_probe), the plan's step and start-up where given; `load`: the
     real weights' load measured by parts; `cli_s`: this command's own start before the plan (the same Python,
@@ -235,7 +236,9 @@ def make_time_plan(shape, settings, recipe, batch: BatchFacts, *, rates: Rates, 
         plan.startup_range_s = spread(plan.startup_s, FITTED_SPREAD)
         plan.assumed.append("every kind of work at its probe's rate x efficiencies fitted on another machine "
                             f"(range +/-{FITTED_SPREAD:.0%})" if not on_paper else "a published peak")
-    plan.saves = count_saves(recipe, steps, plan.used_step_s) + 1  # and final/
+    plan.saves = count_saves(recipe, steps, plan.used_step_s) + 1  # and the last step's checkpoint
+    # final/ after it: the trained weights alone, at the checkpoint's pace (its share of the checkpoint's bytes)
+    plan.final_s = SAVE_FIXED_S + (plan.save_s - SAVE_FIXED_S) * final_bytes / max(checkpoint_bytes, 1)
     if settings.sampled_answers:
         _, length, update = grpo_rows(settings, batch)
         plan.update_tokens, plan.rows_line = update.tokens, describe_rows(settings, length, update, accumulation)
@@ -253,7 +256,10 @@ def _use_probe(plan: TimePlan, shape, settings, rates: Rates, probe: dict, load:
                     if w.kind == "optimizer") if settings.device == "cpu" else 0.0
     grpo = bool(settings.sampled_answers)
     step = probed_step(probe, accumulation=plan.accumulation, optimizer_s=optimizer,
-                       epoch_tokens=None if grpo else plan.batch.tokens, first_tokens=None if grpo else first_tokens)
+                       epoch_tokens=None if grpo else plan.batch.tokens, first_tokens=None if grpo else first_tokens,
+                       quantized=bool(settings.bits))
+    if step.save_s is not None:  # serializing, checksums and the fsyncs, measured: not the disk's rate alone
+        plan.save_s = max(plan.save_s, step.save_s)
     low, high = spread(step.step_s, STEP_SPREAD)
     point = step.step_s
     if grpo:  # the probe's random weights answer to max_new_tokens; a trained model's answers end earlier

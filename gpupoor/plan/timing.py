@@ -101,7 +101,8 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
                             probe=None if on_paper else probes.get(step_key),
                             load=loads.get(load_key), cli_s=cli_s,
                             first_tokens=facts["data"][data_key].get("first_tokens"),
-                            tokenizer_s=facts["data"][data_key].get("tokenizer_s"))
+                            tokenizer_s=facts["data"][data_key].get("tokenizer_s"),
+                            final_bytes=sum(t.bytes for t in plan.terms if t.key == "trainable"))
     if processes > 1 and not on_paper:
         result.assumed.append(f"the step measured in one process: {processes} processes add their gradients' "
                               "all-reduce")

@@ -36,10 +36,13 @@ def probe_depths(layers: int, last_layers: int | None) -> tuple[int, int]:
     return low, min(layers, max(low + 2, round(layers / 4)))
 
 
-def timed_steps(shallow_step_s: float | None, cycle: int) -> int:
-    """Steps to time at each depth: TIMED_STEPS, more where a step is short; whole cycles, at least two."""
+def timed_steps(shallow_step_s: float | None, cycle: int, seconds: float | None = None) -> int:
+    """Steps to time at each depth: TIMED_STEPS, more where a step is short (`seconds` of them at the shallow
+    depth: GPUPOOR_PROBE_SECONDS, else TIMED_SECONDS); whole cycles, at least two."""
+    if seconds is None:
+        seconds = float(os.environ.get("GPUPOOR_PROBE_SECONDS") or TIMED_SECONDS)
     wanted = TIMED_STEPS if not shallow_step_s else min(MAX_TIMED_STEPS, max(
-        TIMED_STEPS, math.ceil(TIMED_SECONDS / shallow_step_s)))
+        TIMED_STEPS, math.ceil(seconds / shallow_step_s)))
     return max(2, math.ceil(wanted / cycle)) * cycle
 
 
@@ -77,8 +80,9 @@ def run_depth(recipe_json: dict, layers: int, of: int, folder: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     start = next(r for r in records if r.get("event") == "start")
     steps = [r for r in records if "step_s" in r and "loss" in r]
+    saves = [r["save_s"] for r in records if "checkpoint" in r and "save_s" in r]
     return {"layers": layers, "step_s": [r["step_s"] for r in steps], "tokens": [r.get("tokens") for r in steps],
-            "startup": start.get("startup_s", {})}
+            "startup": start.get("startup_s", {}), "save_s": saves[-1] if saves else None}
 
 
 def probe_steps(request: dict) -> dict:
@@ -130,9 +134,9 @@ def gguf_load_facts(path: str) -> dict:
     dequantizes every tensor."""
     import gguf
 
-    started = time.perf_counter()
-    reader = gguf.GGUFReader(path)
-    reader_s = time.perf_counter() - started
+    from gpupoor.model.gguf import reader_of
+
+    reader, reader_s = reader_of(Path(path))  # read already by the data's count (the tokenizer's check): its time
     sample, sampled_bytes = [], 0
     for tensor in sorted(reader.tensors, key=lambda t: -int(t.n_bytes)):
         if sampled_bytes >= DEQUANTIZE_SAMPLE_BYTES:

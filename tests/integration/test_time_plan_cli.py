@@ -52,8 +52,14 @@ def test_a_run_longer_than_the_limit_needs_sessions(make_recipe):
     recipe = make_recipe(training={"max_steps": 400_000})  # a millisecond a step at the least, on any machine
     plan = plan_json(recipe, "--time-limit", "2m")["time"]
     assert plan["time_limit_s"] == 120 and plan["sessions"] > 1
+    # the plan's range (measured: the held-out runs' spread) and the sessions at each end of it
+    fewest, most = plan["sessions_range"]
+    assert fewest <= plan["sessions"] <= most and fewest < most
+    low, high = plan["total_range_s"]
+    assert low < plan["total_s"] < high and plan["measured"] and plan["steps_per_session"] > 0
     text = invoke("plan", recipe, "--threads", "1", "--time-limit", "2m").output
-    assert f"time limit 2m: NEEDS {plan['sessions']} sessions" in text
+    assert f"time limit 2m: NEEDS {plan['sessions']} sessions (likely {fewest} to {most})" in text
+    assert "measured: a step: the recipe trained" in text
     assert "finishes in one session" in invoke("plan", make_recipe(), "--threads", "1", "--time-limit", "2h").output
 
 
@@ -72,6 +78,36 @@ def test_training_compares_its_step_time_and_the_next_plan_uses_it(make_recipe, 
     after = plan_json(recipe)["time"]
     assert after["measured_step_s"] is not None and after["step_s"] == pytest.approx(predicted)
     assert any("measured by train" in note or "the step time `train` measured" in note for note in after["notes"])
+
+
+def test_train_keeps_the_cached_plan_and_compares_its_start_up_and_steps(make_recipe, tmp_path):
+    recipe = make_recipe(training={"max_steps": 8}, checkpoint={"time_limit": "1h"})
+    plan = plan_json(recipe)["time"]  # measured and cached by the plan
+    run = tmp_path / "run"
+    trained = invoke("train", recipe, "--output-dir", run)  # GPUPOOR_TIME_PLAN=cached (conftest): the cache alone
+    assert trained.exit_code == 0, trained.output
+    assert "measuring" not in trained.output
+    assert f"time plan: 8 steps of {plan['step_s']:.3g} s, start-up" in trained.output
+    assert "; 1 session of 60m" in trained.output
+    assert f"vs {plan['step_s']:.3g} s planned (" in trained.output
+    assert "s planned (" in next(line for line in trained.output.splitlines() if "  start-up" in line)
+    assert [r["predicted_step_s"] for r in read_metrics(run) if "predicted_step_s" in r] == [round(plan["step_s"], 4)]
+
+
+def test_train_measures_what_the_cache_lacks_and_caches_it(make_recipe, tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUPOOR_TIME_PLAN")
+    recipe = make_recipe(training={"max_steps": 6})
+    run = tmp_path / "run"
+    trained = invoke("train", recipe, "--output-dir", run)
+    assert trained.exit_code == 0, trained.output
+    assert "time plan: measuring" in trained.output and "a few steps of the recipe" in trained.output
+    assert "time plan: 6 steps of" in trained.output and "s planned (" in trained.output
+    (machine,) = json.loads((tmp_path / "cache" / FACTS_FILE).read_text())["machines"].values()
+    assert len(machine["probes"]) == 1  # the next plan or train of this recipe reads it
+    start = next(r for r in read_metrics(run) if r.get("event") == "start")
+    assert start["startup_s"]["time plan"] > 0  # its own part of the start-up, which the plan leaves out
+    plan = plan_json(recipe)["time"]
+    assert "measured now" not in " ".join(plan["notes"])
 
 
 def test_fit_for_a_time_limit_writes_a_recipe_that_trains_inside_it(make_recipe, tmp_path, monkeypatch):
@@ -136,7 +172,9 @@ def test_a_first_plan_on_a_visible_gpu_goes_at_the_probed_matmul_rate(make_recip
     monkeypatch.setattr(facts, "measure", child)
     plan = make_plan(load_recipe(make_recipe(training={"max_steps": 10})), "cuda",
                      timing={"threads": None, "gpu": None, "time_limit_s": None, "say": lambda text: None})
-    assert plan.time_error is None and asked == [{"rate", "data", "write_to"}]
+    # on a GPU only the matmul is probed, and the recipe's own steps measured (the child's answer here has none:
+    # the fitted efficiencies stand in)
+    assert plan.time_error is None and asked == [{"rate", "data", "write_to", "steps", "load"}]
     assert plan.time.rates.matmul == 5e14 and plan.time.rates.attention is None and plan.time.steps == 10
 
 
