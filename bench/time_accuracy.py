@@ -144,7 +144,7 @@ ACCURACY = {
     "16x768-grpo-ckpt-beta": ("GRPO with checkpointing (whole answer rows) and beta 0.04, 16 x 768",
                               grpo("deep-16x768", 6, 2, 4, 16, **{"memory.gradient_checkpointing": True,
                                                                   "grpo.beta": 0.04})),
-    "real-grpo": ("the real GRPO demo's recipe, 8 steps (answers end early: the plan counts 16 tokens each)",
+    "real-grpo": ("the real GRPO demo's recipe, 8 steps (answers end early; the plan takes them halfway to 16 tokens)",
                   grpo(REAL_MODEL, 8, 4, 4, 16)),
     "real-grpo-bf16": ("the real GRPO demo's recipe, 8 steps, bf16", grpo(REAL_MODEL, 8, 4, 4, 16, precision="bf16")),
     # issue #57's first row: the real model as users name it (its GGUF, dequantized at every start), chat rows

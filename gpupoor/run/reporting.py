@@ -144,11 +144,12 @@ class Reporter:
         self._record_step_time(measured)
 
     def _startup_s(self) -> float | None:
-        """The start-up as the plan means it: every part of the clock but the time plan's own measuring."""
-        if self.session.startup is None:
+        """The start-up as the plan means it: every part of the clock but the time plan's own measuring. None where
+        the clock did not start with the process (a program or the demo calling gpupoor: its imports came before)."""
+        parts = self.session.startup.seconds() if self.session.startup is not None else {}
+        if "python and cli" not in parts:
             return None
-        parts = self.session.startup.seconds()
-        return sum(seconds for part, seconds in parts.items() if part != "time plan") if parts else None
+        return sum(seconds for part, seconds in parts.items() if part != "time plan")
 
     def _record_step_time(self, measured: float | None) -> None:
         keys = getattr(self.session.memory_plan, "time_keys", None)
@@ -158,7 +159,9 @@ class Reporter:
 
         timing = getattr(self.session.memory_plan, "time", None)
         startup = self.session.startup.seconds() if self.session.startup is not None else {}
-        imports = sum(startup.get(part, 0.0) for part in ("python and cli", "libraries"))
+        # a run's imports, for the next plan's start-up (which adds its own command's start): only where the clock
+        # started with the process (in a program or the demo, torch was imported before it)
+        imports = startup.get("libraries") if "python and cli" in startup else None
         record_step_time(*keys, measured, timing.step_s if timing else None, imports)
 
     def close(self) -> None:
