@@ -122,9 +122,9 @@ class TimePlan:
     notes: list[str] = field(default_factory=list)
     update_tokens: float | None = None  # GRPO: the tokens a micro-batch's update reads (its prompts and answers)
     rows_line: str | None = None  # GRPO: a step's rows in words (the data's rows are prompts, not what trains)
+    final_s: float = 0.0  # final/: the trained weights alone, after the last checkpoint
     # The range the total may fall in: the step and start-up at their low and high ends (measured plans: the
     # held-out runs' spread; GRPO: also answers that end early or run to grpo.max_new_tokens)
-    final_s: float = 0.0  # final/: the trained weights alone, after the last checkpoint
     step_range_s: tuple[float, float] | None = None
     startup_range_s: tuple[float, float] | None = None
     measured: list[str] = field(default_factory=list)  # what this plan's figures were measured from
