@@ -114,7 +114,8 @@ def timed_reader(path: Path, size: int, mtime: int, ctime: int, key: str = "mode
 def reader_of(path: Path):
     """timed_reader for a file named by its path."""
     stat = path.stat()
-    return timed_reader(path.resolve(), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    # the key as read_gguf passes it: lru_cache tells a default left out from one given, and would read again
+    return timed_reader(path.resolve(), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, "model.name_or_path")
 
 
 def _reader(path: Path, key: str):

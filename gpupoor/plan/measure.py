@@ -28,7 +28,6 @@ def data_facts(recipe_json: dict, sampler: str) -> dict:
     from gpupoor.model.load import load_tokenizer, model_location
     from gpupoor.recipe.schema import Recipe
 
-    started = time.perf_counter()
     recipe = Recipe.model_validate(recipe_json)
     location = model_location(recipe.model, Path.cwd())
     if is_gguf(location):
