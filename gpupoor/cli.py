@@ -146,8 +146,10 @@ def train(
     def action(stop) -> int:
         from gpupoor.commands.train import (check_before_training, existing_run, exit_code, recipe_overrides,
                                             report_finished)
+        from gpupoor.plan.timing import check_environment
         from gpupoor.recipe.loading import load_recipe
 
+        check_environment()
         loaded = load_recipe(recipe, recipe_overrides(set_, time_limit, profile))
         existing = existing_run(loaded, output_dir) if resume_if_present and not smoke else None
         if existing is not None:
@@ -184,8 +186,10 @@ def resume(
     def action(stop) -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.commands.train import exit_code, recipe_overrides, report_finished
+        from gpupoor.plan.timing import check_environment
         from gpupoor.run.orchestrate import resume_run
 
+        check_environment()
         # --time-limit and --profile are this invocation's; --set changes are the run's from now on.
         return exit_code(report_finished(resume_run(run_dir, recipe_overrides(set_, None, None), force=force,
                                                     started=started, stop=stop,
@@ -577,6 +581,7 @@ def plan(
 
     def action() -> int:
         from gpupoor.commands.plan import check_time_options, plan_recipe
+        from gpupoor.plan.timing import check_environment
         from gpupoor.units import parse_size
 
         if device is not None and device not in ("cpu", "cuda"):
@@ -587,6 +592,8 @@ def plan(
         if nodes > processes:
             raise UserError(f"--nodes {nodes} with --processes {processes}: every node runs at least one process")
         check_time_options(time_limit, gpu)
+        if time:
+            check_environment()
         ignored = [name for name, value in (("--time-limit", time_limit), ("--gpu", gpu), ("--threads", threads))
                    if value is not None]
         if not time and ignored:

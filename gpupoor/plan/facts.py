@@ -19,6 +19,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from gpupoor import faults
 from gpupoor.plan.flops import BatchFacts
 from gpupoor.storage.files import atomic_file, default_cache_dir
 
@@ -123,18 +124,44 @@ def attention_key(settings, shape, length: int) -> str:
     return f"attention {settings.precision} {how} {length} tokens {shape.heads}/{shape.kv_heads}x{shape.head_dim}"
 
 
-def measure(request: dict) -> dict:
-    """Run gpupoor.run.measuring in a child process (torch stays out of this one) and return its answer."""
+def measure(request: dict, stop=None) -> dict:
+    """Run gpupoor.run.measuring in a child process (torch stays out of this one) and return its answer. `stop`:
+    a callable that says a stop was asked for (a SIGTERM to `train`): the child is killed then, not waited for."""
     with tempfile.TemporaryDirectory(prefix="gpupoor-measure-") as folder:
         path = Path(folder) / "request.json"
         path.write_text(json.dumps(request))
-        done = subprocess.run([sys.executable, "-m", "gpupoor.run.measuring", str(path)], capture_output=True,
-                              text=True, timeout=MEASURE_TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"measuring for the time plan failed: {tail[0]}")
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        with out.open("w") as stdout, err.open("w") as stderr:
+            # the child trains the probe: a fault a test injects into this process's run is not its own
+            env = {k: v for k, v in os.environ.items() if k != "GPUPOOR_FAULT"} | {"PYTHONWARNINGS": "ignore"}
+            child = subprocess.Popen([sys.executable, "-m", "gpupoor.run.measuring", str(path)], stdout=stdout,
+                                     stderr=stderr, text=True, env=env)
+            faults.at_stage("measuring")  # tests: a signal while the child measures
+            _wait(child, stop)
+        lines = [line for line in out.read_text().splitlines() if line.startswith("{")]
+        if child.returncode != 0 or not lines:
+            tail = (err.read_text() or out.read_text()).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"measuring for the time plan failed: {tail[0]}")
     return json.loads(lines[-1])
+
+
+def _wait(child: subprocess.Popen, stop) -> None:
+    """Wait for the child up to MEASURE_TIMEOUT_S; kill it (and wait for it to go) on a stop or the timeout."""
+    deadline = time.monotonic() + MEASURE_TIMEOUT_S
+    try:
+        while True:
+            try:
+                child.wait(timeout=0.2)
+                return
+            except subprocess.TimeoutExpired:
+                if stop is not None and stop():
+                    raise RuntimeError("measuring for the time plan stopped: a stop was asked for") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"measuring for the time plan took over {MEASURE_TIMEOUT_S} s") from None
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def write_rate(folder: Path) -> float:

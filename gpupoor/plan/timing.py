@@ -31,6 +31,38 @@ def plan_threads(recipe, requested: int | None) -> int:
         return os.cpu_count() or 1
 
 
+TIME_PLAN_MODES = {"measure": "measure what the facts cache lacks (the default)",
+                   "cached": "use only the facts cache: no time plan where it lacks something"}
+
+
+def time_plan_mode() -> str:
+    """GPUPOOR_TIME_PLAN: whether `train` may measure what the time plan lacks (a bad value is the user's error)."""
+    value = os.environ.get("GPUPOOR_TIME_PLAN", "").strip() or "measure"
+    if value not in TIME_PLAN_MODES:
+        raise UserError(f"environment variable GPUPOOR_TIME_PLAN={value!r}: not a time plan mode",
+                        hint="; ".join(f"{k}: {v}" for k, v in TIME_PLAN_MODES.items()) + "; or unset it")
+    return value
+
+
+def probe_seconds() -> float | None:
+    """GPUPOOR_PROBE_SECONDS: the seconds of steps the step probe times at its shallow depth (None: its default)."""
+    value = os.environ.get("GPUPOOR_PROBE_SECONDS", "").strip()
+    try:
+        seconds = float(value) if value else None
+    except ValueError:
+        seconds = -1.0
+    if seconds is not None and not 0 <= seconds <= 3600:
+        raise UserError(f"environment variable GPUPOOR_PROBE_SECONDS={value!r}: not a number of seconds from 0 to "
+                        "3600", hint="e.g. 2 (the default); 0 times the fewest steps; or unset it")
+    return seconds
+
+
+def check_environment() -> None:
+    """The time plan's environment variables, checked before a command starts anything."""
+    time_plan_mode()
+    probe_seconds()
+
+
 def gpu_on_paper(name: str) -> tuple[float, str]:
     key = name.upper().replace(" ", "").replace("-", "")
     if key not in GPU_PEAKS:
@@ -40,11 +72,12 @@ def gpu_on_paper(name: str) -> tuple[float, str]:
 
 def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | None, gpu: str | None,
               time_limit_s: float | None, say, cached_only: bool = False,
-              cli_s: float | None = None) -> TimePlan | None:
+              cli_s: float | None = None, stop=None) -> TimePlan | None:
     """The time plan; `say` tells the user when this plan measures (a first plan of this machine or data).
     `cached_only`: None rather than measure what the cache lacks. `cli_s`: the command's own start before the
     plan (a train's "python and cli"; a `plan` command's own age). Either way the plan keeps `time_keys` (the
-    machine, the recipe's step key), where training records the step time it measured."""
+    machine, the recipe's step key), where training records the step time it measured. `stop`: a callable that
+    says training was asked to stop while the child measures (the child is killed)."""
     from gpupoor.storage.rundir import portable_recipe
 
     cli_s = _own_start() if cli_s is None else cli_s
@@ -83,7 +116,7 @@ def time_plan(loaded, plan, shape, settings, *, processes: int, threads: int | N
         return None
     if request:
         say(f"time plan: measuring {_measuring(request)} (once; cached in {cache.facts_path()})")
-        _keep(cache.measure(request), facts, here, keys, settings, shape, data_key, step_key, load_key)
+        _keep(cache.measure(request, stop), facts, here, keys, settings, shape, data_key, step_key, load_key)
     batch = cache.batch_facts(facts["data"][data_key])
     if on_paper:
         peak, _ = gpu_on_paper(gpu)
@@ -203,7 +236,7 @@ def _step_request(recipe, settings, shape, threads: int | None, have_steps: bool
         request["steps"] = {"recipe": recipe.model_dump(mode="json"), "device": settings.device,
                             "precision": settings.precision, "threads": threads, "layers": shape.layers,
                             "cycle": recipe.grpo.iterations if settings.sampled_answers else 1,
-                            "last_layers": recipe.peft.last_layers}
+                            "last_layers": recipe.peft.last_layers, "seconds": probe_seconds()}
     return request
 
 

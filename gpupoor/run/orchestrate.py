@@ -172,18 +172,20 @@ def _plan_quietly(loaded: LoadedRecipe, device: str | None = None, timing: dict 
         return None
 
 
-def _train_timing(session, say) -> dict | None:
+def _train_timing(session, say, stop) -> dict | None:
     """The time plan's options in training: this run's threads; what the facts cache lacks measured now by the
     first process (`gpupoor plan` would have measured the same), unless GPUPOOR_TIME_PLAN=cached says to use
     only the cache. None inside the plan's own step probe (a probe plans nothing)."""
+    from gpupoor.plan.timing import time_plan_mode
+
     if os.environ.get("GPUPOOR_STEP_PROBE"):
         return None
     threads = session.choices.get("threads")
     startup = session.startup.seconds() if session.startup is not None else {}
-    cached_only = os.environ.get("GPUPOOR_TIME_PLAN", "measure") == "cached" or not session.main
+    cached_only = time_plan_mode() == "cached" or not session.main
     return {"threads": int(threads.value) if threads is not None else None, "gpu": None,
             "time_limit_s": session.recipe.checkpoint.time_limit_s, "say": say, "cached_only": cached_only,
-            "cli_s": startup.get("python and cli")}
+            "cli_s": startup.get("python and cli"), "stop": (lambda: stop.requested) if stop is not None else None}
 
 
 @contextlib.contextmanager
@@ -242,7 +244,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
     chosen = session.choices["precision"].value
     if plan is not None and (plan.device, plan.precision) != (session.device, chosen):
         plan = _plan_quietly(LoadedRecipe(recipe.model_copy(update={"precision": chosen}), None), session.device)
-    timing = _train_timing(session, say) if plan is not None else None
+    timing = _train_timing(session, say, stop) if plan is not None else None
     if timing is not None:  # the time plan from the facts cache, what it lacks measured now (and cached)
         plan = _plan_quietly(LoadedRecipe(recipe.model_copy(update={"precision": chosen}), None), session.device,
                              timing=timing) or plan

@@ -38,9 +38,9 @@ def probe_depths(layers: int, last_layers: int | None) -> tuple[int, int]:
 
 def timed_steps(shallow_step_s: float | None, cycle: int, seconds: float | None = None) -> int:
     """Steps to time at each depth: TIMED_STEPS, more where a step is short (`seconds` of them at the shallow
-    depth: GPUPOOR_PROBE_SECONDS, else TIMED_SECONDS); whole cycles, at least two."""
+    depth: the request's, from GPUPOOR_PROBE_SECONDS, else TIMED_SECONDS); whole cycles, at least two."""
     if seconds is None:
-        seconds = float(os.environ.get("GPUPOOR_PROBE_SECONDS") or TIMED_SECONDS)
+        seconds = TIMED_SECONDS
     wanted = TIMED_STEPS if not shallow_step_s else min(MAX_TIMED_STEPS, max(
         TIMED_STEPS, math.ceil(seconds / shallow_step_s)))
     return max(2, math.ceil(wanted / cycle)) * cycle
@@ -97,7 +97,7 @@ def probe_steps(request: dict) -> dict:
     shallow, deep = probe_depths(layers, request.get("last_layers"))
     with tempfile.TemporaryDirectory(prefix="gpupoor-step-probe-") as folder:
         first = run_depth(recipe, shallow, layers, Path(folder) / "first")
-        timed = timed_steps(statistics.median(first["step_s"][1:]), cycle)
+        timed = timed_steps(statistics.median(first["step_s"][1:]), cycle, request.get("seconds"))
         if timed > len(first["step_s"]) - 1:  # short steps: time more of them, at both depths
             recipe = probe_recipe(request["recipe"], **options, timed=timed)
             first = run_depth(recipe, shallow, layers, Path(folder) / "again")
