@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 
 from gpupoor.errors import UserError
 from gpupoor.methods import METHODS
+from gpupoor.objective_table import OBJECTIVES
 from gpupoor.optimizers import OPTIMIZERS
 
 
@@ -189,8 +190,8 @@ def choose_sampler(requested: str, attention: str, trust_remote_code: bool, obje
     GRPO samples answers to each prompt of a micro-batch: rows one prompt each, never packed."""
     if requested != "auto":
         return Choice(requested, f"data.sampler: {requested}")
-    if objective == "grpo":
-        return Choice("length_grouped", "GRPO generates from one prompt per row")
+    if OBJECTIVES[objective].samples:
+        return Choice("length_grouped", f"{OBJECTIVES[objective].title} generates from one prompt per row")
     if trust_remote_code:
         return Choice("length_grouped", "remote model code may not isolate packed examples")
     if attention in ("sdpa", "eager", "flash_attention_2"):
@@ -310,14 +311,15 @@ def choose_reference(objective: str, requested: str, method: str) -> Choice:
     """Where DPO's reference log-probabilities come from: `adapter_off` (the trained model with its adapter
     switched off), `copy` (a frozen copy of the base) or `none` (sft and ORPO need none). `requested`:
     preference.reference; `method`: peft.method."""
-    if objective != "dpo":
-        return Choice("none", "ORPO needs no reference model" if objective == "orpo" else "no preference objective")
-    if requested == "adapter_off" and method == "full":
+    kind = OBJECTIVES[objective]
+    if not kind.reference:
+        return Choice("none", f"{kind.title} needs no reference model" if kind.pairs else "no preference objective")
+    if requested == "adapter_off" and not METHODS[method].adapter:
         raise UserError("preference.reference adapter_off needs an adapter to switch off; peft.method full has none",
                         hint="set preference.reference: copy (or auto)")
     if requested != "auto":
         return Choice(requested, f"preference.reference: {requested}")
-    if method == "full":
+    if not METHODS[method].adapter:
         return Choice("copy", "peft.method full: no adapter to switch off, so a frozen copy of the base")
     return Choice("adapter_off", "the base is the model with its adapter switched off: no second copy")
 

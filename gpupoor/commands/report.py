@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor import __version__, faults
+from gpupoor.methods import METHODS
 from gpupoor.storage.checkpoint import read_manifest, scan
 from gpupoor.errors import UserError
 from gpupoor.storage.files import atomic_file
@@ -459,7 +460,7 @@ def render_html(runs: list[RunMetrics], log_scale: bool) -> str:
 
 def _method(recipe: Recipe) -> str:
     peft = recipe.peft
-    text = "full fine-tuning" if peft.method == "full" else f"{peft.method} rank {peft.rank}"
+    text = "full fine-tuning" if not METHODS[peft.method].adapter else f"{peft.method} rank {peft.rank}"
     if peft.method == "lora" and peft.alpha is not None:
         text += f" alpha {peft.alpha:g}"
     if peft.last_layers:

@@ -19,6 +19,7 @@ from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.data.formats import FORMATS, FieldNames, Format
 from gpupoor.data.loading import DataSource, Row, check_held_out, iter_rows, read_rows, resolve_source
 from gpupoor.data.templates import missing_template_error, resolve_chat_template
+from gpupoor.objective_table import OBJECTIVES, objective_of, sections_unused
 from gpupoor.errors import UserError
 from gpupoor.recipe.loading import LoadedRecipe
 from gpupoor.recipe.rules import MAX_PASSES, check_rows, check_tokenized_settings
@@ -447,7 +448,7 @@ def preflight(loaded: LoadedRecipe, whole: RowCheck | None = None) -> list[str]:
     warnings += check_training_data(loaded, whole)
     warnings += check_tokenizer_template(loaded)
     warnings += silent_settings(recipe)
-    if recipe.training.objective == "grpo":
+    if objective_of(recipe).samples:
         check_rewards_import(recipe.grpo)
     if recipe.peft.init_adapter:  # (imports torch: only when there is an adapter to check)
         from gpupoor.model.init_adapter import check_init_adapter
@@ -480,10 +481,11 @@ def silent_settings(recipe) -> list[str]:
                     "no chat template" + (" (alpaca rows are trained on the Alpaca prompt; for a chat template, "
                                           "write them as chat rows with data.format: chat)" if "alpaca" in formats
                                           else ""))
-    if recipe.grpo.model_fields_set and recipe.training.objective != "grpo":
-        said.append(f"the grpo section ({', '.join(sorted(recipe.grpo.model_fields_set))}) is unused: "
-                    f"training.objective is {recipe.training.objective}; set training.objective: grpo to train on "
-                    "sampled answers and rewards")
+    for section in sections_unused(recipe):
+        readers = [o.name for o in OBJECTIVES.values() if o.section == section]
+        said.append(f"the {section} section ({', '.join(sorted(getattr(recipe, section).model_fields_set))}) is "
+                    f"unused: training.objective is {recipe.training.objective}; it is read by training.objective "
+                    f"{' or '.join(readers)}")
     return said
 
 

@@ -91,7 +91,7 @@ def start_from_adapter(model, peft_cfg: PeftSection, load_weights: bool = True) 
 
 
 def refuse_full_with_adapter(peft_cfg: PeftSection) -> None:
-    if peft_cfg.method == "full" and peft_cfg.init_adapter:
+    if not METHODS[peft_cfg.method].adapter and peft_cfg.init_adapter:
         raise UserError(f"peft.init_adapter = {peft_cfg.init_adapter!r}: peft.method full trains the model's own "
                         "weights and cannot start from an adapter",
                         hint="merge the adapter into the base (gpupoor merge-lora ADAPTER OUT) and set "

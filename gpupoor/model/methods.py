@@ -38,7 +38,7 @@ def apply_method(model, peft_cfg: PeftSection, load_init_weights: bool = True):
     from gpupoor.quiet import bitsandbytes_unless_loaded
 
     layers = last_layer_indices(model, peft_cfg)
-    if peft_cfg.method == "full":
+    if not METHODS[peft_cfg.method].adapter:
         refuse_full_with_adapter(peft_cfg)
         return select_trainable(model, peft_cfg, layers)
     where = {"layers_to_transform": layers, "layers_pattern": "layers"} if layers is not None else {}

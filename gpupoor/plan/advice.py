@@ -3,6 +3,7 @@ the cheapest combination that fits (what `plan --fit` writes); and with several 
 
 from __future__ import annotations
 
+from gpupoor.methods import METHODS
 from gpupoor.optimizers import OPTIMIZERS
 from gpupoor.plan.device import GpuFacts
 from gpupoor.plan.peak import peak_bytes
@@ -45,7 +46,7 @@ def candidate_change(recipe: Recipe, key: str, device: str) -> dict | None:
     if key == "distill.bits":
         return {key: 4} if recipe.distill is not None and recipe.distill.bits != 4 else None
     if key == "quantization.bits":  # full fine-tuning trains the base weights: they cannot be quantized
-        return {key: 4} if recipe.quantization.bits is None and recipe.peft.method != "full" else None
+        return {key: 4} if recipe.quantization.bits is None and METHODS[recipe.peft.method].adapter else None
     if key == "data.max_length":
         return {key: recipe.data.max_length // 2} if recipe.data.max_length >= 512 else None
     raise KeyError(key)

@@ -38,7 +38,7 @@ def shard_units(shape: Shape, s: Settings) -> tuple[list[ShardUnit], ShardUnit]:
     distributed.shard_frozen is false, and never bitsandbytes' packed linear weights (whole on every process)."""
     training = what_trains(shape, s)
     dtype, shard_frozen = DTYPE_BYTES[s.precision], s.distribution.shard_frozen
-    full = training.method == "full"
+    full = not METHODS[training.method].adapter
     units = []
     for layer in training.layers:
         # `full` trains these tensors in place; the other methods train peft's copies beside the frozen originals
@@ -73,7 +73,7 @@ def fsdp_shares(shape: Shape, s: Settings) -> dict[str, tuple[int, int, str]]:
     weights += [f"{format_bytes(whole)} of {kept}, whole on every process"] if whole else []
     params = trainable_params(shape, s)
     optimizer, what = optimizer_bytes(params, s)
-    master = " (master weights)" if s.method == "full" else ""
+    master = " (master weights)" if not METHODS[s.method].adapter else ""
     return {"base_weights": (whole, -(-sharded // n), " + ".join(weights) or "none frozen: every weight trains"),
             "trainable": (0, -(-params * 4 // n),
                           f"1/{n} of {params / 1e6:,.2f}M trainable parameters in fp32{master}"),

@@ -20,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from gpupoor import faults
+from gpupoor.objective_table import objective_of
 from gpupoor.plan.flops import BatchFacts
 from gpupoor.storage.files import atomic_file, default_cache_dir
 
@@ -111,7 +112,7 @@ def step_key(recipe, data: str, device: str, precision: str) -> str:
            "distill": recipe.distill.model_dump(mode="json") if recipe.distill else None,
            "preference": recipe.preference.model_dump(mode="json"), "objective": training.objective,
            "batch": [training.micro_batch_size, training.gradient_accumulation_steps, training.optimizer],
-           "data": data, "grpo": recipe.grpo.model_dump(mode="json") if training.objective == "grpo" else None}
+           "data": data, "grpo": recipe.grpo.model_dump(mode="json") if objective_of(recipe).samples else None}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 

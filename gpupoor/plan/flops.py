@@ -172,7 +172,7 @@ def model_flops_per_token(shape: Shape, s: Settings, seq: float) -> float:
     `seq`-token example (forward + backward: 3 x 2 matmuls of head_dim per pair) included; recomputation not."""
     training = what_trains(shape, s)
     weights = shape.layer_linear_params * shape.layers + shape.embedding_params
-    factor = 6 if training.method == "full" else 4
+    factor = 6 if not METHODS[training.method].adapter else 4
     adapters = adapter_weights(shape, s, training)
     attention = 3 * 4 * shape.q * shape.layers * seq / 2
     return factor * weights + 6 * adapters + attention

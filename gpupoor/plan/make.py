@@ -11,6 +11,7 @@ import os
 
 from gpupoor.decisions import MIN_BF16_SPEEDUP, launch_layout
 from gpupoor.errors import UserError
+from gpupoor.objective_table import ROWS, objective_of
 from gpupoor.plan.advice import apply_changes, compare_strategies, suggest
 from gpupoor.plan.device import default_device, device_memory, gpu_facts
 from gpupoor.plan.distributed import offloaded_terms
@@ -65,7 +66,7 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, *, memory: int | 
         distill = recipe.distill
         plan.method_detail += (f"; distilled from {distill.teacher} (temperature {distill.temperature:g}, KL weight "
                                f"{distill.weight:g}" + (f", {distill.bits}-bit" if distill.bits else "") + ")")
-    if recipe.training.objective != "sft":
+    if objective_of(recipe).data != ROWS:
         plan.method_detail += "; " + describe_preference(recipe, settings)
     if timing is not None:
         _add_time_plan(plan, loaded, shape, settings, processes, timing)
@@ -82,7 +83,7 @@ def _add_time_plan(plan: Plan, loaded: LoadedRecipe, shape, settings, processes:
     """The time plan, or why there is none: the memory plan stands either way."""
     from gpupoor.plan.timing import time_plan
 
-    if loaded.recipe.training.objective == "grpo" and settings.device == "cuda":
+    if objective_of(loaded.recipe).samples and settings.device == "cuda":
         # its decode steps' efficiency is fitted on CPU runs only: no GPU run has calibrated it
         plan.time_error = ("GRPO's sampling is not calibrated on a GPU yet; train a few steps and read step_s in "
                            "metrics.jsonl")

@@ -4,6 +4,7 @@ shared out when several processes train."""
 from __future__ import annotations
 
 from gpupoor.decisions import needs_bitsandbytes
+from gpupoor.methods import METHODS
 from gpupoor.plan.device import CUDA_CONTEXT, GpuFacts
 from gpupoor.plan.distributed import distribute, distribution_notes
 from gpupoor.plan.result import Term
@@ -42,7 +43,7 @@ def plan_terms(shape: Shape, s: Settings, uses_bitsandbytes: bool) -> tuple[list
     loss, loss_detail = loss_bytes(shape, s)
     if s.sampled_answers:  # GRPO: the update's rows are its answers, its loss on their tokens
         live, churn, act_detail, loss, loss_detail = grpo_update_bytes(shape, s)
-    master = " (master weights)" if s.method == "full" else ""
+    master = " (master weights)" if not METHODS[s.method].adapter else ""
     terms = [Term("base_weights", weights, weights_detail),
              Term("trainable", params * 4, f"{params / 1e6:,.2f}M trainable parameters in fp32{master}"),
              Term("gradients", params * 4, "fp32, one per trainable parameter"),

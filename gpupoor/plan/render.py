@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from gpupoor.methods import METHODS
+from gpupoor.objective_table import objective_of
 from gpupoor.plan.result import Plan, StrategyFit
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.plan.shape import Shape
@@ -25,17 +26,17 @@ def describe_method(shape: Shape, s: Settings) -> str:
 
 def describe_preference(recipe: Recipe, s: Settings) -> str:
     """The plan's line for an objective other than sft: pairs and DPO's reference, or GRPO's answers."""
-    objective = recipe.training.objective
-    if objective == "grpo":
+    objective = objective_of(recipe)
+    if objective.samples:
         grpo = recipe.grpo
         reference = "the model with its adapter switched off" if grpo.beta else "none (beta 0)"
         return (f"GRPO: {grpo.group_size} answers of up to {grpo.max_new_tokens} tokens to each of "
                 f"{recipe.training.micro_batch_size} prompts per micro-batch; reference: {reference}")
     pairs = "pairs of sequences of up to data.max_length each"
-    if objective == "orpo":
-        return f"ORPO on {pairs} (no reference model)"
+    if not objective.reference:
+        return f"{objective.title} on {pairs} (no reference model)"
     where = {"adapter_off": "the model with its adapter switched off", "copy": "a frozen copy of the base"}
-    return f"DPO on {pairs}; reference: {where[s.reference]}"
+    return f"{objective.title} on {pairs}; reference: {where[s.reference]}"
 
 
 def render(plan: Plan, recipe_name: str) -> str:

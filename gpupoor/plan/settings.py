@@ -9,6 +9,7 @@ from gpupoor.decisions import (CpuBf16, FusedPaths, choose_attention, choose_fus
                                choose_reference, choose_sampler, choose_strategy)
 from gpupoor.data.formats import sequences_per_example
 from gpupoor.methods import METHODS
+from gpupoor.objective_table import objective_of
 from gpupoor.plan.device import GpuFacts
 from gpupoor.plan.shape import LINEARS, Shape
 from gpupoor.plan.training import LayerTraining, Training, resolve_training
@@ -135,7 +136,7 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
     targets = tuple(LINEARS) if recipe.peft.target_modules == "all-linear" else \
         tuple(name for name in LINEARS if name in recipe.peft.target_modules)
     # peft puts LoRA on the output head only when lm_head is named (all-linear leaves the output layer out)
-    head_adapted = (recipe.peft.method != "full" and isinstance(recipe.peft.target_modules, list)
+    head_adapted = (METHODS[recipe.peft.method].adapter and isinstance(recipe.peft.target_modules, list)
                     and "lm_head" in recipe.peft.target_modules)
     fused, loss_reason = choose_fused_loss(recipe.memory.fused_cross_entropy, shape.logit_postprocessing, head_adapted)
     if fused and teacher is not None:  # distillation fuses both heads: the teacher's must allow it too
@@ -148,7 +149,7 @@ def resolve_settings(recipe: Recipe, device: str, shape: Shape, gpu: GpuFacts = 
     reference = choose_reference(recipe.training.objective, recipe.preference.reference, recipe.peft.method).value
     mapped = device == "cpu" and shape.file_dtype == precision
     # GRPO: group_size rows per prompt, each the prompt (under max_length) and an answer of up to max_new_tokens
-    grpo = recipe.training.objective == "grpo"
+    grpo = objective_of(recipe).samples
     answers = recipe.training.micro_batch_size * recipe.grpo.group_size if grpo else 0
     new_tokens = recipe.grpo.max_new_tokens if grpo else 0
     return Settings(device=device, precision=precision, attention=attention, sampler=sampler,

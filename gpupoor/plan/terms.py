@@ -104,7 +104,7 @@ def weight_bytes(shape: Shape, s: Settings) -> tuple[int, str]:
         unread = (shape.vocab - s.resident_embedding_rows) * shape.hidden
         rest -= unread
         note = f" ({unread / 1e6:,.1f}M embedding rows the tokenizer never produces stay unread on disk)"
-    if training.method == "full":
+    if not METHODS[training.method].adapter:
         # The trained tensors are fp32 master weights (the trainable term); the frozen rest stays in the run's dtype.
         frozen = linear + rest - training.params
         return frozen * dtype, (f"{frozen / 1e6:,.1f}M frozen parameters in {s.precision}{note}; the "

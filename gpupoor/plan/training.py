@@ -77,7 +77,7 @@ def resolve_training(shape: Shape, peft) -> Training:
     table = module_table(shape)
     saved = {(module, params, tensor) for module, params, tensor in table
              if any(_named(module, wanted) for wanted in peft.modules_to_save)}
-    if peft.method == "full":
+    if not METHODS[peft.method].adapter:
         everything = peft.last_layers is None and not peft.modules_to_save
         prefixes = tuple(f"model.layers.{j}." for j in indices) if peft.last_layers is not None else ()
         trained = {tensor: params for module, params, tensor in table
@@ -85,7 +85,7 @@ def resolve_training(shape: Shape, peft) -> Training:
         layers = tuple(LayerTraining(weights=tuple(n for n in LINEARS if f"{j}.{n}" in trained),
                                      norms=tuple(n for n in shape.norms if f"{j}.{n}" in trained))
                        for j in range(shape.layers))
-        return Training("full", layers, sum(trained.values()), "embedding" in trained,
+        return Training(peft.method, layers, sum(trained.values()), "embedding" in trained,
                         ("embedding" if shape.tied else "head") in trained,
                         "all" if everything else _scope(peft, shape), final_norm="norm" in trained)
     feedforward: tuple[str, ...] = ()
@@ -113,5 +113,5 @@ def resolve_training(shape: Shape, peft) -> Training:
 
 def _scope(peft, shape: Shape) -> str:
     where = (f"the last {peft.last_layers} of {shape.layers} layers" if peft.last_layers is not None
-             else "" if peft.method == "full" else "every layer")
+             else "" if not METHODS[peft.method].adapter else "every layer")
     return " + ".join(filter(None, [where, *peft.modules_to_save]))

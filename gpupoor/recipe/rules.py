@@ -19,6 +19,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from gpupoor.decisions import choose_reference
 from gpupoor.errors import UserError
 from gpupoor.methods import ADAPTER_METHODS, METHODS
+from gpupoor.objective_table import OBJECTIVES, ROWS
 from gpupoor.optimizers import FSDP_OPTIMIZERS
 
 # A source's amount per epoch (`rows`, `epochs`) is at most this many passes over it: an epoch's order is held in
@@ -80,7 +81,7 @@ def _refuse_at(key: str, value: object, message: str) -> NoReturn:
 
 
 def _no_quantized_full_tuning(peft, quantization) -> None:
-    if peft.method == "full" and quantization.bits is not None:
+    if not METHODS[peft.method].adapter and quantization.bits is not None:
         _refuse_at("quantization", quantization.model_dump(exclude_unset=True),
                    "a quantized base cannot be fully fine-tuned (peft.method: full): bitsandbytes weights do not "
                    f"train. Use {ADAPTER_METHODS} on a quantized base (QLoRA), or unset quantization.bits")
@@ -118,12 +119,15 @@ def _preference_combinations(recipe) -> None:
     """Pairs and the preference objectives go together; what they cannot be combined with."""
     data, objective = recipe.data, recipe.training.objective
     formats = {source.format for source in data.sources()}
-    if objective == "sft" and "preference" in formats:
-        raise ValueError("data.format preference holds pairs for a preference objective, and training.objective "
-                         "is sft: set training.objective: dpo (or orpo), or use a format of single answers")
-    if objective == "sft":
+    kind = OBJECTIVES[objective]
+    if kind.data == ROWS:
+        if "preference" in formats:
+            pairs = [o.name for o in OBJECTIVES.values() if o.pairs]
+            raise ValueError(f"data.format preference holds pairs for a preference objective, and "
+                             f"training.objective is {objective}: set training.objective: {pairs[0]} (or "
+                             f"{', '.join(pairs[1:])}), or use a format of single answers")
         return
-    if objective == "grpo":
+    if kind.samples:
         _grpo_combinations(recipe, formats)
         return
     if data.tokenized_path:
@@ -169,7 +173,7 @@ def _grpo_combinations(recipe, formats: set[str]) -> None:
     if recipe.distill is not None:
         raise ValueError("training.objective grpo and distill are two different losses: remove the distill "
                          "section, or train with objective sft")
-    if grpo.beta and recipe.peft.method == "full":
+    if grpo.beta and not METHODS[recipe.peft.method].adapter:
         raise ValueError("grpo.beta > 0 needs a reference, which gpupoor takes as the base with the adapter "
                          "switched off, and peft.method full trains no adapter: set grpo.beta: 0, or train an "
                          "adapter (lora, dora, ia3)")

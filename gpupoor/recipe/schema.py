@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from gpupoor.errors import UserError
 from gpupoor.recipe.rules import MAX_PASSES, check_data, check_model, check_peft, check_recipe, check_source
 from gpupoor.methods import METHOD_NAMES, METHODS
+from gpupoor.objective_table import OBJECTIVE_NAMES, OBJECTIVES, PAIRS_NOTE
 from gpupoor.optimizers import OPTIMIZER_NAMES, optimizers_doc
 from gpupoor.scorers import check_scorer_name
 from gpupoor.units import MiB, parse_duration, parse_size
@@ -442,16 +443,9 @@ class QuantizationSection(_Section):
 class TrainingSection(_Section):
     """Batching, schedule and stopping."""
 
-    objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
-        "sft", description="What the model learns. `sft`: the cross-entropy of the target tokens (supervised "
-        "fine-tuning, distillation). `dpo`: Direct Preference Optimization on `data.format: preference` pairs, "
-        "against a frozen reference (`preference.reference`). `orpo`: ORPO on the same pairs: the chosen answer's "
-        "cross-entropy plus an odds-ratio term, with no reference model. With `dpo`/`orpo` an example is a pair: "
-        "`micro_batch_size` counts pairs (with the packed sampler, rows of up to 2 x `data.max_length` tokens, each "
-        "holding as many whole pairs as fit) and the loss is normalized by pairs (docs/preference.md). `grpo`: "
-        "reinforcement learning from the `grpo` section's rewards on answers the model samples to the data's "
-        "prompts (a row's answer is only what rewards compare with); `micro_batch_size` counts prompts "
-        "(docs/grpo.md).", **ADDED("sft")
+    objective: Literal[OBJECTIVE_NAMES] = Field(  # the objective table, gpupoor/objective_table.py
+        "sft", description="What the model learns. " + " ".join(f"`{o.name}`: {o.doc}" for o in OBJECTIVES.values())
+        + " " + PAIRS_NOTE, **ADDED("sft")
     )
     micro_batch_size: int = Field(1, ge=1, description="Examples per forward/backward pass.")
     gradient_accumulation_steps: int = Field(

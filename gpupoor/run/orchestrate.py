@@ -238,7 +238,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
     restore(session, checkpoint, force=force)
     if checkpoint is not None:
         session.startup.mark("restore")
-    loss_fn, eval_fn, loss_path = _choose_loss(session)
+    loss = _choose_loss(session)
     # Planned for another device than torch found, or another precision than training chose (the CPU's matmul
     # probe, a resume keeping its checkpoint's): planned again for what was built.
     chosen = session.choices["precision"].value
@@ -251,7 +251,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
         if session.startup is not None and not timing["cached_only"]:
             session.startup.mark("time plan")
     session.memory_plan = plan
-    print_summary(session, say=say, checkpoint=checkpoint, loss_path=loss_path)
+    print_summary(session, say=say, checkpoint=checkpoint, loss_path=loss.name)
     owned_lock = open_run_dir(session, lock=lock, started=started, say=say)
     hooks = RunHooks(session, policy=_checkpoint_policy(session, started), stop=stop,
                      manifest_base=_manifest_base(session, models), resumed=checkpoint is not None)
@@ -266,7 +266,7 @@ def _execute(recipe: Recipe, run_dir: Path, checkpoint, *, smoke: bool, say, sta
         if len(rollouts) == accelerator.num_processes:
             session.state.rollout = rollouts[accelerator.process_index]
     try:
-        reason, name = _train(session, hooks, loss_fn, eval_fn)
+        reason, name = _train(session, hooks, loss)
     finally:
         hooks.close()
         if session.main:
@@ -282,11 +282,10 @@ def _choose_loss(session: Session):
     from gpupoor import faults
     from gpupoor.objectives.choose import choose_loss
 
-    base_loss, evaluation, name = choose_loss(session.recipe, session.unwrapped, device=session.device,
-                                              teacher=session.teacher, reference=session.reference,
-                                              tokenizer=session.tokenizer, state_of=lambda: session.state,
-                                              rank=session.accelerator.process_index,
-                                              processes=session.accelerator.num_processes)
+    chosen = choose_loss(session.recipe, session.unwrapped, device=session.device, teacher=session.teacher,
+                         reference=session.reference, tokenizer=session.tokenizer, state_of=lambda: session.state,
+                         rank=session.accelerator.process_index, processes=session.accelerator.num_processes)
+    base_loss = chosen.loss_fn
     session.samples_from = base_loss if hasattr(base_loss, "samples") else None  # GRPO: its sampled answers
     if hasattr(base_loss, "after_sampling"):
         from gpupoor.train.heap import heap_trimmer
@@ -295,7 +294,7 @@ def _choose_loss(session: Session):
         base_loss.after_sampling = trimmer.after_backward if trimmer is not None else None
     nan_steps = faults.steps_for("nan")
     if not nan_steps:
-        return base_loss, evaluation, name
+        return chosen
 
     def loss_with_faults(model, batch):
         loss = base_loss(model, batch)
@@ -303,7 +302,7 @@ def _choose_loss(session: Session):
             return loss
         return (loss[0] * float("nan"), *loss[1:]) if isinstance(loss, tuple) else loss * float("nan")
 
-    return loss_with_faults, evaluation, name
+    return chosen.with_loss(loss_with_faults)
 
 
 def _checkpoint_policy(session: Session, started: float):
@@ -332,7 +331,7 @@ def _manifest_base(session: Session, models: dict) -> dict:
             "versions": library_versions(), "models": models}
 
 
-def _train(session: Session, hooks, loss_fn, eval_fn) -> tuple[str, str]:
+def _train(session: Session, hooks, loss) -> tuple[str, str]:
     """Run the loop; always end on a committed checkpoint of the last step. Returns (why it stopped, its name)."""
     from gpupoor.run.session import loop_settings
     from gpupoor.train.distributed import any_process
@@ -342,7 +341,7 @@ def _train(session: Session, hooks, loss_fn, eval_fn) -> tuple[str, str]:
     try:
         with _profiler(session, report) as report.profiler:
             reason = train(session.model, session.optimizer, session.scheduler, session.accelerator, session.data,
-                           session.state, loop_settings(session, loss_fn, eval_fn), hooks.loop_hooks())
+                           session.state, loop_settings(session, loss), hooks.loop_hooks())
     except TooManySkippedSteps as exc:
         raise RunFailed(f"{exc}. The last good checkpoint is kept; lower training.learning_rate or check the "
                         f"data, then continue with: gpupoor resume {session.run_dir}") from None

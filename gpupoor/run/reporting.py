@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from gpupoor.objective_table import steps_per_sampling
 from gpupoor.recipe.schema import Recipe
 from gpupoor.run.session import Session
 
@@ -17,7 +18,7 @@ TIME_CHECK_STEPS = 5  # steps before the step time is compared with the plan's: 
 
 def sampling_cycle(recipe: Recipe) -> int:
     """Steps per sampling: grpo.iterations for GRPO (each sampled rollout is updated on that many steps), else 1."""
-    return recipe.grpo.iterations if recipe.training.objective == "grpo" else 1
+    return steps_per_sampling(recipe)
 
 
 def time_check_steps(cycle: int) -> int:

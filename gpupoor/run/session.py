@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpupoor.errors import UserError
+from gpupoor.methods import METHODS
 from gpupoor.recipe.schema import Recipe
 
 SMOKE_ROWS = 16
@@ -176,7 +177,7 @@ class Session:
     @property
     def full(self) -> bool:
         """`full` fine-tuning: checkpoints and final/ hold the whole model, not an adapter."""
-        return self.recipe.peft.method == "full"
+        return not METHODS[self.recipe.peft.method].adapter
 
     def saved_weight_bytes(self) -> int:
         """About what save_weights writes: the trainable weights (an adapter), or for `full` every weight."""
@@ -405,41 +406,19 @@ def _build_reference(recipe: Recipe, *, precision: str, attention: str, device: 
                            precision=precision, attention=attention, device=device, seed=recipe.seed, smoke=smoke)
 
 
-def loop_settings(session: Session, loss_fn, eval_fn=None):
-    """The loop's settings for this session: its steps, accumulation, eval, loss and what the loss is a sum over."""
-    from gpupoor.data.build import count_pairs, count_targets
+def loop_settings(session: Session, loss=None):
+    """The loop's settings for this session: its steps, accumulation, eval, and the objective's loss as
+    gpupoor.objectives.choose.choose_loss chose it (None: the settings alone, for when an eval is due)."""
     from gpupoor.decisions import evaluates_in_train_mode
-    from gpupoor.objectives.preference import METRICS
     from gpupoor.train.loop import LoopSettings
 
     training = session.recipe.training
-    if training.objective == "grpo":
-        return _grpo_loop_settings(session, loss_fn, eval_fn)
-    pairs = training.objective != "sft"  # the loss is a sum over pairs, normalized by pairs
+    chosen = {} if loss is None else {
+        "loss_fn": loss.loss_fn, "eval_fn": loss.eval_fn, "count_units": loss.count_units,
+        "metric_names": loss.metric_names, "eval_metric_names": loss.eval_metric_names,
+        "window_repeats": loss.window_repeats}
     return LoopSettings(total_steps=session.steps, accumulation=training.gradient_accumulation_steps,
                         max_grad_norm=training.max_grad_norm, eval_every=training.eval_every_steps,
                         pad_id=session.tokenizer.pad_token_id, eval_micro_batch_size=training.micro_batch_size,
                         eval_in_train_mode=evaluates_in_train_mode(session.recipe.quantization.bits, session.device),
-                        max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn,
-                        **({"eval_fn": eval_fn} if eval_fn is not None else {}), lockstep=session.sharded,
-                        count_units=count_pairs if pairs else count_targets,
-                        metric_names=METRICS.get(training.objective, ()))
-
-
-
-
-def _grpo_loop_settings(session: Session, loss_fn, eval_fn):
-    """GRPO's loop: a sum over prompts normalized by prompts, its reward metrics, grpo.iterations steps per window."""
-    from gpupoor.decisions import evaluates_in_train_mode
-    from gpupoor.objectives.grpo_objective import EVAL_METRICS, STEP_METRICS, count_prompts, reward_names
-    from gpupoor.train.loop import LoopSettings
-
-    recipe = session.recipe
-    training, names = recipe.training, tuple(reward_names([r.scorer for r in recipe.grpo.rewards]))
-    return LoopSettings(total_steps=session.steps, accumulation=training.gradient_accumulation_steps,
-                        max_grad_norm=training.max_grad_norm, eval_every=training.eval_every_steps,
-                        pad_id=session.tokenizer.pad_token_id, eval_micro_batch_size=training.micro_batch_size,
-                        eval_in_train_mode=evaluates_in_train_mode(recipe.quantization.bits, session.device),
-                        max_consecutive_skips=training.max_consecutive_skips, loss_fn=loss_fn, eval_fn=eval_fn,
-                        lockstep=session.sharded, count_units=count_prompts, metric_names=STEP_METRICS + names,
-                        eval_metric_names=EVAL_METRICS + names, window_repeats=recipe.grpo.iterations)
+                        max_consecutive_skips=training.max_consecutive_skips, lockstep=session.sharded, **chosen)

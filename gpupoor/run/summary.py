@@ -3,6 +3,7 @@ the steps, the memory plan, where a resume starts and where the start-up seconds
 
 from __future__ import annotations
 
+from gpupoor.methods import METHODS
 from gpupoor.run.session import Session
 
 
@@ -42,7 +43,7 @@ def print_summary(session: Session, *, say, checkpoint, loss_path: str) -> None:
         say(f"  kernels: {choices['kernels'].reason}")
     peft = recipe.peft
     scope = [f"the last {peft.last_layers} decoder layers" if peft.last_layers else
-             ("" if peft.method == "full" and peft.modules_to_save else "every decoder layer")] + peft.modules_to_save
+             ("" if not METHODS[peft.method].adapter and peft.modules_to_save else "every decoder layer")] + peft.modules_to_save
     quant = recipe.quantization
     # QLoRA is LoRA on a quantized base: say so here, where a reader looks for what is trained on what.
     base = "" if quant.bits is None else (
