@@ -56,7 +56,7 @@ class StdinLines:
         self.number = 0  # lines read so far
 
     def __call__(self, prompt: str) -> str:
-        from gpupoor.commands.generate import decode_line
+        from gpupoor.data.loading import decode_line
 
         self.write(prompt)
         raw = self.stream.readline()
@@ -74,7 +74,7 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
     import torch
     from transformers import TextStreamer
 
-    from gpupoor.commands.generate import cap_new_tokens, load_generator
+    from gpupoor.model.generation import cap_new_tokens, load_generator
 
     generator = load_generator(source, checkpoint, base, None, force=force, warn=warn)
     model, tokenizer, encoder = generator.model, generator.tokenizer, generator.encoder

@@ -22,7 +22,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def accuracy(model, tokenizer, rows: list[dict]) -> tuple[float, list[str]]:
     from gpupoor.data.encoder import Encoder
-    from gpupoor.commands.generate import complete
+    from gpupoor.model.generation import complete
 
     encoder = Encoder(tokenizer, "alpaca", max_length=128)  # the prompts exactly as training tokenized them
     prompts = [encoder.encode_prompt(row, f"eval[{i}]") for i, row in enumerate(rows)]

@@ -191,8 +191,8 @@ def score_model(name: str, generator, rows: list[HeldOut], metrics: list[Scorer]
                 max_new_tokens: int, say: Callable[[str], None]) -> Column:
     """`generator`'s model answers every row (a line of progress per batch, with the time left), is scored, and
     its eval loss measured."""
-    from gpupoor.commands.generate import cap_new_tokens, complete
-    from gpupoor.export.quality import mean_nll
+    from gpupoor.model.generation import cap_new_tokens, complete
+    from gpupoor.objectives.cross_entropy import mean_nll
     from gpupoor.units import ProgressLine
 
     started = time.monotonic()
@@ -218,7 +218,7 @@ def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint:
     """The eval report of the model at `source` on the rows of `data` (see the module's doc) and, with `tasks`, on
     lm-evaluation-harness's tasks (gpupoor/commands/eval_tasks.py); written as JSON. Every input is checked
     before the model loads: a real evaluation takes minutes, and bad input must not cost them."""
-    from gpupoor.commands.generate import load_generator
+    from gpupoor.model.generation import load_generator
     from gpupoor.storage.files import write_text_atomic
 
     if data is None and not tasks:

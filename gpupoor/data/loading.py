@@ -273,3 +273,18 @@ def _load_hub(source: DataSource):
     except Exception as exc:
         raise UserError(f"data: cannot load hub dataset {source.location!r} (split {source.split!r}): {exc}",
                         hint="check the name and network, or point data.path at a local file") from None
+
+
+def decode_line(raw: bytes, where: str) -> str:
+    """One line of standard input as text; a UserError naming `where` (`<stdin>:LINE`) when its bytes are not
+    UTF-8, or hold a NUL byte (binary data: no prompt has one, and the tokenizer would take it as text)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{where}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line "
+                        f"({exc.reason})", hint="give prompts as UTF-8 text (e.g. through `iconv -f latin1 -t "
+                        "utf-8`)") from None
+    if "\0" in text:
+        raise UserError(f"{where}: a NUL byte at byte {raw.index(0) + 1} of the line: binary data, not text",
+                        hint="give prompts as text: one per line, or JSONL rows") from None
+    return text

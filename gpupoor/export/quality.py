@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from gpupoor.errors import UserError
+from gpupoor.objectives.cross_entropy import mean_nll
 
 IGNORE_INDEX = -100
 
@@ -107,27 +108,6 @@ def file_eval_text(path: Path, tokenizer, max_tokens: int, window: int = 512, ra
     examples = [(ids[start:start + window], ids[start:start + window].clone())
                 for start in range(0, len(ids) - 1, window) if len(ids[start:start + window]) > 1]
     return EvalText(_capped(examples, max_tokens), f"{path.name}")
-
-
-def mean_nll(model, examples: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int = 4) -> tuple[float, int]:
-    """(mean negative log-likelihood per target token, target tokens) of `model` on the examples, in float64 sums."""
-    from gpupoor.data.build import collate
-
-    total, count = 0.0, 0
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, len(examples), batch_size):
-            rows = examples[start:start + batch_size]
-            batch = collate(rows, list(range(len(rows))), pad_id=0)  # padding is masked out: any id works
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            labels = batch["labels"][:, 1:]
-            losses = torch.nn.functional.cross_entropy(logits[:, :-1].double().flatten(0, 1), labels.flatten(),
-                                                       ignore_index=IGNORE_INDEX, reduction="sum")
-            total += float(losses)
-            count += int((labels != IGNORE_INDEX).sum())
-    if count == 0:
-        raise UserError("the eval text has no target tokens to score")
-    return total / count, count
 
 
 def perplexity_of_model_dir(model_dir: Path, text: EvalText, dtype=torch.float32) -> tuple[float, int]:

@@ -238,3 +238,26 @@ def fused_eval_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         loss += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
         correct += (logits.argmax(-1) == t).sum()
     return loss, correct
+
+
+def mean_nll(model, examples: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int = 4) -> tuple[float, int]:
+    """(mean negative log-likelihood per target token, target tokens) of `model` on the examples, in float64 sums:
+    `gpupoor eval`'s loss column and `export`'s perplexity (of the model, and of each file read back)."""
+    from gpupoor.data.build import collate
+    from gpupoor.errors import UserError
+
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            rows = examples[start:start + batch_size]
+            batch = collate(rows, list(range(len(rows))), pad_id=0)  # padding is masked out: any id works
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            labels = batch["labels"][:, 1:]
+            losses = torch.nn.functional.cross_entropy(logits[:, :-1].double().flatten(0, 1), labels.flatten(),
+                                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            total += float(losses)
+            count += int((labels != IGNORE_INDEX).sum())
+    if count == 0:
+        raise UserError("the eval text has no target tokens to score")
+    return total / count, count

@@ -47,11 +47,11 @@ def test_eval_refuses_what_it_cannot_score(run, tmp_path, monkeypatch):
     result = invoke("eval", run, "--data", rows, "--metric", "regex:([")
     assert result.exit_code == 2 and "not a regular expression" in result.output
     # a row without its answer is found from the run's recipe, before the model loads (it was found after)
-    import gpupoor.commands.generate
+    import gpupoor.model.generation
 
     loaded = []
-    original = gpupoor.commands.generate.load_generator
-    monkeypatch.setattr(gpupoor.commands.generate, "load_generator",
+    original = gpupoor.model.generation.load_generator
+    monkeypatch.setattr(gpupoor.model.generation, "load_generator",
                         lambda *a, **k: loaded.append(1) or original(*a, **k))
     unanswered = write_jsonl(tmp_path / "unanswered.jsonl", [{"instruction": "sort", "output": "ok"},
                                                               {"instruction": "sort"}])
@@ -96,12 +96,12 @@ def test_a_task_the_harness_cannot_read_is_refused_before_the_model_loads(run, t
     pytest.importorskip("lm_eval")
     import yaml
 
-    import gpupoor.commands.generate
+    import gpupoor.model.generation
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(gpupoor.commands.generate, "load_generator", refuse)
+    monkeypatch.setattr(gpupoor.model.generation, "load_generator", refuse)
     (tmp_path / "broken.jsonl").write_text('{"prompt": "a", "answer": "b"}\n{"prompt": oops\n')
     task = tmp_path / "broken.yaml"
     task.write_text(yaml.safe_dump({

@@ -222,7 +222,7 @@ def test_generate_reads_piped_prompts_one_per_line_or_as_rows(lora_run):
 
 
 def test_an_empty_answer_says_why():
-    from gpupoor.commands.generate import complete
+    from gpupoor.model.generation import complete
 
     class EndsAtOnce(torch.nn.Module):
         def __init__(self, tokens: list[int]):

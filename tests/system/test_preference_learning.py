@@ -19,7 +19,7 @@ def test_dpo_on_the_demo_task_raises_reward_and_greedy_accuracy(tmp_path, monkey
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gpupoor.model.demo_task import preference_split
-    from gpupoor.commands.generate import complete
+    from gpupoor.model.generation import complete
 
     train, held_out = preference_split(2400, 100, prompt=lambda letters: f"{letters} = ")  # short prompts: fast
     write_jsonl(tmp_path / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in train])

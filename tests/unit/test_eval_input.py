@@ -18,12 +18,12 @@ LOADED = "the model was loaded"
 @pytest.fixture
 def no_loading(monkeypatch):
     """Loading the model says LOADED (exit 2): a check that passes it came too late."""
-    import gpupoor.commands.generate
+    import gpupoor.model.generation
 
     def refuse(*args, **kwargs):
         raise UserError(LOADED)
 
-    monkeypatch.setattr(gpupoor.commands.generate, "load_generator", refuse)
+    monkeypatch.setattr(gpupoor.model.generation, "load_generator", refuse)
 
 
 @pytest.fixture
