@@ -45,8 +45,8 @@ ROWS = 48 if DRY else 1200
 SEQ, BATCH, RANK = (128 if DRY else 1024), 8, 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 ARCHS = {"smollm2-135m": None,  # --arch-dir's config.json
-         "qwen2.5-1.5b": ROOT / "gpupoor" / "plan" / "model_configs" / "Qwen--Qwen2.5-1.5B.json",
-         "llama-3.1-8b": ROOT / "gpupoor" / "plan" / "model_configs" / "meta-llama--Llama-3.1-8B.json"}
+         "qwen2.5-1.5b": ROOT / "gpupoor" / "model" / "model_configs" / "Qwen--Qwen2.5-1.5B.json",
+         "llama-3.1-8b": ROOT / "gpupoor" / "model" / "model_configs" / "meta-llama--Llama-3.1-8B.json"}
 DEFAULT_ARCHS = ("smollm2-135m", "qwen2.5-1.5b")  # the flagship's 16 GB are built only for `flagship`
 PLAN_STEPS = 2 if DRY else 6  # the peak settles within the first few steps
 PLAN_RECIPES = {  # name: (arch, what changes, recipe keys)
@@ -354,11 +354,11 @@ H100_PEAK = 989.4e12  # NVIDIA's H100 SXM5 datasheet: dense BF16 tensor-core TFL
 
 def render_timed(folder: Path) -> None:
     """docs/benchmarks.md's gpu-timed section from the timed rows' JSON (`mfu`, `flagship`, `times`). MFU =
-    tokens/s x model FLOPs per token (gpupoor.plan.flops.model_flops_per_token: 4 x the base's linear and head
+    tokens/s x model FLOPs per token (gpupoor.plan.time.work.model_flops_per_token: 4 x the base's linear and head
     weights + 6 x LoRA's + causal attention at the data's mean example length) / the H100's 989.4 TFLOP/s."""
-    from gpupoor.plan.flops import model_flops_per_token
+    from gpupoor.plan.time.work import model_flops_per_token
     from gpupoor.plan.settings import resolve_settings
-    from gpupoor.plan.shape import load_shape
+    from gpupoor.model.shape import load_shape
     from gpupoor.recipe.loading import load_recipe
 
     device = None

@@ -250,7 +250,7 @@ def calibrate_tokenizers() -> None:
 
     import numpy
 
-    from gpupoor.plan.shape import tokenizer_size
+    from gpupoor.model.shape import tokenizer_size
 
     folders = []
     for name, (ids, layout) in TOKENIZER_CALIBRATION.items():
@@ -425,7 +425,7 @@ def planned(name: str):
     """(shape, settings, plan terms, one layer's allocations) of a recipe on the CPU, as `gpupoor plan` computes them."""
     from gpupoor.plan.peak import plan_terms, uses_bitsandbytes
     from gpupoor.plan.settings import resolve_settings
-    from gpupoor.plan.shape import load_shape
+    from gpupoor.model.shape import load_shape
     from gpupoor.plan.terms import activation_bytes
     from gpupoor.recipe.loading import load_recipe
 

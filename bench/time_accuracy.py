@@ -262,8 +262,8 @@ def replanned(r: dict) -> dict:
 
 def unit_seconds(plan: dict) -> dict:
     """Each kind's work in a planned step, in seconds at coefficient 1 (its amount at its measured rate)."""
-    from gpupoor.plan.flops import KINDS
-    from gpupoor.plan.time import Rates
+    from gpupoor.plan.time.work import KINDS
+    from gpupoor.plan.time.estimate import Rates
 
     rates = Rates(**plan["rates"])
     seconds = dict.fromkeys(KINDS, 0.0)
@@ -278,8 +278,8 @@ def fit(results: list[dict], free: tuple[str, ...] | None = None) -> dict:
     coefficients, every other one kept at its value in COEFFICIENTS (what the step takes beyond them is fixed)."""
     import numpy as np
 
-    from gpupoor.plan.flops import KINDS
-    from gpupoor.plan.time import COEFFICIENTS
+    from gpupoor.plan.time.work import KINDS
+    from gpupoor.plan.time.estimate import COEFFICIENTS
 
     names = [*KINDS, "micro_batch_s", "step_s"]
     current = COEFFICIENTS["cpu"]
@@ -323,7 +323,7 @@ def calibrate_gpu(folder: Path) -> dict:
     import numpy as np
 
     import gpu as gpu_bench
-    from gpupoor.plan.time import COEFFICIENTS
+    from gpupoor.plan.time.estimate import COEFFICIENTS
 
     cpu = {**COEFFICIENTS["cpu"], **GPU_FIXED}
     rows, fixed_part, measured, names = [], [], [], []

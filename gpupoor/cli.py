@@ -146,7 +146,7 @@ def train(
     def action(stop) -> int:
         from gpupoor.commands.train import (check_before_training, existing_run, exit_code, recipe_overrides,
                                             report_finished)
-        from gpupoor.plan.timing import check_environment
+        from gpupoor.plan.time.assemble import check_environment
         from gpupoor.recipe.loading import load_recipe
 
         check_environment()
@@ -186,7 +186,7 @@ def resume(
     def action(stop) -> int:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from gpupoor.commands.train import exit_code, recipe_overrides, report_finished
-        from gpupoor.plan.timing import check_environment
+        from gpupoor.plan.time.assemble import check_environment
         from gpupoor.run.orchestrate import resume_run
 
         check_environment()
@@ -581,7 +581,7 @@ def plan(
 
     def action() -> int:
         from gpupoor.commands.plan import check_time_options, plan_recipe
-        from gpupoor.plan.timing import check_environment
+        from gpupoor.plan.time.assemble import check_environment
         from gpupoor.units import parse_size
 
         if device is not None and device not in ("cpu", "cuda"):

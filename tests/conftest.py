@@ -126,7 +126,7 @@ def _no_time_plan_unless_asked(request, monkeypatch):
         def skipped(*args, **kwargs):
             raise RuntimeError("skipped in tests not marked time_plan")
 
-        monkeypatch.setattr("gpupoor.plan.timing.time_plan", skipped)
+        monkeypatch.setattr("gpupoor.plan.time.assemble.time_plan", skipped)
 
 
 @pytest.fixture(autouse=True)

@@ -59,7 +59,7 @@ def parse_time_limit(limit: str) -> float:
 
 def check_time_options(time_limit: str | None, gpu: str | None) -> None:
     """The time plan's options checked before any work (a recipe loaded, a plan made)."""
-    from gpupoor.plan.timing import gpu_on_paper
+    from gpupoor.plan.time.assemble import gpu_on_paper
 
     if time_limit is not None:
         parse_time_limit(time_limit)
@@ -68,7 +68,7 @@ def check_time_options(time_limit: str | None, gpu: str | None) -> None:
 
 
 def _timing_options(recipe, options: dict, say) -> dict:
-    """gpupoor.plan.timing.time_plan's options: --time-limit (else checkpoint.time_limit) in seconds."""
+    """gpupoor.plan.time.assemble.time_plan's options: --time-limit (else checkpoint.time_limit) in seconds."""
     limit = options.get("time_limit")
     if limit is not None:
         seconds = parse_time_limit(limit)

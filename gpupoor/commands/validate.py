@@ -48,7 +48,7 @@ def check_model(value: str, base_dir: Path, key: str = "model.name_or_path") -> 
         gguf.require_tokenizer(gguf.read_gguf(local, key), key)  # its metadata only: the architecture, a tokenizer
         return []
     if local is not None:
-        from gpupoor.plan.shape import require_model_dir
+        from gpupoor.model.shape import require_model_dir
 
         require_model_dir(local, key)
         return []
@@ -379,7 +379,7 @@ LLAMA_MODULES = frozenset({
 
 def check_module_names(loaded: LoadedRecipe) -> list[str]:
     """peft.target_modules / modules_to_save names that no module of a Llama-family model has (exit 2)."""
-    from gpupoor.plan.shape import find_config
+    from gpupoor.model.shape import find_config
 
     peft = loaded.recipe.peft
     wanted = {"peft.target_modules": peft.target_modules if isinstance(peft.target_modules, list) else [],
@@ -406,7 +406,7 @@ def check_last_layers(loaded: LoadedRecipe) -> list[str]:
     """peft.last_layers against the decoder layers the model's config says it has (the rule training applies,
     decisions.trained_layer_indices), so validate refuses what the model build would."""
     from gpupoor.decisions import trained_layer_indices
-    from gpupoor.plan.shape import find_config
+    from gpupoor.model.shape import find_config
 
     recipe = loaded.recipe
     if recipe.peft.last_layers is None:

@@ -86,7 +86,7 @@ def plan_space(config: dict, quants: list[str], file_bytes: Callable[[int, int, 
     """The bytes this export writes where (None when the config's shape is not one gpupoor can count).
     `file_bytes(parameters, head_parameters, quant)`: the format's size of one file (ExportWriter.file_bytes).
     `base_copy_bytes_per_parameter`: a GGUF base is dequantized into the work directory before the merge too."""
-    from gpupoor.plan.shape import shape_from_config
+    from gpupoor.model.shape import shape_from_config
 
     try:
         shape = shape_from_config(config, str(folder))

@@ -9,7 +9,7 @@ from gpupoor.plan.device import GpuFacts
 from gpupoor.plan.peak import peak_bytes
 from gpupoor.plan.result import StrategyFit, Suggestion
 from gpupoor.plan.settings import strategy_of
-from gpupoor.plan.shape import Shape
+from gpupoor.model.shape import Shape
 from gpupoor.recipe.schema import Recipe
 
 CANDIDATES = (  # cheapest first: what a user gives up for the saving

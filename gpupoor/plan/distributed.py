@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from gpupoor.methods import METHODS
 from gpupoor.plan.result import Term
 from gpupoor.plan.settings import Settings, what_trains
-from gpupoor.plan.shape import Shape
+from gpupoor.model.shape import Shape
 from gpupoor.plan.terms import DTYPE_BYTES, optimizer_bytes, trainable_params, weight_bytes
 from gpupoor.plan.training import LayerTraining, Training
 from gpupoor.units import format_bytes

@@ -19,7 +19,7 @@ from gpupoor.plan.peak import peak_bytes, plan_terms, uses_bitsandbytes
 from gpupoor.plan.render import describe_method, describe_preference, render_suggestions
 from gpupoor.plan.result import Plan
 from gpupoor.plan.settings import resolve_settings
-from gpupoor.plan.shape import load_shape, load_teacher_shape
+from gpupoor.model.shape import load_shape, load_teacher_shape
 from gpupoor.plan.terms import trainable_params
 from gpupoor.recipe.loading import LoadedRecipe
 from gpupoor.units import format_bytes
@@ -29,7 +29,7 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, *, memory: int | 
               nodes: int = 1, timing: dict | None = None) -> Plan:
     """The plan of one process out of `processes` (on `nodes`), each `auto` decided as training decides it (on a
     CPU, the precision on its flags alone: training's probe may still choose fp32, and plans again if it does).
-    `timing`: gpupoor.plan.timing.time_plan's options, to add the time plan (which may measure: plan only)."""
+    `timing`: gpupoor.plan.time.assemble.time_plan's options, to add the time plan (which may measure: plan only)."""
     recipe = loaded.recipe
     device = device or default_device(recipe)
     gpu = gpu_facts(device)
@@ -81,7 +81,7 @@ def make_plan(loaded: LoadedRecipe, device: str | None = None, *, memory: int | 
 
 def _add_time_plan(plan: Plan, loaded: LoadedRecipe, shape, settings, processes: int, timing: dict) -> None:
     """The time plan, or why there is none: the memory plan stands either way."""
-    from gpupoor.plan.timing import time_plan
+    from gpupoor.plan.time.assemble import time_plan
 
     if objective_of(loaded.recipe).samples and settings.device == "cuda":
         # its decode steps' efficiency is fitted on CPU runs only: no GPU run has calibrated it

@@ -9,7 +9,7 @@ from gpupoor.plan.device import CUDA_CONTEXT, GpuFacts
 from gpupoor.plan.distributed import distribute, distribution_notes
 from gpupoor.plan.result import Term
 from gpupoor.plan.settings import Settings, resolve_settings
-from gpupoor.plan.shape import Shape
+from gpupoor.model.shape import Shape
 from gpupoor.plan.terms import (DTYPE_BYTES, activation_bytes, generation_bytes, grpo_update_bytes, heap_retention,
                                 loss_bytes, optimizer_bytes, reference_weight_bytes, teacher_weight_bytes,
                                 tokenizer_bytes, trainable_params, weight_bytes)

@@ -8,7 +8,7 @@ from gpupoor.methods import METHODS
 from gpupoor.objective_table import objective_of
 from gpupoor.plan.result import Plan, StrategyFit
 from gpupoor.plan.settings import Settings, what_trains
-from gpupoor.plan.shape import Shape
+from gpupoor.model.shape import Shape
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import format_bytes
 
@@ -81,7 +81,7 @@ def render_time(plan: Plan) -> str:
     t = plan.time
     if t is None:
         return ""
-    from gpupoor.plan.flops import total_flops
+    from gpupoor.plan.time.work import total_flops
     from gpupoor.units import format_duration
 
     def _age(seconds: float) -> str:

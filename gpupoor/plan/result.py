@@ -50,9 +50,9 @@ class Plan:
     share: int = 1  # processes whose peaks the memory must hold together: a CPU node's processes share its RAM
     strategies: dict[str, StrategyFit] | None = None  # several processes: the peak under each strategy
     offloaded: list[Term] = field(default_factory=list)  # fsdp's cpu_offload: in CPU memory, not in the peak
-    time: object | None = None  # gpupoor.plan.time.TimePlan, when asked for (plan does; validate never)
+    time: object | None = None  # gpupoor.plan.time.estimate.TimePlan, when asked for (plan does; validate never)
     time_error: str | None = None  # why there is no time plan, when one was asked for
-    time_keys: tuple[str, str] | None = None  # (machine, step key) in the time facts cache (gpupoor.plan.facts)
+    time_keys: tuple[str, str] | None = None  # (machine, step key) in the time facts cache (gpupoor.plan.time.facts)
 
     @property
     def peak(self) -> int:

@@ -11,7 +11,7 @@ from gpupoor.data.formats import sequences_per_example
 from gpupoor.methods import METHODS
 from gpupoor.objective_table import objective_of
 from gpupoor.plan.device import GpuFacts
-from gpupoor.plan.shape import LINEARS, Shape
+from gpupoor.model.shape import LINEARS, Shape
 from gpupoor.plan.training import LayerTraining, Training, resolve_training
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import parse_size

@@ -18,7 +18,7 @@ from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.optimizers import state_per_parameter
 from gpupoor.methods import METHODS
 from gpupoor.plan.settings import Settings, what_trains
-from gpupoor.plan.shape import LINEARS, NORMS, Shape, TokenizerSize
+from gpupoor.model.shape import LINEARS, NORMS, Shape, TokenizerSize
 from gpupoor.plan.training import LayerTraining
 from gpupoor.units import MiB, format_bytes
 
@@ -55,7 +55,7 @@ TEACHER_FORWARD_VALUES = (4, 3.1)  # per token: (x hidden, x intermediate)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # What a loaded tokenizer keeps resident on the CPU, in bytes (per id, per BPE merge), by how transformers builds
-# it (gpupoor.plan.shape.TokenizerSize.rebuilt): a class of its own (GemmaTokenizer, Qwen2Tokenizer ...) rebuilds
+# it (gpupoor.model.shape.TokenizerSize.rebuilt): a class of its own (GemmaTokenizer, Qwen2Tokenizer ...) rebuilds
 # it from Python copies of the vocabulary and merges and keeps them; TokenizersBackend hands tokenizer.json to
 # the `tokenizers` library as it is. Least squares over the resident size a tokenizer adds after gc and
 # malloc_trim in a process that imported torch and transformers, for synthetic byte-level (49k and 152k ids, a

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from gpupoor.decisions import ia3_modules, trained_layer_indices
 from gpupoor.methods import METHODS
-from gpupoor.plan.shape import LINEARS, QK_NORMS, SANDWICH_NORMS, Shape
+from gpupoor.model.shape import LINEARS, QK_NORMS, SANDWICH_NORMS, Shape
 
 # Where each sits in transformers' module tree, under model.layers.N.
 MODULE_PATHS = {**{name: f"self_attn.{name}" for name in LINEARS[:4] + QK_NORMS},

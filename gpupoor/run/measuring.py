@@ -1,5 +1,5 @@
 """The time plan's child process (`python -m gpupoor.run.measuring REQUEST.json`, started by
-gpupoor.plan.facts.measure): it imports torch, measures what the request asks (gpupoor.plan.measure's probes and
+gpupoor.plan.time.facts.measure): it imports torch, measures what the request asks (gpupoor.plan.time.measure's probes and
 data count, gpupoor.run.step_probe's steps at two depths and the weights' load) and prints one JSON answer. It
 lives with the run, not the plan: the step probe trains, and the plan imports nothing that does."""
 
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpupoor.plan.measure import (attention_probe_shape, attention_rate, call_seconds, data_facts, lora_rate,
+from gpupoor.plan.time.measure import (attention_probe_shape, attention_rate, call_seconds, data_facts, lora_rate,
                                   matmul_rate, optimizer_rate, values_rate)
 
 
@@ -66,7 +66,7 @@ def main() -> None:
 
         answer["steps"] = probe_steps(request["steps"])
     if "write_to" in request:
-        from gpupoor.plan.facts import write_rate
+        from gpupoor.plan.time.facts import write_rate
 
         answer["write_rate"] = write_rate(Path(request["write_to"]))
     print(json.dumps(answer))

@@ -161,7 +161,7 @@ def _planned_steps(recipe: Recipe, safe_changes: list, checkpoint) -> float:
 
 def _plan_quietly(loaded: LoadedRecipe, device: str | None = None, timing: dict | None = None):
     """The memory plan for the startup summary (one of the processes launched), or None when the model is not
-    one it can describe. `timing`: with the time plan too (gpupoor.plan.timing.time_plan's options)."""
+    one it can describe. `timing`: with the time plan too (gpupoor.plan.time.assemble.time_plan's options)."""
     from gpupoor.decisions import launch_layout
     from gpupoor.plan.make import make_plan
 
@@ -176,7 +176,7 @@ def _train_timing(session, say, stop) -> dict | None:
     """The time plan's options in training: this run's threads; what the facts cache lacks measured now by the
     first process (`gpupoor plan` would have measured the same), unless GPUPOOR_TIME_PLAN=cached says to use
     only the cache. None inside the plan's own step probe (a probe plans nothing)."""
-    from gpupoor.plan.timing import time_plan_mode
+    from gpupoor.plan.time.assemble import time_plan_mode
 
     if os.environ.get("GPUPOOR_STEP_PROBE"):
         return None

@@ -156,7 +156,7 @@ class Reporter:
         keys = getattr(self.session.memory_plan, "time_keys", None)
         if keys is None or measured is None:
             return
-        from gpupoor.plan.facts import record_step_time
+        from gpupoor.plan.time.facts import record_step_time
 
         timing = getattr(self.session.memory_plan, "time", None)
         startup = self.session.startup.seconds() if self.session.startup is not None else {}

@@ -341,7 +341,7 @@ def _probe_dims(recipe: Recipe) -> tuple[int, int]:
     """The model's (hidden, intermediate) for the CPU's bf16 matmul probe, read from its config as `plan` reads it
     (gpupoor.hardware.PROBE_DIMS where it cannot be read: the model's own errors come when it loads)."""
     from gpupoor.hardware import PROBE_DIMS
-    from gpupoor.plan.shape import load_shape
+    from gpupoor.model.shape import load_shape
     from gpupoor.recipe.loading import LoadedRecipe
 
     try:

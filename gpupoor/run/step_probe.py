@@ -3,7 +3,7 @@ training's own code, its model cut to a few of its layers with random weights (g
 at two depths. Everything a step does (the method, the objective, GRPO's sampling at its group size, the
 attention at the data's own batches, the optimizer, the casts of the precision) is in the measured times;
 the difference between the depths is one layer's cost, and the step of the whole model is extrapolated from it
-(gpupoor.plan.probed). Also measured: what loading the real weights costs, by its parts (gguf_load_facts,
+(gpupoor.plan.time.probed). Also measured: what loading the real weights costs, by its parts (gguf_load_facts,
 read_rate). Runs in the time plan's child process (gpupoor.run.measuring): it imports torch and trains."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def run_depth(recipe_json: dict, layers: int, of: int, folder: Path) -> dict:
 
 
 def probe_steps(request: dict) -> dict:
-    """Both depths of the recipe trained; the raw times for gpupoor.plan.probed to extrapolate."""
+    """Both depths of the recipe trained; the raw times for gpupoor.plan.time.probed to extrapolate."""
     os.environ["GPUPOOR_STEP_PROBE"] = "1"  # the nested runs make no time plan of their own (no probe in a probe)
     cycle, layers = request["cycle"], request["layers"]
     options = {"device": request["device"], "precision": request["precision"], "threads": request.get("threads"),

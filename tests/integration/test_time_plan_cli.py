@@ -13,7 +13,7 @@ import yaml
 
 from conftest import invoke, read_metrics
 from gpupoor.errors import EXIT_RESUMABLE
-from gpupoor.plan.facts import FACTS_FILE
+from gpupoor.plan.time.facts import FACTS_FILE
 from gpupoor.plan.fit import TIME_FIT_SHARE
 
 pytestmark = pytest.mark.time_plan
@@ -157,7 +157,8 @@ def test_a_gpu_on_paper_needs_cuda_and_a_known_name(make_recipe):
 def test_a_first_plan_on_a_visible_gpu_goes_at_the_probed_matmul_rate(make_recipe, tmp_path, monkeypatch):
     """On a GPU (faked here: its capability and name, and the child's answer) only the matmul is probed; the first
     plan, whose data is counted in the same child, has no attention key yet and must still plan."""
-    from gpupoor.plan import facts, make, timing
+    from gpupoor.plan import make
+    from gpupoor.plan.time import assemble as timing, facts
     from gpupoor.plan.device import GpuFacts
     from gpupoor.plan.make import make_plan
     from gpupoor.recipe.loading import load_recipe
@@ -226,7 +227,7 @@ def test_a_bad_time_plan_variable_is_the_users_error_before_anything_starts(make
 def test_a_stop_while_the_plan_measures_kills_the_child_at_once(make_recipe, tmp_path):
     """A SIGTERM to train while its time plan measures: the child is killed, not waited for (the run then stops at
     step 0 with a checkpoint, as for a stop while the model loads)."""
-    from gpupoor.plan import facts
+    from gpupoor.plan.time import facts
 
     asked = []
 

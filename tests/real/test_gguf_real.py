@@ -33,7 +33,7 @@ def test_validate_and_plan_read_smollm2_from_its_metadata(real_gguf, tmp_path, m
     recipe = write_recipe(tmp_path, real_gguf)
     result = CliRunner().invoke(app, ["validate", str(recipe)])
     assert result.exit_code == 0, result.output
-    from gpupoor.plan.shape import load_shape
+    from gpupoor.model.shape import load_shape
     from gpupoor.recipe.loading import load_recipe
 
     shape, source = load_shape(load_recipe(recipe))

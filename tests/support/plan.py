@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 import gpupoor.plan.make as plan_make
 from gpupoor.plan.settings import resolve_settings
-from gpupoor.plan.shape import LINEARS, Shape
+from gpupoor.model.shape import LINEARS, Shape
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import MiB
 

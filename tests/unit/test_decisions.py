@@ -13,7 +13,7 @@ import pytest
 from gpupoor import decisions, hardware
 from gpupoor.plan.device import default_device, gpu_facts
 from gpupoor.plan.settings import resolve_settings
-from gpupoor.plan.shape import Shape, shape_from_config
+from gpupoor.model.shape import Shape, shape_from_config
 from gpupoor.errors import UserError
 from gpupoor.recipe.schema import Recipe
 from gpupoor.units import format_bytes, format_duration, parse_duration, parse_size

@@ -48,7 +48,7 @@ def test_plan_and_validate_read_the_architecture_from_the_metadata(tiny_gguf, al
 
 
 def test_plan_of_gguf_matches_plan_of_its_directory(tiny_model, tiny_gguf, alpaca_file, tmp_path):
-    from gpupoor.plan.shape import load_shape
+    from gpupoor.model.shape import load_shape
     from gpupoor.recipe.loading import load_recipe
 
     shapes = [load_shape(load_recipe(write_recipe(tmp_path / f"{i}.yaml", model, alpaca_file)))[0]
@@ -149,7 +149,7 @@ def test_validate_show_renders_rows_with_the_gguf_tokenizer(tiny_gguf, alpaca_fi
 
 
 def test_a_gguf_teacher_is_planned_from_its_metadata(tiny_gguf, tiny_model, alpaca_file, tmp_path, no_tensor_loads):
-    from gpupoor.plan.shape import load_teacher_shape
+    from gpupoor.model.shape import load_teacher_shape
     from gpupoor.recipe.loading import load_recipe
 
     recipe = write_recipe(tmp_path / "r.yaml", tiny_model, alpaca_file, distill={"teacher": str(tiny_gguf)})

@@ -1,4 +1,4 @@
-"""The time plan of `training.objective: grpo` (gpupoor.plan.grpo_work): sampling's and the update's FLOPs against
+"""The time plan of `training.objective: grpo` (gpupoor.plan.time.grpo_work): sampling's and the update's FLOPs against
 what torch's own FLOP counter counts when the rollout code runs them, and how sampling is spread over
 grpo.iterations and the reference added with beta. Its accuracy in seconds is a benchmark
 (bench/time_accuracy.py, docs/benchmarks.md), never a timed test."""
@@ -13,8 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpupoor.objectives.cross_entropy import find_fused_head
 from gpupoor.objectives.rollout import answer_batch, answer_logprobs, sample_groups, shared_prompt_logprobs
-from gpupoor.plan.flops import BatchFacts, step_work
-from gpupoor.plan.grpo_work import grpo_step_work, reference_work, sampling_work, update_facts, update_work
+from gpupoor.plan.time.work import BatchFacts, step_work
+from gpupoor.plan.time.grpo_work import grpo_step_work, reference_work, sampling_work, update_facts, update_work
 from gpupoor.plan.settings import resolve_settings
 from gpupoor.recipe.schema import Recipe
 from support.plan import tiny_llama_with, tiny_shape

@@ -56,7 +56,7 @@ def test_a_cached_hub_id_is_read_from_the_cache_offline(no_hub):
 
 
 def test_the_memory_plan_says_the_hub_cannot_be_reached_not_that_the_user_went_offline(no_hub, tmp_path):
-    from gpupoor.plan.shape import find_config
+    from gpupoor.model.shape import find_config
 
     with pytest.raises(UserError) as caught:
         find_config("someone/not-bundled", tmp_path)

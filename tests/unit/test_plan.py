@@ -18,7 +18,7 @@ from gpupoor.plan.make import make_plan
 from gpupoor.plan.peak import CPU_BITSANDBYTES_BASELINE
 from gpupoor.plan.render import render
 from gpupoor.plan.settings import Distribution, resolve_settings
-from gpupoor.plan.shape import LINEARS, Shape, load_shape
+from gpupoor.model.shape import LINEARS, Shape, load_shape
 from gpupoor.plan.terms import (GLIBC_MMAP_THRESHOLD_MAX, activation_bytes, dora_weight_norm_bytes,
                                 heap_retention, heap_served_bytes, layer_saved_bytes_per_token,
                                 saved_activation_bytes, trainable_params, weight_bytes)

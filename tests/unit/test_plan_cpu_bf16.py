@@ -9,7 +9,7 @@ import pytest
 from gpupoor.plan.peak import CPU_PROCESS_BASELINE, plan_terms
 from gpupoor.plan.terms import tokenizer_bytes
 from gpupoor.plan.settings import resolve_settings
-from gpupoor.plan.shape import Shape
+from gpupoor.model.shape import Shape
 from gpupoor.recipe.schema import Recipe
 
 # SmolLM2-135M's shape, its file in `file_dtype`

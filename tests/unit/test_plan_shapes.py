@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpupoor.plan.settings import resolve_settings
-from gpupoor.plan.shape import LINEARS, shape_from_config, tokenizer_size
+from gpupoor.model.shape import LINEARS, shape_from_config, tokenizer_size
 from gpupoor.plan.terms import TOKENIZER_BYTES, layer_saved_bytes_per_token, tokenizer_bytes, trainable_params
 from gpupoor.recipe.schema import Recipe
 

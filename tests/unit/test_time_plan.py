@@ -1,4 +1,4 @@
-"""The time plan (gpupoor.plan.flops, gpupoor.plan.time): each term's FLOPs against what torch's own FLOP counter
+"""The time plan (gpupoor.plan.time.work, gpupoor.plan.time.estimate): each term's FLOPs against what torch's own FLOP counter
 counts for the same forward and backward, and the arithmetic of sessions, saves and the time fit. Its accuracy in
 seconds is a benchmark (bench/time_accuracy.py, docs/benchmarks.md), never a timed test."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from gpupoor.plan.flops import BatchFacts, step_work, total_flops
-from gpupoor.plan.time import COEFFICIENTS, RATE_OF_KIND, Rates, TimePlan, count_saves, predict_step_s
+from gpupoor.plan.time.work import BatchFacts, step_work, total_flops
+from gpupoor.plan.time.estimate import COEFFICIENTS, RATE_OF_KIND, Rates, TimePlan, count_saves, predict_step_s
 from gpupoor.recipe.schema import Recipe
 from support.plan import tiny_llama_with, tiny_settings
 
@@ -135,7 +135,7 @@ def test_each_kind_of_work_goes_at_the_rate_measured_for_it():
 
 
 def test_the_attention_probe_takes_the_datas_mean_example():
-    from gpupoor.plan.measure import attention_probe_shape
+    from gpupoor.plan.time.measure import attention_probe_shape
 
     # 4 examples of 100 tokens packed in 400 real tokens: per example 100 -> 96 (multiples of 16), 4 of them
     data = {"tokens": 512, "real_tokens": 400, "example_pairs": 4 * 100**2, "row_pairs": 512**2}
@@ -148,7 +148,7 @@ def test_the_probes_measure_training_shaped_work():
     forward and backward, both layouts and precisions."""
     import math
 
-    from gpupoor.plan import measure
+    from gpupoor.plan.time import measure
 
     for precision in ("fp32", "bf16"):
         for per_example in (True, False):

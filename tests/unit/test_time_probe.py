@@ -1,5 +1,5 @@
 """The measured time plan (issue #57): the step probe's depths extrapolated to the whole model
-(gpupoor.plan.probed), the weights' load from its measured parts, the plan's range and the sessions it needs at
+(gpupoor.plan.time.probed), the weights' load from its measured parts, the plan's range and the sessions it needs at
 each end of it (in --json too), and the model the probe builds (gpupoor.model.load.probe_depth). The probe's
 accuracy in seconds is a benchmark (bench/time_accuracy.py), never a timed test: these feed it made-up times."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gpupoor.model.load import cut_layers, layer_count, load_base_model, probe_depth, probing
-from gpupoor.plan.flops import BatchFacts
-from gpupoor.plan.probed import GGUF_READS, MODULES_PER_TENSOR, probed_step, spread, weights_read_s
-from gpupoor.plan.time import Rates, TimePlan
+from gpupoor.plan.time.work import BatchFacts
+from gpupoor.plan.time.probed import GGUF_READS, MODULES_PER_TENSOR, probed_step, spread, weights_read_s
+from gpupoor.plan.time.estimate import Rates, TimePlan
 from gpupoor.recipe.schema import ModelSection, QuantizationSection
 from gpupoor.run.step_probe import probe_depths, probe_recipe, timed_steps
 

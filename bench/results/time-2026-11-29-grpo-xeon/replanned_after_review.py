@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, "bench")
 import time_accuracy  # noqa: E402
 
-from gpupoor.plan.time import COEFFICIENTS  # noqa: E402
+from gpupoor.plan.time.estimate import COEFFICIENTS  # noqa: E402
 
 HERE = Path(__file__).parent
 # (hidden, layers) of each model the runs used: bench/plan_accuracy.py's deep models, and the real SmolLM2-135M
@@ -34,7 +34,7 @@ def spec(settings: dict) -> tuple:
 
 def added_terms(plan: dict, model: str, prompts: int, group: int, new: int, checkpointed: bool, beta: bool,
                 iterations: int) -> list[dict]:
-    """The review's terms for one run (gpupoor.plan.grpo_work: head_extra, reference's head rows and attention)."""
+    """The review's terms for one run (gpupoor.plan.time.grpo_work: head_extra, reference's head rows and attention)."""
     hidden, layers = SHAPES[model]
     work = {w["key"]: w for w in plan["work"]}
     length = float(re.search(r"\(([\d,.]+) tokens each\)", work["prefill"]["detail"]).group(1).replace(",", ""))

@@ -1,5 +1,5 @@
-"""The time plan of a recipe, put together: the cached facts (gpupoor.plan.facts) measured where they are missing,
-or a named GPU's published peak on paper, then gpupoor.plan.time's arithmetic. `gpupoor plan` calls this;
+"""The time plan of a recipe, put together: the cached facts (gpupoor.plan.time.facts) measured where they are missing,
+or a named GPU's published peak on paper, then gpupoor.plan.time.estimate's arithmetic. `gpupoor plan` calls this;
 `validate` and training's preflight never do (they must not probe)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.plan import facts as cache
-from gpupoor.plan.measure import attention_probe_shape, probe_rows
-from gpupoor.plan.time import GPU_PEAKS, PAPER_PROBE_FRACTION, Rates, TimePlan, make_time_plan
+from gpupoor.plan.time import facts as cache
+from gpupoor.plan.time.measure import attention_probe_shape, probe_rows
+from gpupoor.plan.time.estimate import GPU_PEAKS, PAPER_PROBE_FRACTION, Rates, TimePlan, make_time_plan
 
 FILE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Rates' fields, in order ("rate": the matmul; "decode": GRPO's, at as many rows as answers sampled at once)

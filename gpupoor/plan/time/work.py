@@ -1,6 +1,6 @@
 """The work one optimizer step does, term by term, from the model's config, the recipe and the data as the loop
 collates it (gpupoor.plan.data_facts): the FLOPs of each kind of matmul, and the elementwise and optimizer work
-counted in values touched. gpupoor.plan.time turns them into seconds. Torch is not imported.
+counted in values touched. gpupoor.plan.time.estimate turns them into seconds. Torch is not imported.
 
 A matmul of an (m x k) input by a (k x n) weight is 2mkn FLOPs forward, as much again for the input's gradient
 and again for the weight's. A frozen weight has no weight gradient; layers below the lowest trained one run no
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gpupoor.methods import METHODS
 from gpupoor.plan.settings import Settings, what_trains
-from gpupoor.plan.shape import LINEARS, Shape
+from gpupoor.model.shape import LINEARS, Shape
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Work:
 
 
 KINDS = ("matmul", "recompute", "attention", "lora", "elementwise", "casts", "dora", "dequantize", "optimizer", "calls",
-         "decode", "decode_calls", "decode_steps", "decode_casts")  # the last four: GRPO's sampling (plan.grpo_work)
+         "decode", "decode_calls", "decode_steps", "decode_casts")  # the last four: GRPO's sampling (plan.time.grpo_work)
 
 
 def step_work(shape: Shape, s: Settings, batch: BatchFacts, accumulation: int) -> list[Work]:

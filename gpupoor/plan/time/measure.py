@@ -1,4 +1,4 @@
-"""What the time plan measures once and caches (gpupoor.plan.facts): the data as the loop collates it, and this
+"""What the time plan measures once and caches (gpupoor.plan.time.facts): the data as the loop collates it, and this
 machine's matmul rate at the run's precision and shapes. It imports torch, so `gpupoor plan` runs it in a child
 process (`python -m gpupoor.run.measuring REQUEST.json`): the plan itself never imports torch, and a repeated plan
 reads the cache.
@@ -101,7 +101,7 @@ def lora_rate(device: str, precision: str, threads: int | None, m: int, k: int, 
 
 def attention_rate(device: str, precision: str, threads: int | None, heads: int, kv_heads: int, head_dim: int,
                    length: int, count: int, per_example: bool) -> float:
-    """FLOP/s, as gpupoor.plan.flops counts them, of training's attention forward and backward: `count` examples of
+    """FLOP/s, as gpupoor.plan.time.work counts them, of training's attention forward and backward: `count` examples of
     `length` tokens, each attended alone by training's own per-example function (the CPU's path for packed rows),
     or rows of that width under one causal call."""
     import torch

@@ -1,9 +1,9 @@
 """The time plan: how long a run takes on this machine (or on a named GPU, on paper), and whether it finishes
 inside a time limit. Torch is not imported: the measured facts (the data as the loop collates it, the rates of
-this machine at the run's precision and shapes) come from gpupoor.plan.facts, which measures them once in a
+this machine at the run's precision and shapes) come from gpupoor.plan.time.facts, which measures them once in a
 child process and caches them per machine.
 
-A step's time is its work (gpupoor.plan.flops), each kind over the rate this machine measured for work like it
+A step's time is its work (gpupoor.plan.time.work), each kind over the rate this machine measured for work like it
 (Rates: matmuls at the run's shapes, LoRA's thin ones at its rank, training's own attention at its example
 lengths, elementwise values, an AdamW step, a tiny module call), weighed by a coefficient fitted on measured
 runs (COEFFICIENTS: the inverse of that kind's efficiency against its probe; bench/time_accuracy.py
@@ -16,9 +16,9 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from gpupoor.decisions import count_steps
-from gpupoor.plan.flops import BatchFacts, Work, step_work, total_flops
-from gpupoor.plan.grpo_work import describe_rows, grpo_rows, grpo_step_work
-from gpupoor.plan.probed import STARTUP_SPREAD, STEP_SPREAD, probed_step, spread, weights_read_s
+from gpupoor.plan.time.work import BatchFacts, Work, step_work, total_flops
+from gpupoor.plan.time.grpo_work import describe_rows, grpo_rows, grpo_step_work
+from gpupoor.plan.time.probed import STARTUP_SPREAD, STEP_SPREAD, probed_step, spread, weights_read_s
 
 # Per kind of work: seconds = coefficient x amount x Rates.unit_s(kind) (the amount over the rate measured for
 # that kind; a call's measured seconds for `calls`), plus seconds per micro-batch and per step. The CPU's fitted
@@ -53,7 +53,7 @@ RATE_OF_KIND = {"matmul": "matmul", "recompute": "matmul", "lora": "lora", "atte
 
 @dataclass(frozen=True)
 class Rates:
-    """What this machine does a second at the run's precision and shapes, each probed once (gpupoor.plan.measure)."""
+    """What this machine does a second at the run's precision and shapes, each probed once (gpupoor.plan.time.measure)."""
 
     matmul: float  # FLOP/s of a training-shaped F.linear
     lora: float | None = None  # FLOP/s of LoRA's thin matmuls at the run's rank
@@ -251,7 +251,7 @@ FITTED_SPREAD = 0.4
 
 def _use_probe(plan: TimePlan, shape, settings, rates: Rates, probe: dict, load: dict | None, cli_s: float | None,
                import_s: float, weight_bytes: int, first_tokens: list | None, tokenizer_s: float | None) -> None:
-    """The step, its range and the start-up from the measured probe (gpupoor.plan.probed)."""
+    """The step, its range and the start-up from the measured probe (gpupoor.plan.time.probed)."""
     optimizer = sum(COEFFICIENTS["cpu"][w.kind] * w.amount * rates.unit_s(w.kind) for w in plan.work
                     if w.kind == "optimizer") if settings.device == "cpu" else 0.0
     grpo = bool(settings.sampled_answers)

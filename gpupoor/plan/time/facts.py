@@ -1,7 +1,7 @@
 """The measured facts behind the time plan, cached per machine in $GPUPOOR_CACHE/time-facts.json: this machine's
 matmul rate at a run's precision and shapes, its disk's write rate, how long training's imports take, the data
 as the loop collates it, and the step times `train` measured. The first `gpupoor plan` of a machine (or of new
-data) measures them in a child process (gpupoor.plan.measure) and says so; later ones read the cache and import
+data) measures them in a child process (gpupoor.plan.time.measure) and says so; later ones read the cache and import
 no torch. Everything read back is checked: a damaged file is measured again, never trusted.
 
 A machine is its CPU model and the threads training uses, or its GPU's name, with the torch version: the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gpupoor import faults
 from gpupoor.objective_table import objective_of
-from gpupoor.plan.flops import BatchFacts
+from gpupoor.plan.time.work import BatchFacts
 from gpupoor.storage.files import atomic_file, default_cache_dir
 
 FACTS_FILE = "time-facts.json"

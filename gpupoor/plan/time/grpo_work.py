@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gpupoor.methods import METHODS
-from gpupoor.plan.flops import BatchFacts, Work, adapter_weights, dora_work, module_calls_per_layer, step_work
+from gpupoor.plan.time.work import BatchFacts, Work, adapter_weights, dora_work, module_calls_per_layer, step_work
 from gpupoor.plan.settings import Settings, what_trains
-from gpupoor.plan.shape import LINEARS, Shape
+from gpupoor.model.shape import LINEARS, Shape
 
 HALF_CASTS_PER_LAYER = 4  # bf16/fp16: each of the two norms casts its input to fp32 and its output back
 

@@ -1,7 +1,7 @@
 """A step and a start-up on this machine from what gpupoor.run.step_probe measured (torch is not imported): the
 recipe trained at two depths of its own model, extrapolated to all its layers, and the real weights' load from
 its measured parts. Issue #57: the plan measures the machine it runs on rather than transfer efficiencies fitted
-on another one (gpupoor.plan.time's COEFFICIENTS stay as the fallback where nothing could be measured).
+on another one (gpupoor.plan.time.estimate's COEFFICIENTS stay as the fallback where nothing could be measured).
 
 Step times vary from batch to batch with the batch's padded width: each timed batch (the same at both depths:
 the difference between the depths is the layers alone) is extrapolated on its own, a layer's share per padded
