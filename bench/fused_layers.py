@@ -71,7 +71,7 @@ def one_variant(variant: str, steps: int, checkpointing: bool) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+    from gpupoor.model.pretrained import dequantized_copy, real_model_path
     from gpupoor.model.fused_lora import fuse_lora_layers
     from gpupoor.objectives.cross_entropy import find_fused_head, fused_loss_sum
     from gpupoor.model.packed_attention import use_packed_attention

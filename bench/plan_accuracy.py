@@ -216,7 +216,7 @@ def build_held_out_models() -> None:
         if tokenizer_kind == "synthetic":
             source = synthetic_tokenizer(WORK / "tokenizers" / "gemma3-like", 262144, "sentencepiece", "GemmaTokenizer")
         else:
-            from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+            from gpupoor.model.pretrained import dequantized_copy, real_model_path
 
             source = dequantized_copy(real_model_path())
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -259,10 +259,10 @@ def calibrate_tokenizers() -> None:
             if not (folder / "tokenizer.json").is_file():
                 synthetic_tokenizer(folder, ids, layout, tokenizer_class)
             folders.append(folder)
-    from gpupoor.commands.fetch_real import real_model_path
+    from gpupoor.model.pretrained import real_model_path
 
     if real_model_path().is_file():
-        from gpupoor.commands.fetch_real import dequantized_copy
+        from gpupoor.model.pretrained import dequantized_copy
 
         folders.append(dequantized_copy(real_model_path()))
     points: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
@@ -286,7 +286,7 @@ def build_deep_models() -> None:
     """DEEP_MODELS under WORK, with the real model's tokenizer (its dequantized directory)."""
     from transformers import AutoTokenizer
 
-    from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+    from gpupoor.model.pretrained import dequantized_copy, real_model_path
 
     tokenizer = None
     for name, (hidden, layers, heads, kv_heads, intermediate) in DEEP_MODELS.items():
@@ -364,7 +364,7 @@ def recipe_file(name: str) -> Path:
 
 def real_settings(name: str) -> dict:
     """The demo's recipe for one REAL_RECIPES row, its paths made absolute (the recipe is written under WORK)."""
-    from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+    from gpupoor.model.pretrained import dequantized_copy, real_model_path
 
     base, _, keys = REAL_RECIPES[name]
     gguf = real_model_path()

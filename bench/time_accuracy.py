@@ -157,7 +157,7 @@ ACCURACY = {
 
 def recipe(name: str, settings: dict) -> Path:
     if settings.get("model.name_or_path") == REAL_MODEL:
-        from gpupoor.commands.fetch_real import dequantized_copy, real_model_path
+        from gpupoor.model.pretrained import dequantized_copy, real_model_path
 
         settings = {**settings, "model.name_or_path": str(dequantized_copy(real_model_path()))}
     return write_recipe(WORK / "recipes" / f"{name}.yaml", settings)

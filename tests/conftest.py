@@ -50,7 +50,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # several workers on a few cores: one t
 TIERS = ("unit", "integration", "system", "gpu", "real")
 
 # Where `make fetch-real` put the real model, read before `_isolated_cache` points each test at its own cache.
-from gpupoor.commands.fetch_real import SMOLLM2, is_verified, real_model_path  # noqa: E402 (after the env)
+from gpupoor.model.pretrained import SMOLLM2, is_verified, real_model_path  # noqa: E402 (after the env)
 
 REAL_GGUF = real_model_path()
 
@@ -184,7 +184,7 @@ def real_model_dir(real_gguf) -> Path:
     """The real model dequantized once into a transformers directory beside its GGUF (fp32 safetensors and its
     tokenizer, verified on every read): a test that trains the real model loads it in a second or two, where the
     GGUF path spends half a minute dequantizing. The GGUF path itself is tested in tests/real/test_gguf_real.py."""
-    from gpupoor.commands.fetch_real import dequantized_copy
+    from gpupoor.model.pretrained import dequantized_copy
 
     return dequantized_copy(real_gguf)
 

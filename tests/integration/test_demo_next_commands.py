@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_command_the_demo_suggests_runs_on_its_run(tmp_path, monkeypatch, tiny_model):
-    from gpupoor.commands.demo import PROMPTS, next_commands
+    from gpupoor.scripts.demo import PROMPTS, next_commands
 
     monkeypatch.chdir(tmp_path)  # the demo's commands are relative to the clone: merged/ lands here
     (tmp_path / PROMPTS).parent.mkdir(parents=True)

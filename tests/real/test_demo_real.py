@@ -4,7 +4,7 @@ the base is the GGUF's dequantized directory (the same weights, without half a m
 path is tested in test_gguf_real.py), training stops after STEPS steps of ROWS rows (instead of an epoch of 8-row
 steps) with no eval, and eval scores the first LIMIT held-out rows. The shipped recipe's data, template, LoRA and
 learning rate, and the demo's bar (--pass-if), are the demo's. The demo's independent judge (plain transformers +
-peft, gpupoor.commands.demo_real) scores the same run, and `gpupoor eval` must agree with it."""
+peft, gpupoor.scripts.demo_real) scores the same run, and `gpupoor eval` must agree with it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from conftest import invoke, shipped_recipes
-from gpupoor.commands import demo_real
+from gpupoor.scripts import demo_real
 
 from support.makefile import target_commands
 

@@ -1,4 +1,4 @@
-"""`dequantized_copy` (gpupoor/commands/fetch_real.py): the real GGUF's fp32 transformers directory is read back
+"""`dequantized_copy` (gpupoor/model/pretrained.py): the real GGUF's fp32 transformers directory is read back
 only when it is whole, and rebuilt when its stamp or a file was tampered with. Never on the real cache: each test
 links the verified GGUF and the cached copy's files into tmp_path and tampers there (a tampered file is a new
 file in place of its link, never a write through it)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpupoor.commands.fetch_real import DEQUANTIZED_STAMP, dequantized_copy
+from gpupoor.model.pretrained import DEQUANTIZED_STAMP, dequantized_copy
 from gpupoor.storage.files import sha256_file
 
 

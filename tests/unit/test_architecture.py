@@ -28,7 +28,7 @@ LEAVES = {"gpupoor.errors": set(), "gpupoor.storage.files": set(), "gpupoor.unit
 # The import order of docs/architecture.md: a part imports only the parts before it (and itself). The top-level
 # modules before `recipe` are utilities any part may use; `cli` (and `__main__`) come last.
 ORDER = ["errors", "process", "scorers", "units", "faults", "profiling", "quiet", "optimizers", "methods", "objective_table", "decisions", "cpu", "hardware", "recipe", "storage",
-         "data", "model", "objectives", "train", "plan", "export", "run", "commands", "outcome", "cli", "__main__"]
+         "data", "model", "objectives", "train", "plan", "export", "run", "commands", "scripts", "outcome", "cli", "__main__"]
 MAX_MODULE_LINES = 600
 
 
@@ -126,7 +126,7 @@ def test_no_verb_borrows_from_the_orchestrator():
     orchestration = {name for name in _modules() if name.startswith("gpupoor.run.")} - launching
     users = sorted(name for name, targets in graph.items() if not name.startswith("gpupoor.run.")
                    and targets & orchestration)
-    assert users == ["gpupoor.cli", "gpupoor.commands.demo"], users
+    assert users == ["gpupoor.cli", "gpupoor.scripts.demo"], users
     launchers = sorted(name for name, targets in graph.items() if not name.startswith("gpupoor.run.")
                        and targets & launching)
     assert launchers == ["gpupoor.cli", "gpupoor.commands.train", "gpupoor.outcome"], launchers

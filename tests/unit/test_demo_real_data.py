@@ -1,4 +1,4 @@
-"""The real-model demo's shipped data (recipes/data/iso-dates-*.jsonl) and its judge (gpupoor.commands.demo_real):
+"""The real-model demo's shipped data (recipes/data/iso-dates-*.jsonl) and its judge (gpupoor.scripts.demo_real):
 how it reads the rows, the table it prints and its verdict and exit code, with the model's answers made up here (no
 model; tests/real/test_demo_real.py runs the judge on the real one)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpupoor.commands import demo_real
-from gpupoor.commands.demo_real import Scores, read_eval_rows, verdict
+from gpupoor.scripts import demo_real
+from gpupoor.scripts.demo_real import Scores, read_eval_rows, verdict
 
 DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"
 

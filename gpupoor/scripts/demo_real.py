@@ -3,7 +3,7 @@ with a PEFT adapter, with greedy decoding through plain transformers + peft (not
 figure does not depend on the code it judges), plus a no-collapse check: after fine-tuning the model must still
 answer an unrelated question sensibly. Prints a before/after table.
 
-    python -m gpupoor.commands.demo_real --base path/to/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m gpupoor.scripts.demo_real --base path/to/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --eval recipes/data/iso-dates-eval.jsonl [--adapter runs/demo-real/final] [--limit N]
 
 The base is a `.gguf` file (loaded with transformers' GGUF support, dequantized to fp32) or a transformers

@@ -1,4 +1,4 @@
-"""Render docs/recipe.md and docs/recipe.schema.json from the schema: `python -m gpupoor.commands.docs`."""
+"""Render docs/recipe.md and docs/recipe.schema.json from the schema: `python -m gpupoor.scripts.docs`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from gpupoor.recipe.schema import Recipe, is_resume_safe, section_model
 
 HEADER = """# Recipe reference
 
-A recipe is one YAML file. Generated from the schema in `gpupoor/recipe/schema.py` by `python -m gpupoor.commands.docs`; do not
+A recipe is one YAML file. Generated from the schema in `gpupoor/recipe/schema.py` by `python -m gpupoor.scripts.docs`; do not
 edit by hand. Unknown keys are errors (with a "did you mean"). Relative paths resolve against the recipe file.
 Any key can be overridden on the command line: `--set training.max_steps=100` (values are parsed as YAML).
 Keys marked *May change on resume* can be changed with `gpupoor resume RUN --set KEY=VALUE`; any other change
