@@ -169,7 +169,7 @@ def fixture(work: Path) -> Path:
     model = work / "tiny-llama"
     if (model / "config.json").is_file():
         return model
-    from gpupoor.data.formats import alpaca_prompt
+    from gpupoor.data.row_formats import alpaca_prompt
     from gpupoor.model.tiny import build_tiny_llama, train_tokenizer
 
     rng = random.Random(1)

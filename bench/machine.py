@@ -156,7 +156,7 @@ def spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
 
 def run_table_rows(results: dict[str, list[dict]], loss_key: str = "loss") -> list[str]:
     """One markdown row per configuration: training s, wall s, peak RSS, real tokens/s, loss and the probes, each
-    as median (min-max) over its runs (compare_trl.py and methods.py print these columns)."""
+    as median (min-max) over its runs (compare_trl.py and method_table.py print these columns)."""
     rows = []
     for label, runs in results.items():
         def col(key: str, fmt: str) -> str:

@@ -20,7 +20,7 @@ import typer
 from gpupoor import __version__
 from gpupoor.commands.eval import METRIC_HELP
 from gpupoor.errors import EXIT_BAD_INPUT, EXIT_FAILED, UserError
-from gpupoor.export.formats import DEFAULT_FORMAT, format_help, quant_help
+from gpupoor.export.format_table import DEFAULT_FORMAT, format_help, quant_help
 from gpupoor.outcome import guarded, with_stop_requests
 from gpupoor.quiet import flags_show_no_type
 from gpupoor.run.startup import started_by_command_line

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from gpupoor.errors import UserError
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.objective_table import OBJECTIVES
 from gpupoor.optimizers import OPTIMIZERS
 

@@ -1,6 +1,6 @@
 """The training-objective table: one entry per `training.objective`, read by the recipe's schema (the names and
 their docs), its rules, validate's unused-section check, the memory and time plans and the loss chooser
-(gpupoor/objectives/choose.py). Torch-free, like the method table (gpupoor/methods.py).
+(gpupoor/objectives/choose.py). Torch-free, like the method table (gpupoor/method_table.py).
 
 A new objective (KTO, SimPO, RLOO, ...) is one entry here plus its loss module in gpupoor/objectives/ and its
 branch in `choose_loss` (docs/architecture.md walks through it). Its fields say what the rest of gpupoor must

@@ -191,7 +191,7 @@ def real_model_dir(real_gguf) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from gpupoor.data.formats import alpaca_prompt
+    from gpupoor.data.row_formats import alpaca_prompt
     from gpupoor.model.tiny import train_tokenizer
 
     rng = random.Random(1)
@@ -221,7 +221,7 @@ def sentencepiece_style_tokenizers():
     """space_prefix -> a SentencePiece-style tokenizer (Llama 2's layout with, Gemma's without, a leading ▁)."""
     import random
 
-    from gpupoor.data.formats import alpaca_prompt
+    from gpupoor.data.row_formats import alpaca_prompt
     from gpupoor.model.tiny import train_sentencepiece_style_tokenizer
 
     rng = random.Random(1)

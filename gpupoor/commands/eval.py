@@ -139,7 +139,7 @@ def check_expected_answers(rows: list, source: Path, checkpoint: str) -> None:
     """Each held-out row holds its answer in the run's format (alpaca's output, a chat's last assistant turn):
     checked from the stored recipe, before any model loads. A plain model directory has no recipe: its format
     comes from its tokenizer, and encode_held_out checks its rows once that is loaded."""
-    from gpupoor.data.formats import FORMATS, FieldNames
+    from gpupoor.data.row_formats import FORMATS, FieldNames
     from gpupoor.storage.rundir import stored_recipe
     from gpupoor.storage.run_weights import locate_weights
 

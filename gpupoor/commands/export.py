@@ -130,7 +130,7 @@ def export(path: Path, *, quants: list[str], fmt: str = "gguf", output: Path | N
     """Every file of `quants` in format `fmt` from the model at `path`, and (`quality`) the table of what each
     cost in perplexity."""
     from gpupoor.errors import termination_raised
-    from gpupoor.export.formats import export_format
+    from gpupoor.export.format_table import export_format
     from gpupoor.export.quality import read_eval_file
     from gpupoor.storage.rundir import check_work_dir, check_writable
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor import __version__, faults
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.storage.checkpoint import read_manifest, scan
 from gpupoor.errors import UserError
 from gpupoor.storage.files import atomic_file

@@ -64,7 +64,7 @@ def check_installed() -> None:
 
 def run_template(source: Path, checkpoint: str) -> tuple[str, str | None, str]:
     """(the run's data format, the chat template text to serve with or None for the tokenizer's own, why)."""
-    from gpupoor.data.templates import resolve_chat_template, template_text
+    from gpupoor.data.chat_templates import resolve_chat_template, template_text
     from gpupoor.storage.rundir import stored_recipe
     from gpupoor.storage.run_weights import locate_weights
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from gpupoor.model import gguf
 from gpupoor.model.builtin import resolve_model_path
 from gpupoor.data.assembly import IGNORE_INDEX
-from gpupoor.data.formats import FORMATS, FieldNames, Format
+from gpupoor.data.row_formats import FORMATS, FieldNames, Format
 from gpupoor.data.loading import DataSource, Row, check_held_out, iter_rows, read_rows, resolve_source
-from gpupoor.data.templates import missing_template_error, resolve_chat_template
+from gpupoor.data.chat_templates import missing_template_error, resolve_chat_template
 from gpupoor.objective_table import OBJECTIVES, objective_of, sections_unused
 from gpupoor.errors import UserError
 from gpupoor.recipe.loading import LoadedRecipe

@@ -10,7 +10,7 @@ import torch
 from gpupoor.data.dataset import TokenizedDataset, TokenStats, cache_key, concat_datasets, data_identity
 from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.data.encoder import Encoder
-from gpupoor.data.formats import FieldNames, sequences_per_example
+from gpupoor.data.row_formats import FieldNames, sequences_per_example
 from gpupoor.data.loading import DataSource, check_held_out, resolve_source
 from gpupoor.data.mixture import Mixture, Source, source_counts
 from gpupoor.data.sampler import BatchPlan, first_fit_decreasing

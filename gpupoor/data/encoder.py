@@ -1,7 +1,7 @@
 """Row -> token ids and labels, for one format, tokenizer and max_length: the Encoder that training,
 `gpupoor tokenize`, `validate --show` and `generate` share.
 
-The format (gpupoor.data.formats) reads the row as segments of text; the Encoder renders conversations with the
+The format (gpupoor.data.row_formats) reads the row as segments of text; the Encoder renders conversations with the
 chat template, tokenizes the segments (each on its own, or the whole text split at the segments' offsets for a
 tokenizer that prefixes every input: Encoder.segments_ids) and hands the ids to gpupoor.data.assembly, which joins
 them.
@@ -10,8 +10,8 @@ them.
 from __future__ import annotations
 
 from gpupoor.data.assembly import Encoded, Segment, assemble, join_segments
-from gpupoor.data.formats import FORMATS, FieldNames
-from gpupoor.data.templates import TEMPLATES, missing_template_error, resolve_chat_template
+from gpupoor.data.row_formats import FORMATS, FieldNames
+from gpupoor.data.chat_templates import TEMPLATES, missing_template_error, resolve_chat_template
 from gpupoor.errors import UserError
 from gpupoor.recipe.schema import SHAREGPT_ROLES
 

@@ -1,7 +1,7 @@
 """The interface every export format implements (torchtune's `_CheckpointerInterface` is the model): what
 `gpupoor export` asks of a format, so that the command knows no format by name. GGUF is the one implementation
-(gpupoor/export/gguf_writer.py); the table of formats, which the CLI's `--format` and `--quant` read, is
-gpupoor/export/formats.py.
+(gpupoor/export/gguf/format.py); the table of formats, which the CLI's `--format` and `--quant` read, is
+gpupoor/export/format_table.py.
 
 The command refuses what it cannot do before any work (`check_installed`, `check_quants`, `check_model`), counts
 the disk each file needs (`file_bytes`), merges an adapter once, then per quantization writes a file (`write`:

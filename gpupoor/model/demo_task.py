@@ -8,7 +8,7 @@ import itertools
 import random
 from pathlib import Path
 
-from gpupoor.data.formats import alpaca_prompt
+from gpupoor.data.row_formats import alpaca_prompt
 
 LETTERS = "abcdefgh"
 INSTRUCTION = "Reverse the letters."

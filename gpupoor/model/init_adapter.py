@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.methods import ADAPTER_METHODS, METHODS, method_of_adapter
+from gpupoor.method_table import ADAPTER_METHODS, METHODS, method_of_adapter
 from gpupoor.recipe.schema import PeftSection
 from gpupoor.storage.checkpoint import ADAPTER, ADAPTER_CONFIG
 from gpupoor.storage.run_weights import named_weights

@@ -29,7 +29,7 @@ from gpupoor.decisions import evaluates_in_train_mode
 from gpupoor import faults
 from gpupoor.errors import UserError
 from gpupoor.hardware import DTYPES
-from gpupoor.methods import METHODS, Method, method_of_adapter
+from gpupoor.method_table import METHODS, Method, method_of_adapter
 from gpupoor.model.gguf import is_gguf
 from gpupoor.model.identity import check_base_unchanged, config_facts
 from gpupoor.storage.checkpoint import read_manifest

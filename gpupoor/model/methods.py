@@ -8,7 +8,7 @@ import torch
 
 from gpupoor.decisions import ia3_modules, trained_layer_indices
 from gpupoor.errors import UserError
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.model.init_adapter import refuse_full_with_adapter, start_from_adapter
 from gpupoor.recipe.schema import PeftSection
 

@@ -60,7 +60,7 @@ def unit_counter(unit: str) -> Callable:
     """What counts an objective's unit (its table entry's `unit`) in a collated batch: the loss is a sum over
     them, divided by their count over the accumulation window and the processes."""
     from gpupoor.data.build import count_pairs, count_targets
-    from gpupoor.objectives.grpo_objective import count_prompts
+    from gpupoor.objectives.grpo.objective import count_prompts
 
     return {"targets": count_targets, "pairs": count_pairs, "prompts": count_prompts}[unit]
 
@@ -97,10 +97,10 @@ def _preference_loss(recipe: Recipe, model, reference_copy, head, reason: str, *
 
 def _grpo_loss(recipe: Recipe, model, head, reason: str, tokenizer, state_of, rank: int, processes: int,
                count_units: Callable) -> ChosenLoss:
-    """GRPO's objective (gpupoor.objectives.grpo_objective): samples with the bare model; its reference, for
+    """GRPO's objective (gpupoor.objectives.grpo.objective): samples with the bare model; its reference, for
     beta > 0, is that model with its adapter switched off. The update reads each prompt once for its group where
     it can (one process, no gradient checkpointing). A sum over prompts, grpo.iterations steps on each sampling."""
-    from gpupoor.objectives.grpo_objective import GrpoObjective
+    from gpupoor.objectives.grpo.objective import GrpoObjective
 
     share = processes == 1 and not recipe.memory.gradient_checkpointing
     loss = GrpoObjective(recipe.grpo, tokenizer, generator=model, head=head, seed=recipe.seed, rank=rank,

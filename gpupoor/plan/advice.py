@@ -3,7 +3,7 @@ the cheapest combination that fits (what `plan --fit` writes); and with several 
 
 from __future__ import annotations
 
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.optimizers import OPTIMIZERS
 from gpupoor.plan.device import GpuFacts
 from gpupoor.plan.peak import peak_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.plan.result import Term
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.model.shape import Shape

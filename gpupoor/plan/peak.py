@@ -4,7 +4,7 @@ shared out when several processes train."""
 from __future__ import annotations
 
 from gpupoor.decisions import needs_bitsandbytes
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.plan.device import CUDA_CONTEXT, GpuFacts
 from gpupoor.plan.distributed import distribute, distribution_notes
 from gpupoor.plan.result import Term

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.objective_table import objective_of
 from gpupoor.plan.result import Plan, StrategyFit
 from gpupoor.plan.settings import Settings, what_trains

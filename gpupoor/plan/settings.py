@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from gpupoor.decisions import (CpuBf16, FusedPaths, choose_attention, choose_fused_loss, choose_fused_paths, choose_precision,
                                choose_reference, choose_sampler, choose_strategy)
-from gpupoor.data.formats import sequences_per_example
-from gpupoor.methods import METHODS
+from gpupoor.data.row_formats import sequences_per_example
+from gpupoor.method_table import METHODS
 from gpupoor.objective_table import objective_of
 from gpupoor.plan.device import GpuFacts
 from gpupoor.model.shape import LINEARS, Shape

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from gpupoor.decisions import loss_chunk_tokens
 from gpupoor.optimizers import state_per_parameter
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.model.shape import LINEARS, NORMS, Shape, TokenizerSize
 from gpupoor.plan.training import LayerTraining

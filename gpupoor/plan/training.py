@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpupoor.decisions import ia3_modules, trained_layer_indices
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.model.shape import LINEARS, QK_NORMS, SANDWICH_NORMS, Shape
 
 # Where each sits in transformers' module tree, under model.layers.N.

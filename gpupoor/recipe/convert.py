@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from gpupoor.errors import UserError
-from gpupoor.methods import METHOD_NAMES, METHODS
+from gpupoor.method_table import METHOD_NAMES, METHODS
 from gpupoor.optimizers import OPTIMIZER_NAMES
 from gpupoor.recipe.peer_keys import NOT_NEEDED, PEER_KEYS, PEER_TEMPLATE_NAMES
 from gpupoor.recipe.schema import LoggingSection, PreferenceSection, TrainingSection

@@ -117,7 +117,7 @@ SECTION_PEER_KEYS: dict[tuple[str, str], PeerKey] = {
 }
 
 
-# Their chat template names for a family gpupoor ships a template of (gpupoor.data.templates): LLaMA-Factory's
+# Their chat template names for a family gpupoor ships a template of (gpupoor.data.chat_templates): LLaMA-Factory's
 # `template:` values (its template.py) and axolotl's `chat_template:` values (its ChatTemplate enum). The same
 # family's turns; each tool's text may differ in details (a default system prompt, whitespace).
 PEER_TEMPLATE_NAMES: dict[str, dict[str, str]] = {

@@ -18,7 +18,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from gpupoor.decisions import choose_reference
 from gpupoor.errors import UserError
-from gpupoor.methods import ADAPTER_METHODS, METHODS
+from gpupoor.method_table import ADAPTER_METHODS, METHODS
 from gpupoor.objective_table import OBJECTIVES, ROWS
 from gpupoor.optimizers import FSDP_OPTIMIZERS
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gpupoor.errors import UserError
 from gpupoor.recipe.rules import MAX_PASSES, check_data, check_model, check_peft, check_recipe, check_source
-from gpupoor.methods import METHOD_NAMES, METHODS
+from gpupoor.method_table import METHOD_NAMES, METHODS
 from gpupoor.objective_table import OBJECTIVE_NAMES, OBJECTIVES, PAIRS_NOTE
 from gpupoor.optimizers import OPTIMIZER_NAMES, optimizers_doc
 from gpupoor.scorers import check_scorer_name
@@ -98,9 +98,9 @@ class ModelSection(_Section):
         return self
 
 
-# The data formats' names: gpupoor.data.formats.FORMATS has one class per name (the schema comes before data/, so
+# The data formats' names: gpupoor.data.row_formats.FORMATS has one class per name (the schema comes before data/, so
 # the two lists are tied by tests/unit/test_formats.py, not by an import). The Literal is this tuple.
-# The keys naming a row's fields: set on `data`, or per source (unset there: `data`'s). gpupoor.data.formats.FieldNames
+# The keys naming a row's fields: set on `data`, or per source (unset there: `data`'s). gpupoor.data.row_formats.FieldNames
 # holds one attribute per key, under the same name, so a new field name is one key here, its two Fields, and its use.
 FIELD_KEYS = ("text_field", "messages_field", "conversations_field")
 DATA_FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion", "tokenized", "preference")
@@ -258,7 +258,7 @@ class PeftSection(_Section):
     """What trains: adapters on the frozen base model (LoRA, DoRA, IA3), or the model's own weights (full), on
     every decoder layer or only the last few."""
 
-    method: Literal[METHOD_NAMES] = Field(  # the method table, gpupoor/methods.py
+    method: Literal[METHOD_NAMES] = Field(  # the method table, gpupoor/method_table.py
         "lora", description=" ".join(f"`{m.name}`: {m.doc}" for m in METHODS.values())
     )
     last_layers: int | None = Field(

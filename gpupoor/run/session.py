@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.recipe.schema import Recipe
 
 SMOKE_ROWS = 16
@@ -370,7 +370,7 @@ def _use_cpu_cores(cpu_threads: int | None):
 def _keep_chat_template(recipe: Recipe, tokenizer) -> None:
     """The tokenizer saved beside the adapter carries the template the run trained with (a named one resolved to
     its text), so generate, merges and plain transformers render prompts the same way."""
-    from gpupoor.data.formats import FORMATS
+    from gpupoor.data.row_formats import FORMATS
 
     chat_source = next((s for s in recipe.data.sources() if FORMATS[s.format].needs_chat_template), None)
     if chat_source is not None:

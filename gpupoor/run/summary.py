@@ -3,7 +3,7 @@ the steps, the memory plan, where a resume starts and where the start-up seconds
 
 from __future__ import annotations
 
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.run.session import Session
 
 

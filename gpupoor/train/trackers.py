@@ -47,7 +47,7 @@ PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "
                       "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen")
 KEYS.update({name: f"train/{name}" for name in PREFERENCE_METRICS})
 KEYS.update({f"eval_{name}": f"eval/{name}" for name in PREFERENCE_METRICS})
-# GRPO's (gpupoor.objectives.grpo_objective.STEP_METRICS and EVAL_METRICS); each reward's own mean, reward_NAME,
+# GRPO's (gpupoor.objectives.grpo.objective.STEP_METRICS and EVAL_METRICS); each reward's own mean, reward_NAME,
 # goes to train/reward/NAME (eval/reward/NAME) by its prefix.
 GRPO_METRICS = ("reward", "reward_std", "kl", "clip_fraction", "answer_tokens")
 KEYS.update({name: f"train/{name}" for name in GRPO_METRICS})

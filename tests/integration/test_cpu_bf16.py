@@ -225,7 +225,7 @@ def test_a_bf16_run_merges_and_exports_the_model_it_trained(runs, tiny_model, tm
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from gpupoor.export.quality import load_gguf_back
+    from gpupoor.export.gguf.read_back import load_gguf_back
 
     run = runs("bf16", "lora")
     merged_dir = tmp_path / "merged"

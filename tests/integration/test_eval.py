@@ -67,7 +67,7 @@ def test_eval_runs_an_lm_evaluation_harness_task_of_local_data(run, tmp_path, mo
     pytest.importorskip("lm_eval")
     import yaml
 
-    from gpupoor.data.formats import alpaca_prompt
+    from gpupoor.data.row_formats import alpaca_prompt
 
     monkeypatch.chdir(tmp_path)
     trained = [json.loads(line) for line in (run.parent / "lora.jsonl").read_text().splitlines()][:6]

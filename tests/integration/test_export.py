@@ -29,7 +29,7 @@ def lora_run(tmp_path_factory, tiny_model):
 def test_one_merge_writes_each_file_and_measures_it_on_the_runs_eval_set(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from gpupoor.export.quality import load_gguf_back
+    from gpupoor.export.gguf.read_back import load_gguf_back
 
     result = invoke("export", lora_run, "-q", "f32", "-q", "q8_0", "-q", "q4_k_m")
     assert result.exit_code == 0, result.output
@@ -67,8 +67,8 @@ def test_a_second_export_to_the_same_names_is_refused_and_keeps_the_first(lora_r
 def test_a_run_on_a_quantized_gguf_base_is_warned_about_the_bases_grid(tmp_path, tiny_model):
     """The base is a Q8_0 file gpupoor itself exported: training reads it (dequantized), and exporting the run
     says that its weights sit on that grid, and which requested type is that very grid."""
-    from gpupoor.export.gguf_file import write_gguf
-    from gpupoor.export.quants import QUANTS
+    from gpupoor.export.gguf.file import write_gguf
+    from gpupoor.export.gguf.quant_names import QUANTS
 
     base = tmp_path / "base-q8_0.gguf"
     write_gguf(tiny_model, base, QUANTS["q8_0"], name="tiny base")
@@ -87,7 +87,7 @@ def test_a_qlora_run_exports_the_model_it_trained(tmp_path, tiny_model):
     """QLoRA: the adapter is merged into the base as the run saw it (4-bit, dequantized), as merge-lora does."""
     from transformers import AutoModelForCausalLM
 
-    from gpupoor.export.quality import load_gguf_back
+    from gpupoor.export.gguf.read_back import load_gguf_back
 
     data = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(16))
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_model, data, training={"max_steps": 2},

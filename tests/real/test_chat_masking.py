@@ -100,7 +100,7 @@ def test_validate_show_marks_the_replies(real_tokenizer, real_gguf, tmp_path):
 def test_the_named_smollm2_template_is_the_models_own(real_tokenizer, case):
     """data.chat_template: smollm2 is SmolLM2-Instruct's template byte for byte (as its GGUF carries it), so
     naming it trains exactly what the model's own tokenizer would: the same ids, the same labels."""
-    from gpupoor.data.templates import resolve_chat_template
+    from gpupoor.data.chat_templates import resolve_chat_template
 
     assert resolve_chat_template("smollm2") == real_tokenizer.chat_template
     row = {"messages": CONVERSATIONS[case]}

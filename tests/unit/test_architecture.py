@@ -11,14 +11,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "gpupoor"
 MAX_FUNCTION_LINES = 80
 LEAVES = {"gpupoor.errors": set(), "gpupoor.storage.files": set(), "gpupoor.units": {"gpupoor.errors"},
-          "gpupoor.train.state": set(), "gpupoor.optimizers": set(), "gpupoor.methods": set(),
+          "gpupoor.train.state": set(), "gpupoor.optimizers": set(), "gpupoor.method_table": set(),
           "gpupoor.objective_table": set(),
-          "gpupoor.decisions": {"gpupoor.errors", "gpupoor.methods", "gpupoor.objective_table", "gpupoor.optimizers"},
+          "gpupoor.decisions": {"gpupoor.errors", "gpupoor.method_table", "gpupoor.objective_table", "gpupoor.optimizers"},
           "gpupoor.storage.rundir": {"gpupoor.errors", "gpupoor.storage.files", "gpupoor.recipe.schema",
                                      "gpupoor.recipe.loading", "gpupoor.units"},
-          "gpupoor.recipe.rules": {"gpupoor.errors", "gpupoor.decisions", "gpupoor.methods", "gpupoor.objective_table",
+          "gpupoor.recipe.rules": {"gpupoor.errors", "gpupoor.decisions", "gpupoor.method_table", "gpupoor.objective_table",
                                    "gpupoor.optimizers"},
-          "gpupoor.recipe.schema": {"gpupoor.errors", "gpupoor.methods", "gpupoor.objective_table",
+          "gpupoor.recipe.schema": {"gpupoor.errors", "gpupoor.method_table", "gpupoor.objective_table",
                                     "gpupoor.optimizers", "gpupoor.units",
                                     "gpupoor.recipe.rules", "gpupoor.scorers"},
           "gpupoor.scorers": {"gpupoor.errors"},
@@ -27,7 +27,7 @@ LEAVES = {"gpupoor.errors": set(), "gpupoor.storage.files": set(), "gpupoor.unit
           "gpupoor.recipe.diff": {"gpupoor.recipe.schema"}}
 # The import order of docs/architecture.md: a part imports only the parts before it (and itself). The top-level
 # modules before `recipe` are utilities any part may use; `cli` (and `__main__`) come last.
-ORDER = ["errors", "process", "scorers", "units", "faults", "profiling", "quiet", "optimizers", "methods", "objective_table", "decisions", "cpu", "hardware", "recipe", "storage",
+ORDER = ["errors", "process", "scorers", "units", "faults", "profiling", "quiet", "optimizers", "method_table", "objective_table", "decisions", "cpu", "hardware", "recipe", "storage",
          "data", "model", "objectives", "train", "plan", "export", "run", "commands", "scripts", "outcome", "cli", "__main__"]
 MAX_MODULE_LINES = 600
 

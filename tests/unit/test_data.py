@@ -10,7 +10,7 @@ from conftest import alpaca_rows, write_jsonl
 from gpupoor.data.build import build_data, collate, count_targets
 from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.data.encoder import Encoder
-from gpupoor.data.formats import alpaca_prompt
+from gpupoor.data.row_formats import alpaca_prompt
 from gpupoor.data.loading import read_rows, resolve_source
 from gpupoor.data.sampler import BatchPlan
 from gpupoor.errors import UserError

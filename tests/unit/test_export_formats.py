@@ -11,7 +11,7 @@ from conftest import invoke
 
 
 def test_every_quant_of_every_format_is_in_the_cli_help():
-    from gpupoor.export.formats import EXPORT_FORMATS
+    from gpupoor.export.format_table import EXPORT_FORMATS
 
     help_text = re.sub(r"[\s│]+", " ", invoke("export", "--help").output)  # rich wraps and boxes the lines
     for writer in EXPORT_FORMATS.values():
@@ -22,7 +22,7 @@ def test_every_quant_of_every_format_is_in_the_cli_help():
 
 def test_quant_names_are_checked_against_the_writers_table():
     from gpupoor.errors import UserError
-    from gpupoor.export.formats import export_format
+    from gpupoor.export.format_table import export_format
 
     gguf = export_format("gguf")
     assert gguf.check_quants(["q4_0", "q8_0", "q4_0"]) == ["q4_0", "q8_0"]
@@ -37,7 +37,7 @@ def test_the_command_calls_only_the_interface(tiny_model, tmp_path, monkeypatch)
     """A format that writes plain text files goes through the whole command: the files, their companions and
     the quality rows come from its methods, so the command knows no format by name."""
     from gpupoor.commands.export import export
-    from gpupoor.export import formats
+    from gpupoor.export import format_table as formats
     from gpupoor.export.writer import ExportWriter, Written
 
     class TextWriter(ExportWriter):

@@ -47,8 +47,8 @@ def tiny_models(tmp_path_factory, tokenizer):
 
 
 def write(model_dir: Path, quant: str, folder: Path) -> Path:
-    from gpupoor.export.gguf_file import write_gguf
-    from gpupoor.export.quants import QUANTS
+    from gpupoor.export.gguf.file import write_gguf
+    from gpupoor.export.gguf.quant_names import QUANTS
 
     target = folder / f"model-{quant}.gguf"
     write_gguf(model_dir, target, QUANTS[quant], name="tiny test model")
@@ -70,7 +70,7 @@ def original(model_dir: Path):
 def test_an_f32_file_reads_back_as_the_same_model_and_tokenizer(model_type, tiny_models, tokenizer, tmp_path):
     from transformers import AutoTokenizer
 
-    from gpupoor.export.quality import load_gguf_back
+    from gpupoor.export.gguf.read_back import load_gguf_back
 
     model_dir = tiny_models(model_type)
     path = write(model_dir, "f32", tmp_path)
@@ -109,7 +109,7 @@ def test_a_sentencepiece_style_tokenizer_is_written_with_scores_and_reads_back(m
 
 @pytest.mark.parametrize("quant", sorted(BOUNDS))
 def test_each_quantized_file_stays_within_its_bound(quant, tiny_models, tokenizer, tmp_path):
-    from gpupoor.export.quality import load_gguf_back
+    from gpupoor.export.gguf.read_back import load_gguf_back
 
     model_dir = tiny_models("llama", hidden=256)  # 256: the K types' block fits the rows, no fallback
     path = write(model_dir, quant, tmp_path)
@@ -121,7 +121,7 @@ def test_each_quantized_file_stays_within_its_bound(quant, tiny_models, tokenize
 
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "phi3"])
 def test_the_other_families_read_back_quantized_within_the_q8_0_bound(model_type, tiny_models, tokenizer, tmp_path):
-    from gpupoor.export.quality import load_gguf_back
+    from gpupoor.export.gguf.read_back import load_gguf_back
 
     model_dir = tiny_models(model_type)
     path = write(model_dir, "q8_0", tmp_path)
@@ -174,7 +174,7 @@ def test_the_metadata_says_what_llama_cpp_reads(tiny_models, tmp_path):
 
 
 def test_the_modelfile_maps_a_chatml_template(tiny_models, tmp_path):
-    from gpupoor.export.modelfile import modelfile
+    from gpupoor.export.gguf.modelfile import modelfile
 
     model_dir = tmp_path / "chat"
     shutil.copytree(tiny_models("qwen2"), model_dir)
@@ -230,8 +230,8 @@ def test_the_modelfile_sends_what_each_named_template_renders(tokenizer, tmp_pat
     rendering cannot: with one, only a single question is compared."""
     import re
 
-    from gpupoor.data.templates import resolve_chat_template
-    from gpupoor.export.modelfile import modelfile
+    from gpupoor.data.chat_templates import resolve_chat_template
+    from gpupoor.export.gguf.modelfile import modelfile
 
     tokenizer.save_pretrained(tmp_path)  # the model's special tokens: {EOS} and {BOS} in the TEMPLATE
     (tmp_path / "chat_template.jinja").write_text(resolve_chat_template(name), encoding="utf-8")
@@ -396,9 +396,9 @@ def test_a_built_in_model_directory_exports_as_the_model_it_is(tiny_models, tmp_
 
 def test_an_unquantized_gguf_base_gets_no_grid_note(tiny_gguf, tmp_path):
     """An F32 (or F16, BF16) base has no grid that re-quantizing could round the merged weights back onto."""
-    from gpupoor.export.gguf_writer import GGUFWriter
+    from gpupoor.export.gguf.format import GGUFExport
 
-    assert GGUFWriter().notes(str(tiny_gguf), ["f32", "f16", "q8_0", "q4_0"], {"hidden_size": 64}) == []
+    assert GGUFExport().notes(str(tiny_gguf), ["f32", "f16", "q8_0", "q4_0"], {"hidden_size": 64}) == []
 
 
 def test_the_grid_note_compares_the_types_a_file_really_holds(tmp_path, monkeypatch):
@@ -408,19 +408,19 @@ def test_the_grid_note_compares_the_types_a_file_really_holds(tmp_path, monkeypa
     from types import SimpleNamespace
 
     import gpupoor.model.gguf as gguf_module
-    from gpupoor.export.gguf_writer import GGUFWriter
+    from gpupoor.export.gguf.format import GGUFExport
 
     base = tmp_path / "base.Q4_1.gguf"
     base.write_bytes(b"GGUF")
     monkeypatch.setattr(gguf_module, "read_gguf", lambda path: SimpleNamespace(quantization="Q4_1, Q6_K"))
     smollm2 = {"hidden_size": 576, "intermediate_size": 1536}
-    notes = GGUFWriter().notes(str(base), ["q4_1", "q5_1", "q5_k_m", "q4_k_m", "q5_0", "q8_0"], smollm2)
+    notes = GGUFExport().notes(str(base), ["q4_1", "q5_1", "q5_k_m", "q4_k_m", "q5_0", "q8_0"], smollm2)
     named = {quant for quant in ("q4_1", "q5_1", "q5_k_m", "q4_k_m", "q5_0", "q8_0") if f"--quant {quant} " in
              " ".join(notes)}
     assert named == {"q4_1", "q5_1", "q5_k_m"}, notes
     assert "--quant q5_k_m writes Q5_1 matrices here" in " ".join(notes)
     wide = {"hidden_size": 4096, "intermediate_size": 14336}  # 256 divides both: q5_k_m holds Q5_K and Q6_K
-    assert "--quant q5_k_m" not in " ".join(GGUFWriter().notes(str(base), ["q5_k_m"], wide))
+    assert "--quant q5_k_m" not in " ".join(GGUFExport().notes(str(base), ["q5_k_m"], wide))
 
 
 def test_an_export_of_a_model_directory_measures_on_eval_text(tiny_models, tmp_path):
@@ -478,7 +478,7 @@ def test_rope_scaling_is_written_as_llama_cpp_reads_it(rope, tokenizer, tmp_path
     """Llama 3.1/3.2's rope: rope_freqs, the factor llama.cpp divides each rotary frequency by, so that the plain
     frequencies divided by it are the model's own (its rotary embedding's inv_freq); linear: the scaling keys. Read
     back into the original config (transformers' GGUF loader reads no rope scaling), the logits are the model's."""
-    from gpupoor.export.quality import load_gguf_back
+    from gpupoor.export.gguf.read_back import load_gguf_back
 
     model_dir = rope_scaled_llama(tmp_path / "model", tokenizer, rope)
     path = write(model_dir, "f32", tmp_path)
@@ -525,8 +525,8 @@ def test_the_alpaca_modelfile_renders_an_input_from_the_system_message(tmp_path)
     (the demo's task) can be asked, each branch exactly the training prompt."""
     import re
 
-    from gpupoor.data.formats import alpaca_prompt
-    from gpupoor.export.modelfile import modelfile
+    from gpupoor.data.row_formats import alpaca_prompt
+    from gpupoor.export.gguf.modelfile import modelfile
 
     template = re.search(r'TEMPLATE """(.*)"""', modelfile("m.gguf", tmp_path, "llama", "alpaca"), re.S).group(1)
     branches = re.fullmatch(r"\{\{ if \.System \}\}(.*)\{\{ else \}\}(.*)\{\{ end \}\}", template, re.S)

@@ -13,7 +13,7 @@ from conftest import write_jsonl
 from gpupoor.cli import app
 from gpupoor.data.assembly import IGNORE_INDEX
 from gpupoor.data.encoder import Encoder
-from gpupoor.data.templates import NAMES, TEMPLATES, resolve_chat_template
+from gpupoor.data.chat_templates import NAMES, TEMPLATES, resolve_chat_template
 from gpupoor.errors import UserError
 
 SYSTEM, USER_1, REPLY_1, USER_2, REPLY_2 = "be brief", "sort lists", "done quickly", "reverse", "the answer"
@@ -559,11 +559,11 @@ def test_the_probe_reads_how_the_tokenizer_prefixes(sentencepiece_style_tokenize
 
 
 def test_the_schemas_format_names_are_the_format_table():
-    """One list per fact: a format added to gpupoor.data.formats.FORMATS is one the recipe accepts, and no name
+    """One list per fact: a format added to gpupoor.data.row_formats.FORMATS is one the recipe accepts, and no name
     the recipe accepts lacks a class."""
     from typing import get_args
 
-    from gpupoor.data.formats import FORMATS
+    from gpupoor.data.row_formats import FORMATS
     from gpupoor.recipe.schema import DATA_FORMATS, DataFormat
 
     assert get_args(DataFormat) == DATA_FORMATS
@@ -575,7 +575,7 @@ def test_a_rows_field_names_are_the_schemas_field_keys():
     names, and what the encoder takes; a source's own name wins over `data`'s."""
     from dataclasses import fields
 
-    from gpupoor.data.formats import FieldNames
+    from gpupoor.data.row_formats import FieldNames
     from gpupoor.recipe.schema import FIELD_KEYS, DataSection, SourceSection
 
     assert tuple(f.name for f in fields(FieldNames) if f.name != "sharegpt_roles") == FIELD_KEYS
@@ -591,8 +591,8 @@ def test_a_rows_field_names_are_the_schemas_field_keys():
 
 def test_rows_per_example_are_decided_once_for_data_and_plan():
     """A preference pair is two sequences of up to max_length: the sampler's packed row length and the plan's
-    rows both read gpupoor.data.formats.sequences_per_example."""
-    from gpupoor.data.formats import sequences_per_example
+    rows both read gpupoor.data.row_formats.sequences_per_example."""
+    from gpupoor.data.row_formats import sequences_per_example
 
     assert sequences_per_example(["preference"]) == 2 and sequences_per_example(["preference", "preference"]) == 2
     assert sequences_per_example(["chat", "preference"]) == 1 and sequences_per_example([]) == 1
@@ -601,7 +601,7 @@ def test_rows_per_example_are_decided_once_for_data_and_plan():
 def test_the_fields_that_name_a_rows_format_are_the_format_tables():
     """row_fields.FORMAT_FIELDS (the hint "its fields are those of format X") names each format of FORMATS once,
     and a row with exactly one format's fields is recognised as that format."""
-    from gpupoor.data.formats import FORMATS
+    from gpupoor.data.row_formats import FORMATS
     from gpupoor.data.row_fields import FORMAT_FIELDS, format_of_fields
 
     assert sorted(name for name, _ in FORMAT_FIELDS) == sorted(FORMATS)

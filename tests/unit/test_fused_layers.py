@@ -94,7 +94,7 @@ def test_masked_attention_shares_the_key_and_value_heads_instead_of_keeping_repe
     """GRPO's update: answers read after their left-padded prompts' cache (a mask, several queries a row). The
     fused model gives the plain model's log-probabilities and gradients, and keeps for backward the keys and values
     at their own 2 heads: the plain SDPA function repeats them to the 4 query heads (repeat_kv) and keeps the copies."""
-    from gpupoor.objectives.rollout import Sampled, shared_prompt_logprobs
+    from gpupoor.objectives.grpo.rollout import Sampled, shared_prompt_logprobs
 
     plain = with_lora(tiny_family("llama"))
     fused = copy.deepcopy(plain)

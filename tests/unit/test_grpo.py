@@ -1,4 +1,4 @@
-"""GRPO's arithmetic (gpupoor/objectives/grpo.py) against hand computations in float64, and the scorers its
+"""GRPO's arithmetic (gpupoor/objectives/grpo/loss.py) against hand computations in float64, and the scorers its
 rewards and eval's metrics share (gpupoor/objectives/scorers.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpupoor.errors import UserError
-from gpupoor.objectives.grpo import group_advantages, policy_loss
+from gpupoor.objectives.grpo.loss import group_advantages, policy_loss
 from gpupoor.scorers import parse_scorer
 
 

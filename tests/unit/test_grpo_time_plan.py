@@ -12,7 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpupoor.objectives.cross_entropy import find_fused_head
-from gpupoor.objectives.rollout import answer_batch, answer_logprobs, sample_groups, shared_prompt_logprobs
+from gpupoor.objectives.grpo.rollout import answer_batch, answer_logprobs, sample_groups, shared_prompt_logprobs
 from gpupoor.plan.time.work import BatchFacts, step_work
 from gpupoor.plan.time.grpo_work import grpo_step_work, reference_work, sampling_work, update_facts, update_work
 from gpupoor.plan.settings import resolve_settings

@@ -1,4 +1,4 @@
-"""gpupoor.export.kquants writes Q4_K, Q5_K, Q6_K and IQ4_NL as ggml does, byte for byte.
+"""gpupoor.export.gguf.k_quantizers writes Q4_K, Q5_K, Q6_K and IQ4_NL as ggml does, byte for byte.
 
 The reference bytes in data/kquants_reference.npz come from ggml's own C: quantize_row_q4_K_ref,
 quantize_row_q5_K_ref, quantize_row_q6_K_ref and quantize_iq4_nl (quantize_row_iq4_nl_impl with ntry=7), with
@@ -22,7 +22,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from gpupoor.export import kquants
+from gpupoor.export.gguf import k_quantizers as kquants
 
 TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL)
 REFERENCE = Path(__file__).parent / "data" / "kquants_reference.npz"

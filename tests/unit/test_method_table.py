@@ -1,4 +1,4 @@
-"""The training-method table (gpupoor/methods.py) is the one list the parts read: the schema's names and docs,
+"""The training-method table (gpupoor/method_table.py) is the one list the parts read: the schema's names and docs,
 the rules, the fused-path decision. (What each method trains, as the plan counts it from the table, is checked
 against peft's own models in test_plan.py.)"""
 
@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from gpupoor.decisions import choose_fused_paths
-from gpupoor.methods import METHOD_NAMES, METHODS
+from gpupoor.method_table import METHOD_NAMES, METHODS
 from gpupoor.recipe.schema import PeftSection, Recipe
 
 
@@ -52,7 +52,7 @@ def test_what_an_adapted_linear_trains():
 def test_an_adapter_config_names_its_method_and_what_merge_reads():
     """method_of_adapter reads peft_type and use_dora the way peft writes them; each mergeable method names the
     tensors AdapterWeights looks for, and merge-lora refuses the others by name."""
-    from gpupoor.methods import METHODS, method_of_adapter
+    from gpupoor.method_table import METHODS, method_of_adapter
 
     assert method_of_adapter({"peft_type": "LORA"}).name == "lora"
     assert method_of_adapter({"peft_type": "LORA", "use_dora": True}).name == "dora"

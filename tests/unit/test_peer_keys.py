@@ -121,7 +121,7 @@ def test_their_template_name_is_told_as_ours(make_recipe, key, theirs, ours):
 
 
 def test_every_template_name_we_map_to_is_shipped():
-    from gpupoor.data.templates import NAMES
+    from gpupoor.data.chat_templates import NAMES
     from gpupoor.recipe.peer_keys import PEER_TEMPLATE_NAMES
 
     assert {ours for names in PEER_TEMPLATE_NAMES.values() for ours in names.values()} <= set(NAMES)

@@ -1,4 +1,4 @@
-"""GRPO's rollouts (gpupoor/objectives/rollout.py) on a tiny model: seeded sampling that a resume can repeat, and
+"""GRPO's rollouts (gpupoor/objectives/grpo/rollout.py) on a tiny model: seeded sampling that a resume can repeat, and
 the answers' log-probabilities lined up token for token with what generation sampled them from."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpupoor.objectives.rollout import answer_batch, answer_logprobs, sample_groups
+from gpupoor.objectives.grpo.rollout import answer_batch, answer_logprobs, sample_groups
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_grpo_updates_move_probability_toward_the_better_answers_of_each_group(t
     """On one rollout, a few updates of the GRPO loss raise the log-probability of the answers their group rated
     above average and lower those rated below, on average (they share the weights, so one answer may move with
     its neighbours): the policy moves toward what the reward prefers."""
-    from gpupoor.objectives.grpo import group_advantages, policy_loss
+    from gpupoor.objectives.grpo.loss import group_advantages, policy_loss
 
     model = lora_model(tiny_model)
     prompts = [tokenizer(text)["input_ids"] for text in ("reverse a b c d", "sort d c b a")]
@@ -126,7 +126,7 @@ def test_each_prompt_read_once_per_group_gives_the_same_log_probs_and_gradients(
     answers) equals reading every prompt + answer row whole, in values and in every trained weight's gradient
     (prompts of different lengths: left padding in the cache, right padding in the answers)."""
     from gpupoor.objectives.cross_entropy import find_fused_head
-    from gpupoor.objectives.rollout import shared_prompt_logprobs
+    from gpupoor.objectives.grpo.rollout import shared_prompt_logprobs
 
     model = lora_model(tiny_model)
     prompts = [tokenizer(text)["input_ids"] for text in ("reverse a b c d e f", "sort", "count to three")]

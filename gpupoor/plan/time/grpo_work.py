@@ -1,10 +1,10 @@
-"""A GRPO step's work (gpupoor.objectives.grpo_objective), term by term, for the time plan: sampling the answers
+"""A GRPO step's work (gpupoor.objectives.grpo.objective), term by term, for the time plan: sampling the answers
 token by token, the reference's forward (grpo.beta > 0), and the update on the sampled answers. Torch is not
 imported.
 
 Per micro-batch of P prompts (mean real length L, from the data as the loop collates it: each row's tokens
 before its answer) and R = P x group_size answers of A = grpo.max_new_tokens tokens:
-- sampling (gpupoor.objectives.rollout.sample_groups) reads each prompt once into the KV cache (a forward on P x L
+- sampling (gpupoor.objectives.grpo.rollout.sample_groups) reads each prompt once into the KV cache (a forward on P x L
   tokens), then A decode steps, each one forward of R rows of one token: every weight and the output head read
   for R rows (a matmul of R rows runs far below a training-shaped one: its own rate, probed at R rows), attention
   over the context so far, and a fixed cost per module call and per decode step (generate's own work: the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.plan.time.work import BatchFacts, Work, adapter_weights, dora_work, module_calls_per_layer, step_work
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.model.shape import LINEARS, Shape

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpupoor.methods import METHODS
+from gpupoor.method_table import METHODS
 from gpupoor.plan.settings import Settings, what_trains
 from gpupoor.model.shape import LINEARS, Shape
 

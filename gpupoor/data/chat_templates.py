@@ -88,7 +88,7 @@ TEMPLATES = {
                             "lm-sys/FastChat fastchat/conversation.py (vicuna_v1.1), written as Jinja by gpupoor"),
     # Alpaca's prompt as a chat: one turn is exactly gpupoor's `alpaca` format (Stanford Alpaca's prompt_no_input).
     "alpaca-chat": NamedTemplate("Alpaca prompt, multi-turn", "EOS token",
-                                 "tatsu-lab/stanford_alpaca train.py PROMPT_DICT (gpupoor.data.formats.ALPACA_PROMPT), "
+                                 "tatsu-lab/stanford_alpaca train.py PROMPT_DICT (gpupoor.data.row_formats.ALPACA_PROMPT), "
                                  "turns joined as LLaMA-Factory's alpaca template joins them; written by gpupoor"),
 }
 NAMES = tuple(TEMPLATES)

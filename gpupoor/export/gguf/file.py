@@ -20,11 +20,11 @@ import numpy as np
 
 from gpupoor import faults
 from gpupoor.errors import UserError
-from gpupoor.export.architectures import (Family, check_rope, extra_tensors, family_of, to_llama_cpp_layout,
+from gpupoor.export.gguf.architectures import (Family, check_rope, extra_tensors, family_of, to_llama_cpp_layout,
                                           write_hyperparameters)
-from gpupoor.export.gguf_tokenizer import write_tokenizer
-from gpupoor.export.quant_types import encode, nbytes, tensor_type
-from gpupoor.export.quants import Quant
+from gpupoor.export.gguf.tokenizer import write_tokenizer
+from gpupoor.export.gguf.tensor_types import encode, nbytes, tensor_type
+from gpupoor.export.gguf.quant_names import Quant
 from gpupoor.export.writer import Written
 from gpupoor.storage.files import ran_out_of_space, writer_tag
 from gpupoor.storage.shards import weight_files

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from gpupoor.data.assembly import IGNORE_INDEX, Encoded, Segment, join_segments, truncate_pair, with_eos
 from gpupoor.data.row_fields import (chat_messages, preference_parts, sharegpt_messages, string_field,
                                      tokenized_example)
-from gpupoor.data.templates import missing_template_error
+from gpupoor.data.chat_templates import missing_template_error
 from gpupoor.errors import UserError
 from gpupoor.recipe.schema import FIELD_KEYS, SHAREGPT_ROLES
 

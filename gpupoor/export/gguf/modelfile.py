@@ -89,7 +89,7 @@ def modelfile(gguf_name: str, model_dir: Path, gguf_arch: str, trained_format: s
     lines = [f"# Ollama: ollama create NAME -f {gguf_name.removesuffix('.gguf')}.Modelfile, then ollama run NAME",
              f"FROM ./{gguf_name}"]
     if trained_format == "alpaca":
-        from gpupoor.data.formats import alpaca_prompt
+        from gpupoor.data.row_formats import alpaca_prompt
 
         with_input = alpaca_prompt("{{ .Prompt }}", "{{ .System }}")
         lines += ["# The Alpaca prompt the run was trained on; the answer ends at the model's end-of-sequence token.",

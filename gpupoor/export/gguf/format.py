@@ -1,5 +1,5 @@
 """GGUF (llama.cpp, Ollama, LM Studio) behind the export interface (gpupoor/export/writer.py): the gguf package's
-version, the families and rope scalings llama.cpp reads, one file per `--quant` (gpupoor/export/gguf_file.py), an
+version, the families and rope scalings llama.cpp reads, one file per `--quant` (gpupoor/export/gguf/file.py), an
 Ollama Modelfile beside each, and the file read back by transformers' GGUF loader for its perplexity."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.export.quants import QUANTS
+from gpupoor.export.gguf.quant_names import QUANTS
 from gpupoor.export.writer import ExportWriter, Written
 from gpupoor.model.gguf import INSTALL
 
@@ -21,7 +21,7 @@ K_BLOCK = 256
 def matrix_types(quant, config: dict) -> set[str]:
     """The types a file of `quant` holds for this model's matrices: its own and its mix's more-bits type, each
     falling back as llama-quantize does where a 256-block does not divide the rows (hidden and MLP widths)."""
-    from gpupoor.export.quant_types import K_FALLBACK
+    from gpupoor.export.gguf.tensor_types import K_FALLBACK
 
     widths = {config.get("hidden_size"), config.get("intermediate_size")} - {None}
     held = set()
@@ -31,7 +31,7 @@ def matrix_types(quant, config: dict) -> set[str]:
     return held
 
 
-class GGUFWriter(ExportWriter):
+class GGUFExport(ExportWriter):
     name = "gguf"
     suffix = ".gguf"
     summary = "llama.cpp, Ollama, LM Studio"
@@ -50,7 +50,7 @@ class GGUFWriter(ExportWriter):
                             hint="pip install -U gguf")
 
     def check_model(self, config: dict, where: str) -> None:
-        from gpupoor.export.architectures import check_rope, family_of
+        from gpupoor.export.gguf.architectures import check_rope, family_of
 
         family_of(config, where)
         check_rope(config, where)
@@ -102,22 +102,23 @@ class GGUFWriter(ExportWriter):
         return int(((parameters - head_parameters) * bits(spec.base) + head_parameters * head_bits) / 8)
 
     def write(self, model_dir: Path, target: Path, quant: str, name: str) -> Written:
-        from gpupoor.export.gguf_file import write_gguf
+        from gpupoor.export.gguf.file import write_gguf
 
         return write_gguf(model_dir, target, QUANTS[quant], name=name)
 
     def companions(self, model_dir: Path, file: Written, config: dict,
                    trained_format: str | None) -> dict[Path, str]:
         """An Ollama Modelfile (`ollama create NAME -f FILE.Modelfile`) in the prompt format the run trained on."""
-        from gpupoor.export.architectures import family_of
-        from gpupoor.export.modelfile import modelfile
+        from gpupoor.export.gguf.architectures import family_of
+        from gpupoor.export.gguf.modelfile import modelfile
 
         arch = family_of(config, str(model_dir)).gguf_arch
         target = file.path.with_name(f"{file.path.name.removesuffix(self.suffix)}.Modelfile")
         return {target: modelfile(file.path.name, model_dir, arch, trained_format)}
 
     def perplexity(self, file: Path, text, model_dir: Path, dtype) -> float:
-        from gpupoor.export.quality import perplexity_of_gguf
+        from gpupoor.export.gguf.read_back import load_gguf_back
+        from gpupoor.export.quality import perplexity_of
 
-        return perplexity_of_gguf(file, text, model_dir, dtype)
+        return perplexity_of(load_gguf_back(file, model_dir, dtype), text)
 

@@ -1,5 +1,5 @@
 """The GGUF `--quant` names: for each, the GGML type of the matrices, the file type it declares, and the types
-llama-quantize's mixes give the head and some layers (gpupoor/export/quant_types.py applies them tensor by
+llama-quantize's mixes give the head and some layers (gpupoor/export/gguf/tensor_types.py applies them tensor by
 tensor). A table without numpy or gguf, so that the CLI's choices and help are read from it at once."""
 
 from __future__ import annotations

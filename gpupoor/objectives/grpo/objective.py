@@ -1,10 +1,10 @@
 """`training.objective: grpo` as the loop's loss and eval functions: each micro-batch of prompts (rows of the data,
 padded) gets a group of sampled answers per prompt, scored by the recipe's rewards, and the GRPO loss of those
-answers (gpupoor.objectives.grpo) is returned as a sum over prompts, which the loop divides by the prompts of the
+answers (gpupoor.objectives.grpo.loss) is returned as a sum over prompts, which the loop divides by the prompts of the
 whole accumulation window (`count_prompts`).
 
 Exact resume: the answers of step s are sampled from the weights at step s with a seed made of the recipe's seed,
-s, the micro-batch and the process (gpupoor.objectives.rollout.sample_groups leaves the global RNG alone), so a
+s, the micro-batch and the process (gpupoor.objectives.grpo.rollout.sample_groups leaves the global RNG alone), so a
 run resumed from step s's checkpoint samples the same answers. With `grpo.iterations` N > 1 the answers sampled at
 step s serve steps s .. s + N - 1 (the old policy's log-probabilities with them); they are kept in
 `TrainState.rollout`, saved with every checkpoint, so a resume in between continues on the same answers.
@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from gpupoor.data.assembly import IGNORE_INDEX
-from gpupoor.objectives.grpo import group_advantages, policy_loss
-from gpupoor.objectives.rollout import (Sampled, answer_batch, answer_logprobs, sample_groups,
+from gpupoor.objectives.grpo.loss import group_advantages, policy_loss
+from gpupoor.objectives.grpo.rollout import (Sampled, answer_batch, answer_logprobs, sample_groups,
                                        shared_prompt_logprobs)
 from gpupoor.profiling import span
 from gpupoor.scorers import combined_scores, parse_scorer

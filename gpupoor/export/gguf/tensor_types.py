@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from gpupoor.export.quants import Quant
+from gpupoor.export.gguf.quant_names import Quant
 
 
 def _types():
@@ -31,7 +31,7 @@ def _types():
 
 # llama-quantize's fallback where a K type's 256-block does not divide the row length.
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-# The types the gguf package reads but cannot write: gpupoor.export.kquants writes them.
+# The types the gguf package reads but cannot write: gpupoor.export.gguf.k_quantizers writes them.
 GPUPOOR_WRITES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -81,8 +81,8 @@ def nbytes(qtype, shape: tuple[int, ...]) -> int:
 
 
 def encode(weights: np.ndarray, qtype) -> np.ndarray:
-    """A float32 tensor as the bytes (or float array) GGUFWriter writes for `qtype`: the gguf package's own
-    quantizers where it has one, gpupoor's K-quant and codebook ones (gpupoor.export.kquants) for the rest."""
+    """A float32 tensor as the bytes (or float array) gguf.GGUFWriter writes for `qtype`: the gguf package's own
+    quantizers where it has one, gpupoor's K-quant and codebook ones (gpupoor.export.gguf.k_quantizers) for the rest."""
     import gguf
 
     types = _types()
@@ -91,7 +91,7 @@ def encode(weights: np.ndarray, qtype) -> np.ndarray:
     if qtype == types.F16:
         return weights.astype(np.float16)
     if qtype.name in GPUPOOR_WRITES:
-        from gpupoor.export import kquants
+        from gpupoor.export.gguf import k_quantizers
 
-        return kquants.quantize(weights, qtype)
+        return k_quantizers.quantize(weights, qtype)
     return gguf.quants.quantize(weights, qtype)

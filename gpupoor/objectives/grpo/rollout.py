@@ -27,7 +27,7 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
                   eos_id: int | None, seed: int, temperature: float = 1.0, top_p: float = 1.0,
                   share_prompts: bool = False) -> Sampled:
     """`group_size` answers to each prompt, sampled with the model's KV cache in eval mode (temperature 0:
-    greedy). `share_prompts`: each prompt's cache computed once for its group (gpupoor.objectives.rollout
+    greedy). `share_prompts`: each prompt's cache computed once for its group (gpupoor.objectives.grpo.rollout
     .prompt_cache) rather than once per answer."""
     device = next(model.parameters()).device
     repeated = [prompt for prompt in prompts for _ in range(group_size)]

@@ -5,10 +5,10 @@ command's checks read this table."""
 from __future__ import annotations
 
 from gpupoor.errors import UserError
-from gpupoor.export.gguf_writer import GGUFWriter
+from gpupoor.export.gguf.format import GGUFExport
 from gpupoor.export.writer import ExportWriter
 
-EXPORT_FORMATS: dict[str, ExportWriter] = {writer.name: writer for writer in (GGUFWriter(),)}
+EXPORT_FORMATS: dict[str, ExportWriter] = {writer.name: writer for writer in (GGUFExport(),)}
 DEFAULT_FORMAT = "gguf"
 
 
