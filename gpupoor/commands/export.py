@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -110,14 +109,13 @@ def model_directory(source: ExportSource, scratch_parent: Path, say: Callable[[s
     if not source.is_adapter:
         yield source.weights_dir
         return
-    from gpupoor.model.merge import merge_lora
-    from gpupoor.export.space import SCRATCH_PREFIX
-    from gpupoor.storage.files import writer_tag
+    from gpupoor.export.space import VERB
+    from gpupoor.model.merge import merge_lora, merge_scratch
     from gpupoor.storage.run_weights import RunWeights
 
-    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{writer_tag()}-", dir=scratch_parent) as scratch:
+    with merge_scratch(VERB, scratch_parent) as scratch:
         say(f"merging the adapter into its base (fp32, in {scratch_parent})")
-        merged = merge_lora(RunWeights(source.weights_dir, source.run_dir), Path(scratch) / "merged", dtype="fp32",
+        merged = merge_lora(RunWeights(source.weights_dir, source.run_dir), scratch / "merged", dtype="fp32",
                             say=say, qlora_original=QLORA_ORIGINAL,
                             check_base=False)  # export checked it before any work
         yield merged

@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
-import re
 import socket
 import tempfile
 import time
@@ -38,7 +36,7 @@ from typing import Callable
 
 from gpupoor.errors import UserError
 
-SCRATCH_PREFIX = ".gpupoor-serve-"
+VERB = "serve"  # its scratch folder: gpupoor.model.merge.merge_scratch(VERB, ...)
 DEFAULT_TIME_LIMIT_S = 120.0
 INSTALL = "pip install 'gpupoor[serve]' (fastapi, uvicorn and openai: what transformers' server needs)"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -90,17 +88,15 @@ def servable(source: Path, checkpoint: str, dtype: str, work_dir: Path | None, f
              say: Callable[[str], None]):
     """The model directory to serve, in a temporary directory removed on the way out: an adapter merged into its
     base, or the model's files linked; the run's chat template written into its tokenizer config."""
-    from gpupoor.model.merge import merge_lora
+    from gpupoor.model.merge import merge_lora, merge_scratch
     from gpupoor.storage.run_weights import RunWeights, resolve_model
-
-    from gpupoor.storage.files import writer_tag
 
     weights = resolve_model(source, checkpoint)
     fmt, template, why = run_template(source, checkpoint)
     sweep_serve_leftovers(Path(work_dir or tempfile.gettempdir()), say)
     # Named with this process (PID@HOST): what a server killed with SIGKILL leaves, the next one removes.
-    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{writer_tag()}-", dir=work_dir) as scratch:
-        served = Path(scratch) / "model"
+    with merge_scratch(VERB, work_dir) as scratch:
+        served = scratch / "model"
         if weights.is_adapter:
             say(f"merging the adapter into its base ({dtype}, in {scratch})")
             merge_lora(RunWeights(weights.path, weights.run_dir), served, dtype=dtype, say=say, force=force)
@@ -174,9 +170,9 @@ def check_can_listen(host: str, port: int) -> None:
 def sweep_serve_leftovers(folder: Path, say: Callable[[str], None]) -> None:
     """Remove the scratch folders (merged models) of servers on this machine that were killed (SIGKILL, the OOM
     killer) before they could remove them; name those that look like one but are not ours to remove."""
-    from gpupoor.storage.files import WRITER, sweep_leftovers
+    from gpupoor.model.merge import sweep_merge_scratch
 
-    removed, kept = sweep_leftovers(folder, re.compile(rf"{re.escape(SCRATCH_PREFIX)}{WRITER}-[a-z0-9_]+"))
+    removed, kept = sweep_merge_scratch(folder, VERB)
     for entry, _ in removed:
         say(f"removed {entry}, left by a gpupoor serve that was killed")
     for entry, why in kept:

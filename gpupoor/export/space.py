@@ -20,12 +20,11 @@ from gpupoor.errors import UserError
 from gpupoor.storage.files import WRITER, sweep_leftovers
 from gpupoor.units import format_bytes, format_bytes_apart
 
-SCRATCH_PREFIX = ".gpupoor-export-"  # + PID@HOST + "-": the fp32 merge, removed at the end
-# What an export writes under a temporary name: the merge's scratch folder, and each file before its rename.
-LEFTOVERS = (re.compile(rf"{re.escape(SCRATCH_PREFIX)}{WRITER}-[a-z0-9_]+"),
-             re.compile(rf"\..+\.(?:gguf|Modelfile|quality\.json)\.tmp-{WRITER}"))
+VERB = "export"  # its merge's scratch folder: gpupoor.model.merge.merge_scratch(VERB, ...), removed at the end
+# What an export writes under a temporary name beside its files: each file before its rename.
+LEFTOVER_FILES = re.compile(rf"\..+\.(?:gguf|Modelfile|quality\.json)\.tmp-{WRITER}")
 # Scratch folders of gpupoor versions that did not put the writer in the name: said, never removed.
-UNNAMED_SCRATCH = re.compile(rf"{re.escape(SCRATCH_PREFIX)}(?!\d+@).+")
+UNNAMED_SCRATCH = re.compile(r"\.gpupoor-export-(?!\d+@).+")
 
 
 @dataclass
@@ -112,11 +111,12 @@ def _free(path: Path) -> int:
 
 
 def sweep_export_leftovers(folders: list[Path], say: Callable[[str], None]) -> None:
-    """Remove what exports that were killed left in these folders (their process is gone), and name what could be
-    such a leftover but is not ours to remove."""
+    """Remove what exports that were killed left in these folders (their process is gone): the merge's scratch
+    folder and files not yet renamed; name what could be such a leftover but is not ours to remove."""
+    from gpupoor.model.merge import sweep_merge_scratch
+
     for folder in dict.fromkeys(folders):
-        for pattern in LEFTOVERS:
-            removed, kept = sweep_leftovers(folder, pattern)
+        for removed, kept in (sweep_merge_scratch(folder, VERB), sweep_leftovers(folder, LEFTOVER_FILES)):
             for entry, size in removed:
                 say(f"removed {entry} ({format_bytes(size)}), left by an export that was killed")
             for entry, why in kept:

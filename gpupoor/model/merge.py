@@ -396,6 +396,29 @@ def _sweep_killed_merges(output: Path, say) -> None:
             say(f"note: {entry} looks like a merge's temporary folder, left alone: {why}")
 
 
+def scratch_prefix(verb: str) -> str:
+    """The start of the name of a scratch folder `verb` merges into (+ PID@HOST + "-" + a random tail)."""
+    return f".gpupoor-{verb}-"
+
+
+@contextlib.contextmanager
+def merge_scratch(verb: str, parent: Path | None):
+    """The folder a verb that merges for its own use (export, serve) works in, removed on the way out (an error,
+    Ctrl-C, and SIGTERM/SIGHUP, which those verbs raise as exceptions). Its name carries this process (PID@HOST),
+    so that the next one's `sweep_merge_scratch` tells a killed process's folder from a running one's. `parent`:
+    where (None: the system's temporary directory)."""
+    with tempfile.TemporaryDirectory(prefix=f"{scratch_prefix(verb)}{writer_tag()}-", dir=parent) as scratch:
+        yield Path(scratch)
+
+
+def sweep_merge_scratch(folder: Path, verb: str) -> tuple[list[tuple[Path, int]], list[tuple[Path, str]]]:
+    """Remove the scratch folders (`merge_scratch`) that `verb`'s processes killed on this machine (SIGKILL, the
+    OOM killer) left in `folder`. Returns storage.files.sweep_leftovers' (removed with sizes, kept with why)."""
+    from gpupoor.storage.files import WRITER, sweep_leftovers
+
+    return sweep_leftovers(folder, re.compile(rf"{re.escape(scratch_prefix(verb))}{WRITER}-[a-z0-9_]+"))
+
+
 @contextlib.contextmanager
 def _base_directory(base_name: str, revision: str | None, source: RunWeights, output: Path):
     """The base as a directory of safetensors shards the merge streams: itself, a hub snapshot, or for a GGUF

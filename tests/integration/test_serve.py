@@ -84,13 +84,14 @@ def test_what_would_stop_the_server_starting_is_said_before_the_merge(alpaca_run
 def test_a_killed_servers_merge_is_removed_at_the_next_start(tmp_path, monkeypatch):
     """What a server killed with SIGKILL left in --work-dir (its process gone) is removed when the next starts; a
     live process's is left."""
-    from gpupoor.commands.serve import SCRATCH_PREFIX, sweep_serve_leftovers
+    from gpupoor.commands.serve import VERB, sweep_serve_leftovers
+    from gpupoor.model.merge import scratch_prefix
     from gpupoor.storage.files import writer_tag
 
     host = writer_tag().split("@", 1)[1]
     gone = 2**22 - 7  # a pid taken as a process that ended (below)
-    dead = tmp_path / f"{SCRATCH_PREFIX}{gone}@{host}-abc123xy"
-    alive = tmp_path / f"{SCRATCH_PREFIX}{writer_tag()}-zzz999qq"
+    dead = tmp_path / f"{scratch_prefix(VERB)}{gone}@{host}-abc123xy"
+    alive = tmp_path / f"{scratch_prefix(VERB)}{writer_tag()}-zzz999qq"
     for folder in (dead, alive):
         (folder / "model").mkdir(parents=True)
         (folder / "model" / "model.safetensors").write_bytes(b"0" * 1000)
