@@ -67,6 +67,32 @@ def check_time_options(time_limit: str | None, gpu: str | None) -> None:
         gpu_on_paper(gpu)
 
 
+def check_plan_options(device: str | None, memory: str | None, processes: int, nodes: int, time: bool,
+                       time_limit: str | None, gpu: str | None, threads: int | None) -> tuple[int | None, dict | None]:
+    """`plan`'s options checked before any work. Returns (the memory to fit in, in bytes or None; the time plan's
+    options for plan_recipe, None with --no-time)."""
+    from gpupoor.errors import UserError
+    from gpupoor.plan.time.assemble import check_environment
+    from gpupoor.units import parse_size
+
+    if device is not None and device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r}: use cpu or cuda")
+    limit = parse_size(memory, "--memory") if memory is not None else None
+    if limit is not None and limit < 2**20:
+        raise UserError(f"--memory {memory!r}: give the memory to fit in, e.g. 16GiB")
+    if nodes > processes:
+        raise UserError(f"--nodes {nodes} with --processes {processes}: every node runs at least one process")
+    check_time_options(time_limit, gpu)
+    if time:
+        check_environment()
+    ignored = [name for name, value in (("--time-limit", time_limit), ("--gpu", gpu), ("--threads", threads))
+               if value is not None]
+    if not time and ignored:
+        raise UserError(f"{', '.join(ignored)} with --no-time: the time plan reads them, and --no-time turns it "
+                        "off", hint=f"drop --no-time, or drop {', '.join(ignored)}")
+    return limit, None if not time else {"threads": threads, "gpu": gpu, "time_limit": time_limit}
+
+
 def _timing_options(recipe, options: dict, say) -> dict:
     """gpupoor.plan.time.assemble.time_plan's options: --time-limit (else checkpoint.time_limit) in seconds."""
     limit = options.get("time_limit")

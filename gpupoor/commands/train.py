@@ -1,7 +1,7 @@
-"""What `gpupoor train` and `gpupoor resume` do around the orchestrator: the recipe overrides their options stand
-for, the checks before a run starts, the run that --resume-if-present continues, the command line of each process
-torchrun's launcher starts, and how one process of several ends. The calls into gpupoor.run.orchestrate stay in
-cli.py (a verb never borrows from the orchestrator). Imports no torch."""
+"""`gpupoor train` and `gpupoor resume` around the orchestrator (gpupoor.run.orchestrate, called from `train` and
+`resume` here): the recipe overrides their options stand for, the checks before a run starts, the run that
+--resume-if-present continues, the command line of each process torchrun's launcher starts, and how one process of
+several ends. Imports no torch until a run starts."""
 
 from __future__ import annotations
 
@@ -64,6 +64,43 @@ def check_before_training(loaded, smoke: bool, force: bool, warn: Callable[[str]
     from gpupoor.plan.make import preflight_plan
 
     return preflight_plan(loaded, force, warn)
+
+
+def train(recipe: Path, overrides: list[str], output_dir: str | None, *, smoke: bool, force: bool,
+          resume_if_present: bool, started: float, stop, warn: Callable[[str], None]) -> int:
+    """`gpupoor train`: the recipe loaded with its overrides (recipe_overrides), then either the run already in
+    the output directory resumed (--resume-if-present) or the checks before training and a new run. `started`:
+    when the command started (a time limit counts from there); `stop`: its stop requests. Returns the exit code."""
+    from gpupoor.plan.time.assemble import check_environment
+    from gpupoor.recipe.loading import load_recipe
+
+    check_environment()
+    loaded = load_recipe(recipe, overrides)
+    existing = existing_run(loaded, output_dir) if resume_if_present and not smoke else None
+    if existing is not None:
+        from gpupoor.run.orchestrate import resume_run
+
+        return exit_code(report_finished(resume_run(existing, [], started=started, stop=stop, recipe=loaded)))
+    plan = check_before_training(loaded, smoke, force, warn)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from gpupoor.run.orchestrate import train_from_recipe
+
+    return exit_code(report_finished(train_from_recipe(loaded, output_dir, smoke=smoke, started=started, plan=plan,
+                                                       stop=stop)))
+
+
+def resume(run_dir: Path, set_: list[str] | None, *, force: bool, time_limit: str | None, profile: int | None,
+           started: float, stop) -> int:
+    """`gpupoor resume`: the run continued from its newest valid checkpoint. --set changes are the run's from now
+    on; --time-limit and --profile this invocation's only. Returns the exit code."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from gpupoor.plan.time.assemble import check_environment
+    from gpupoor.run.orchestrate import resume_run
+
+    check_environment()
+    return exit_code(report_finished(resume_run(run_dir, recipe_overrides(set_, None, None), force=force,
+                                                started=started, stop=stop,
+                                                invocation=recipe_overrides(None, time_limit, profile))))
 
 
 def launch_processes(context, launch_params: tuple[str, ...], debug: bool, say: Callable[[str], None]) -> int:

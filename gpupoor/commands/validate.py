@@ -560,3 +560,36 @@ def _decoded_runs(tokenizer, ids: list[int], trained: list[bool]) -> list[tuple[
         runs.append((trained[start], piece))
         start, done = end, upto
     return runs
+
+
+def validate_recipes(recipes: list[Path], overrides: list[str], force: bool, show: int, debug: bool, *,
+                     say: Callable[[str], None], err: Callable[[str], None], colour: bool) -> int:
+    """`gpupoor validate`: each recipe checked (`preflight`, then the memory plan) and said ok or its error, the
+    next one checked either way. Exit 2 when one is bad input, 1 when a check crashed (a bug), else 0."""
+    from gpupoor.errors import EXIT_BAD_INPUT, EXIT_FAILED
+    from gpupoor.plan.make import preflight_plan
+    from gpupoor.recipe.loading import load_recipe
+
+    failed = crashed = 0
+    for path in recipes:
+        try:
+            loaded = load_recipe(path, overrides)
+            notes: list[str] = []  # sources too big to read whole: which rows were checked
+            warnings = preflight(loaded, RowCheck(WHOLE_CHECK_BYTES, notes.append))
+            plan = preflight_plan(loaded, force, warnings.append)
+            rows = show_rows(loaded, show, colour=colour) if show else []
+            for warning in warnings:
+                err(f"{path}: warning: {warning}")
+            memory = "" if plan is None else f" (predicted peak {format_bytes(plan.peak)} on {plan.device})"
+            say("\n".join([f"{path}: ok{memory}", *(f"{path}: note: {note}" for note in notes), *rows]))
+        except UserError as exc:
+            if debug:
+                raise
+            err(f"{path}: error: {exc}")
+            failed += 1
+        except Exception as exc:  # a bug, not bad input: report it (exit 1) but still check the next recipe
+            if debug:
+                raise
+            err(f"{path}: error: {type(exc).__name__}: {exc}\n  (run again with --debug for the traceback)")
+            crashed += 1
+    return EXIT_FAILED if crashed else EXIT_BAD_INPUT if failed else 0

@@ -104,8 +104,8 @@ def test_every_command_has_dash_h_and_no_flag_shows_a_value_type():
 
 
 def test_train_and_resume_take_the_launch_options_declared_once():
-    """gpupoor.cli.LAUNCH_OPTIONS is added to both commands (launch_options), so their help and parsing agree."""
-    from gpupoor.cli import LAUNCH_OPTIONS
+    """gpupoor.verb.LAUNCH_OPTIONS is added to both commands (launch_options), so their help and parsing agree."""
+    from gpupoor.verb import LAUNCH_OPTIONS
 
     for command in ("train", "resume"):
         output = invoke(command, "--help").output
@@ -113,6 +113,29 @@ def test_train_and_resume_take_the_launch_options_declared_once():
             assert f"--{name.replace('_', '-')}" in output, (command, name)
     result = invoke("resume", "no-such-run", "--nnodes", "2")  # parsed, then refused without --nproc-per-node
     assert result.exit_code == 2 and "--nnodes without --nproc-per-node" in result.output
+
+
+def test_every_verb_takes_debug_once_and_none_shows_what_the_decorator_gives_it():
+    """gpupoor.verb.verb adds --debug to each verb (declared nowhere else) and hands train and resume their start
+    time and stop requests, which are no options."""
+    import typer.main
+
+    commands = typer.main.get_command(app).commands
+    assert len(commands) >= 15
+    for name, command in commands.items():
+        options = [option for parameter in command.params for option in parameter.opts]
+        if name != "schema":  # prints the schema: nothing to fail
+            assert options.count("--debug") == 1, (name, options)
+        assert not {"--started", "--stop"} & set(options), (name, options)
+
+
+def test_a_verbs_debug_shows_the_traceback_it_otherwise_keeps_back(tmp_path):
+    missing = tmp_path / "missing"
+    plain = invoke("status", missing)
+    assert plain.exit_code == 2 and "error:" in plain.output and "Traceback" not in plain.output
+    debugged = invoke("status", missing, "--debug")
+    assert debugged.exit_code != 0 and isinstance(debugged.exception, Exception)
+    assert type(debugged.exception).__name__ == "UserError"
 
 
 def test_progress_lines_say_done_elapsed_and_time_left_at_most_every_few_seconds():
