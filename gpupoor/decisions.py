@@ -251,7 +251,7 @@ def choose_fused_loss(enabled: bool, postprocessing: str | None, head_adapted: b
     return True, "output head fused with the loss"
 
 
-# Families the fused decoder paths (gpupoor.model.fast_paths) are tested on: tests/unit/test_fused_layers.py.
+# Families the fused decoder paths (gpupoor.model.fast_paths) are tested on: tests/unit/model/test_fused_layers.py.
 FUSED_FAMILIES = ("llama", "qwen2", "mistral", "gemma")
 
 

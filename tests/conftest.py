@@ -1,5 +1,6 @@
-"""Fixtures: a tokenizer trained here, tiny random-weight Llamas saved with save_pretrained, data files,
-and a helper that writes recipes. Nothing is downloaded: HF_HUB_OFFLINE makes an accidental download fail.
+"""Fixtures: a tokenizer trained here, tiny random-weight Llamas saved with save_pretrained, data files, a recipe
+maker, the real model. Nothing is downloaded: HF_HUB_OFFLINE makes an accidental download fail. The helpers test
+files import by name live in tests/support/ (cli: invoke; runs: read_metrics, reference_runs; rows; recipes).
 
 The tests are in tiers, one directory each, and every test is marked with its directory's name:
   unit/         no training run, no subprocess: `make test`, after every change (under 2 minutes, xdist workers)
@@ -13,7 +14,7 @@ another (it measures wall-clock time, or a peak while nothing else runs) is mark
 stops, kills and time limits are injected at a step (GPUPOOR_FAULT), so they need no such mark.
 A test that trains or starts a process is not a unit test.
 The tiers' fixtures are all here: a second conftest.py in a tier's directory would replace this module as
-`conftest` in sys.modules, and the `from conftest import ...` of every test file collected after it would fail."""
+`conftest` in sys.modules for the files collected after it."""
 
 from __future__ import annotations
 
@@ -23,14 +24,10 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -54,68 +51,8 @@ from gpupoor.model.pretrained import SMOLLM2, is_verified, real_model_path  # no
 
 REAL_GGUF = real_model_path()
 
-WORDS = ("the model learns to stop when the answer is done and every token counts toward the loss "
-         "python lists sort reverse add numbers quickly small large data memory speed resume").split()
-
-
-def _sentence(rng: random.Random, low: int, high: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
-
-
-def alpaca_rows(count: int, seed: int = 0) -> list[dict]:
-    """Variable-length rows: prompts and answers of different sizes, some with an input."""
-    rng = random.Random(seed)
-    rows = []
-    for index in range(count):
-        row = {"instruction": _sentence(rng, 2, 12), "output": _sentence(rng, 1, 20)}
-        if index % 3 == 0:
-            row["input"] = _sentence(rng, 1, 8)
-        rows.append(row)
-    return rows
-
-
-def shipped_recipes(real: bool = False) -> list[Path]:
-    """recipes/*.yaml: those that train a tiny or built-in model, or (real=True) those that train the real model,
-    a .gguf in the cache that only the `real` tier may count on (`make fetch-real`)."""
-    paths = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
-    return [path for path in paths
-            if str(yaml.safe_load(path.read_text())["model"]["name_or_path"]).endswith(".gguf") == real]
-
-
-class _Saved:
-    """What the saved-tensors hook packs: alive exactly as long as autograd keeps the tensor for backward."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-def saved_tensor_bytes(model, forward: Callable) -> int:
-    """Bytes of what autograd keeps for backward at the end of `forward()`: unique storages, `model`'s parameters
-    excluded, only tensors still held then (DoRA's B@A builds a graph it frees within the forward)."""
-    import weakref
-
-    import torch
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    packed = []
-
-    def keep(tensor):
-        box = _Saved(tensor)
-        packed.append((weakref.ref(box), tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
-        return box
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda box: box.tensor):
-        out = forward()
-    held = {ptr: size for ref, ptr, size in packed if ref() is not None and ptr not in params}
-    del out
-    return sum(held.values())
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from support.recipes import write_recipe  # noqa: E402
+from support.rows import alpaca_rows, sentence, write_jsonl  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -195,7 +132,7 @@ def tokenizer():
     from gpupoor.model.tiny import train_tokenizer
 
     rng = random.Random(1)
-    texts = [alpaca_prompt(_sentence(rng, 2, 9), _sentence(rng, 0, 5)) + _sentence(rng, 1, 9) for _ in range(300)]
+    texts = [alpaca_prompt(sentence(rng, 2, 9), sentence(rng, 0, 5)) + sentence(rng, 1, 9) for _ in range(300)]
     texts += ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"] * 20
     return train_tokenizer(texts, vocab_size=400)
 
@@ -225,7 +162,7 @@ def sentencepiece_style_tokenizers():
     from gpupoor.model.tiny import train_sentencepiece_style_tokenizer
 
     rng = random.Random(1)
-    texts = [alpaca_prompt(_sentence(rng, 2, 9), _sentence(rng, 0, 5)) + _sentence(rng, 1, 9) for _ in range(300)]
+    texts = [alpaca_prompt(sentence(rng, 2, 9), sentence(rng, 0, 5)) + sentence(rng, 1, 9) for _ in range(300)]
     return {prefix: train_sentencepiece_style_tokenizer(texts, vocab_size=500, space_prefix=prefix)
             for prefix in (True, False)}
 
@@ -243,26 +180,6 @@ def alpaca_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "train.jsonl", alpaca_rows(48))
 
 
-def write_recipe(path: Path, model_dir: Path, data_file: Path, **sections) -> Path:
-    """A recipe for `model_dir` on `data_file`; keyword sections are merged over sensible test defaults."""
-    recipe = {
-        "model": {"name_or_path": str(model_dir)},
-        "data": {"path": str(data_file), "format": "alpaca", "max_length": 128, "sampler": "random"},
-        "peft": {"rank": 4},
-        "training": {"micro_batch_size": 4, "max_steps": 4, "learning_rate": 1e-2, "cpu_threads": 1,
-                     "warmup_steps": 0},
-        "logging": {"progress": "none", "report": False},  # report.html costs ~2 s of matplotlib a run
-        "seed": 0,
-    }
-    for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(recipe.get(key), dict):
-            recipe[key] = {**recipe[key], **value}
-        else:
-            recipe[key] = value
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path
-
-
 @pytest.fixture()
 def make_recipe(tmp_path, tiny_model, alpaca_file):
     """Write a recipe for the tiny model; keyword sections are merged over sensible test defaults."""
@@ -271,133 +188,6 @@ def make_recipe(tmp_path, tiny_model, alpaca_file):
         return write_recipe(tmp_path / name, tiny_model, alpaca_file, **sections)
 
     return make
-
-
-def reference_runs(tmp_path_factory, tiny_model):
-    """`train(fault=None, **sections) -> run`: an uninterrupted run of the test recipe (on the same 48 rows
-    as `alpaca_file`), trained once per module and recipe, for the module's tests to compare with or copy. A
-    module fixture runs before the tests' own environment exists, so it sets its own cache and fault."""
-    root = tmp_path_factory.mktemp("reference")
-    data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
-    runs: dict[tuple, Path] = {}
-
-    def train(fault: str | None = None, **sections) -> Path:
-        key = (fault, repr(sections))
-        if key not in runs:
-            run = root / f"run-{len(runs)}"
-            recipe = write_recipe(root / f"recipe-{len(runs)}.yaml", tiny_model, data, **sections)
-            with pytest.MonkeyPatch.context() as monkeypatch:
-                monkeypatch.setenv("GPUPOOR_CACHE", str(root / "cache"))
-                result = invoke("train", recipe, "--output-dir", run, fault=fault, monkeypatch=monkeypatch)
-            assert result.exit_code == 0, result.output
-            runs[key] = run
-        return runs[key]
-
-    return train
-
-
-# Every training method, and the last-N-layers variants (#14): recipe `peft` sections by name.
-PEFT_METHODS = {
-    "lora": {"method": "lora"},
-    "dora": {"method": "dora"},
-    "ia3": {"method": "ia3"},
-    "full": {"method": "full"},
-    "full-last-layer-and-head": {"method": "full", "last_layers": 1, "modules_to_save": ["lm_head"]},
-    "lora-last-layer": {"method": "lora", "last_layers": 1},
-    "dora-last-layer-and-head": {"method": "dora", "last_layers": 1, "modules_to_save": ["lm_head"]},
-    "ia3-last-layer": {"method": "ia3", "last_layers": 1},
-    "full-mlps-and-final-norm": {"method": "full", "modules_to_save": ["mlp", "norm"]},
-}
-
-
-def invoke(*args, monkeypatch=None, fault: str | None = None):
-    """`gpupoor ARGS` in this process (typer's CliRunner), with GPUPOOR_FAULT set to `fault` (or cleared) when a
-    monkeypatch is given."""
-    from typer.testing import CliRunner
-
-    from gpupoor.cli import app
-
-    if monkeypatch is not None:
-        if fault:
-            monkeypatch.setenv("GPUPOOR_FAULT", fault)
-        else:
-            monkeypatch.delenv("GPUPOOR_FAULT", raising=False)
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def masked_batch(tokenizer) -> dict:
-    """A padded batch with a prompt, padding and a hole among the targets: what a loss must skip."""
-    import torch
-
-    from gpupoor.data.assembly import IGNORE_INDEX
-
-    ids = torch.randint(5, len(tokenizer), (3, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, 8:] = 0  # padding
-    labels = ids.clone()
-    labels[:, :4] = IGNORE_INDEX  # a prompt
-    labels[mask == 0] = IGNORE_INDEX
-    labels[2, 6] = IGNORE_INDEX  # a hole in the middle
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run: Path) -> list[tuple[int, float]]:
-    """(step, loss) of every optimizer step a run recorded, in order."""
-    return [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
-
-
-def adapter(run: Path) -> dict:
-    """The tensors of a run's final adapter, by name."""
-    from safetensors.torch import load_file
-
-    return load_file(run / "final" / "adapter_model.safetensors")
-
-
-def assert_same_run(a: Path, b: Path) -> None:
-    """Two runs recorded the same losses and ended with the same adapter, bitwise (floats compared exactly)."""
-    import torch
-
-    assert losses(a) == losses(b)
-    first, second = adapter(a), adapter(b)
-    assert first.keys() == second.keys()
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
-
-
-def run_cli(args: list, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    """`gpupoor ARGS` in a process of its own (python -m gpupoor), its output captured."""
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "gpupoor", *map(str, args)], env=env, capture_output=True,
-                          text=True, **{"timeout": 300, **kwargs})
-
-
-def signalled_once(command: list, ready: Callable[[], bool], signum: int, env_extra: dict | None = None,
-                   poll_s: float = 0.1) -> subprocess.CompletedProcess:
-    """`command` in a process of its own, sent `signum` as soon as `ready()` holds (a step or a checkpoint on
-    disk: never after a sleep, so a slow machine only waits longer), then waited for; its exit code and output.
-    Fails if the process ends before `ready()` holds; the 10-minute bound only ends a hung run."""
-    process = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env_extra or {})})
-    try:
-        deadline = time.monotonic() + 600
-        while not ready():
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-            time.sleep(poll_s)
-        process.send_signal(signum)
-        out, err = process.communicate(timeout=300)
-    finally:
-        process.kill()
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
-
-
-def has_a_step(run: Path) -> bool:
-    """A run recorded its first optimizer step (the session's start event comes before any step)."""
-    metrics = run / "metrics.jsonl"
-    return metrics.is_file() and '"loss"' in metrics.read_text()
 
 
 def pytest_collection_modifyitems(config, items):

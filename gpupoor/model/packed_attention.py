@@ -235,7 +235,7 @@ def masked_shared_heads(query, key, value, attention_mask, dropout: float, scali
     key and value head shared by its group of query heads inside SDPA (enable_gqa). transformers' SDPA function
     repeats them to every query head first when a mask is given (repeat_kv), and autograd keeps the copies for
     backward: heads / kv_heads times the keys and values a layer (3x on SmolLM2; 306 MiB against 102 in the GRPO
-    demo's update). The same arithmetic: outputs equal, gradients to float rounding (tests/unit/test_fused_layers.py)."""
+    demo's update). The same arithmetic: outputs equal, gradients to float rounding (tests/unit/model/test_fused_layers.py)."""
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None

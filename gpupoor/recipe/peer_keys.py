@@ -1,6 +1,6 @@
 """The keys people bring from LLaMA-Factory and axolotl recipes, and where each lives in a gpupoor recipe: the
 unknown-key error names the gpupoor key (and how the value changes, where it does) instead of guessing by
-spelling. docs/migration.md is the same table for reading. tests/unit/test_peer_keys.py checks that every
+spelling. docs/migration.md is the same table for reading. tests/unit/recipe/test_peer_keys.py checks that every
 gpupoor key named here exists in the schema."""
 
 from __future__ import annotations

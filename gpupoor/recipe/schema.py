@@ -99,7 +99,7 @@ class ModelSection(_Section):
 
 
 # The data formats' names: gpupoor.data.row_formats.FORMATS has one class per name (the schema comes before data/, so
-# the two lists are tied by tests/unit/test_formats.py, not by an import). The Literal is this tuple.
+# the two lists are tied by tests/unit/data/test_formats.py, not by an import). The Literal is this tuple.
 # The keys naming a row's fields: set on `data`, or per source (unset there: `data`'s). gpupoor.data.row_formats.FieldNames
 # holds one attribute per key, under the same name, so a new field name is one key here, its two Fields, and its use.
 FIELD_KEYS = ("text_field", "messages_field", "conversations_field")

@@ -238,10 +238,11 @@ def final_problem(run_dir: Path) -> str | None:
     return verify(final, training=False) if final.exists() else "absent"
 
 
-def verify_adapter_dir(path: Path, skip: bool = False, in_run: bool = False) -> None:
-    """Raise a UserError naming the file when an adapter directory gpupoor wrote (final/ or a checkpoint of a run,
-    or a copy with its manifest) does not match its manifest. A plain PEFT adapter directory elsewhere has no
-    manifest: nothing to check. `skip`: the user edited the files on purpose."""
+def verify_weights_dir(path: Path, skip: bool = False, in_run: bool = False) -> None:
+    """Raise a UserError naming the file when a weights directory gpupoor wrote (an adapter or a full model's
+    shards: final/ or a checkpoint of a run, or a copy with its manifest) does not match its manifest. A plain PEFT
+    adapter or model directory elsewhere has no manifest: nothing to check. `skip`: the user edited the files on
+    purpose."""
     if skip or (not in_run and not (path / MANIFEST).is_file()):
         return
     problem = verify(path, training=False)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpupoor.errors import UserError
-from gpupoor.storage.checkpoint import ADAPTER_CONFIG, MODEL_CONFIG, verify_adapter_dir
+from gpupoor.storage.checkpoint import ADAPTER_CONFIG, MODEL_CONFIG, verify_weights_dir
 from gpupoor.storage.rundir import is_run_dir
 
 
@@ -26,7 +26,7 @@ class RunWeights:
     def verify(self, skip: bool = False) -> None:
         """Raise a UserError naming the file that differs from the manifest (a run's weights always have one; a
         directory from elsewhere is checked when it has one). `skip`: the user changed the files on purpose."""
-        verify_adapter_dir(self.path, skip=skip, in_run=self.run_dir is not None)
+        verify_weights_dir(self.path, skip=skip, in_run=self.run_dir is not None)
 
 
 def named_weights(path: Path) -> RunWeights:

@@ -7,7 +7,9 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from conftest import alpaca_rows, assert_same_run, invoke, losses, read_metrics, write_jsonl
+from support.cli import invoke
+from support.rows import alpaca_rows, write_jsonl
+from support.runs import assert_same_run, losses, read_metrics
 from gpupoor.cli import app
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,9 @@ import shutil
 
 import pytest
 
-from conftest import alpaca_rows, invoke, write_jsonl, write_recipe
+from support.cli import invoke
+from support.recipes import write_recipe
+from support.rows import alpaca_rows, write_jsonl
 
 STEPS = {"training": {"max_steps": 2}}
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from conftest import alpaca_rows, invoke, write_jsonl, write_recipe
+from support.cli import invoke
+from support.recipes import write_recipe
+from support.rows import alpaca_rows, write_jsonl
 from gpupoor.cli import app
 
 

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PEFT_METHODS, alpaca_rows, invoke, losses, read_metrics, reference_runs, write_jsonl
+from support.cli import invoke
+from support.recipes import PEFT_METHODS
+from support.rows import alpaca_rows, write_jsonl
+from support.runs import losses, read_metrics, reference_runs
 from support.methods import final_tensors
 from support.cpu_bf16 import GRAD_REL, LOSS_REL, U
 

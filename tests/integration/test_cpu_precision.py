@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 from gpupoor.cpu import PIN_VARIABLE
 
 

@@ -6,7 +6,9 @@ import shlex
 import shutil
 from pathlib import Path
 
-from conftest import alpaca_rows, invoke, write_jsonl, write_recipe
+from support.cli import invoke
+from support.recipes import write_recipe
+from support.rows import alpaca_rows, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 

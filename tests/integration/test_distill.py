@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 from support.distill import teacher
 
 

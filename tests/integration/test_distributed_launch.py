@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 
 from support.distributed import recipe
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from conftest import alpaca_rows, invoke, write_jsonl
+from support.cli import invoke
+from support.rows import alpaca_rows, write_jsonl
 from support.merge import train_run
 
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import invoke, masked_batch, read_metrics
+from support.batches import masked_batch
+from support.cli import invoke
+from support.runs import read_metrics
 
 # min_delta 10: no eval after the first counts as an improvement, so patience 2 stops after the third eval
 # (step 6) on any CPU, whatever the losses are; any fall of eval_loss still makes a new best.

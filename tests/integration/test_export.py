@@ -10,7 +10,9 @@ import signal
 import pytest
 import torch
 
-from conftest import invoke, run_cli, write_recipe, alpaca_rows, write_jsonl
+from support.cli import invoke, run_cli
+from support.recipes import write_recipe
+from support.rows import alpaca_rows, write_jsonl
 
 pytest.importorskip("gguf")
 

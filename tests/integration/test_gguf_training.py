@@ -8,7 +8,9 @@ import re
 import pytest
 import torch
 
-from conftest import invoke, read_metrics, write_recipe
+from support.cli import invoke
+from support.recipes import write_recipe
+from support.runs import read_metrics
 
 STEPS = {"training": {"max_steps": 2, "micro_batch_size": 4, "learning_rate": 1e-2, "cpu_threads": 1,
                       "warmup_steps": 0}}
@@ -21,7 +23,7 @@ def losses(run):
 @pytest.fixture(scope="module")
 def gguf_run(tmp_path_factory, tiny_gguf):
     """Two steps of LoRA from the GGUF base, trained once for the module."""
-    from conftest import alpaca_rows, write_jsonl
+    from support.rows import alpaca_rows, write_jsonl
 
     root = tmp_path_factory.mktemp("gguf-run")
     data = write_jsonl(root / "train.jsonl", alpaca_rows(48))
@@ -40,7 +42,7 @@ def test_trains_like_its_directory_and_says_what_it_was_dequantized_from(gguf_ru
     card = (run / "final" / "README.md").read_text()  # loads the base as transformers can: by gguf_file=
     assert f'from_pretrained("{tiny_gguf.parent}", gguf_file="{tiny_gguf.name}")' in card
     # The same model and tokenizer as the directory it was written from: the same losses.
-    from conftest import alpaca_rows, write_jsonl
+    from support.rows import alpaca_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(48))
     plain = write_recipe(tmp_path / "plain.yaml", tiny_model, data, **STEPS)
@@ -57,7 +59,7 @@ def test_resume_from_a_gguf_base_is_exact_and_notices_a_replaced_file(gguf_run, 
     _, reference, _ = gguf_run
     base = tmp_path / "base.gguf"
     shutil.copy(tiny_gguf, base)
-    from conftest import alpaca_rows, write_jsonl
+    from support.rows import alpaca_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(48))
     recipe = write_recipe(tmp_path / "r.yaml", base, data, **STEPS)
@@ -98,7 +100,7 @@ def test_merge_lora_writes_a_transformers_directory(gguf_run, tiny_model, tmp_pa
 
 
 def test_qlora_on_a_dequantized_gguf_base_trains_and_merges(tiny_gguf, tmp_path, monkeypatch):
-    from conftest import alpaca_rows, write_jsonl
+    from support.rows import alpaca_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(16))
     recipe = write_recipe(tmp_path / "r.yaml", tiny_gguf, data, quantization={"bits": 4},
@@ -113,7 +115,7 @@ def test_qlora_on_a_dequantized_gguf_base_trains_and_merges(tiny_gguf, tmp_path,
 
 
 def test_train_on_a_truncated_gguf_exits_2_and_writes_nothing(tiny_gguf, tmp_path, monkeypatch):
-    from conftest import alpaca_rows, write_jsonl
+    from support.rows import alpaca_rows, write_jsonl
 
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny_gguf.read_bytes()[:-100])  # the last tensor's end missing

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from conftest import assert_same_run, invoke, read_metrics
+from support.cli import invoke
+from support.runs import assert_same_run, read_metrics
 
 # The tiny random model's answers are a few random byte-level tokens: their length in characters varies, so a
 # length reward differs within a group (GRPO learns nothing from a group of equal rewards).

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import invoke
+from support.cli import invoke
 from support.harness import World, build_world, cases, command_line, content_hashes, snapshot
 
 CASES = cases()

@@ -13,7 +13,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from conftest import alpaca_rows, write_jsonl
+from support.rows import alpaca_rows, write_jsonl
 from gpupoor.cli import app
 from support.merge import (assert_merges_as_trained_only_into_the_dequantized_base, lora_run, merge, runner, train_run,
                            workdir)

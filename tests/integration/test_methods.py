@@ -7,7 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import PEFT_METHODS, invoke, read_metrics
+from support.cli import invoke
+from support.recipes import PEFT_METHODS
+from support.runs import read_metrics
 from support.methods import METHODS, final_tensors
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import alpaca_rows, invoke, read_metrics, write_jsonl
+from support.cli import invoke
+from support.rows import alpaca_rows, write_jsonl
+from support.runs import read_metrics
 
 from support.mixtures import two_sources
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import alpaca_rows, write_jsonl
+from support.rows import alpaca_rows, write_jsonl
 from gpupoor.cli import app
 
 runner = CliRunner()

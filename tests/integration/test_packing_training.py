@@ -8,7 +8,7 @@ from gpupoor.data.build import collate_packed
 def test_packed_training_trains_and_reports_no_padding(make_recipe, tmp_path):
     from typer.testing import CliRunner
 
-    from conftest import read_metrics
+    from support.runs import read_metrics
     from gpupoor.cli import app
 
     recipe = make_recipe(data={"sampler": "packed"}, training={"max_steps": 6})

@@ -6,7 +6,7 @@ from gpupoor.cli import app
 from gpupoor.plan.make import make_plan
 from gpupoor.recipe.loading import load_recipe
 
-from conftest import read_metrics
+from support.runs import read_metrics
 
 from support.plan import runner, small_gpu
 

@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from conftest import invoke, read_metrics, write_jsonl
+from support.cli import invoke
+from support.rows import write_jsonl
+from support.runs import read_metrics
 from gpupoor.data.encoder import Encoder
 
 from support.preference import _one_thread, dpo_recipe, pair_rows, pairs_file, steps

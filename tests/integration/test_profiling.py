@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 
 
 def test_profile_writes_a_trace_and_a_summary_that_adds_up(make_recipe, tmp_path):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import alpaca_rows, invoke, write_jsonl
+from support.cli import invoke
+from support.rows import alpaca_rows, write_jsonl
 from support.report import BAD_LINES, insert_bad_line
 
 pytest.importorskip("matplotlib")
@@ -306,7 +307,7 @@ def test_status_of_a_live_epoch_run_shows_its_total_and_eta_and_no_resume_advice
     held (a process trains in it), status gives the ETA and does not tell the user to resume it."""
     import json
 
-    from conftest import invoke
+    from support.cli import invoke
     from gpupoor.commands.status import status_report
     from gpupoor.storage.rundir import RunLock
 
@@ -331,7 +332,7 @@ def test_status_of_a_live_epoch_run_shows_its_total_and_eta_and_no_resume_advice
 
 @pytest.mark.report_at_the_end
 def test_a_finished_run_draws_its_report_by_itself_unless_told_not_to(make_recipe, tmp_path):
-    from conftest import invoke
+    from support.cli import invoke
 
     run = tmp_path / "run"
     result = invoke("train", make_recipe(logging={"report": True}), "--output-dir", run)

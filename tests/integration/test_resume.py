@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_run, invoke, losses, read_metrics, reference_runs
+from support.cli import invoke
+from support.runs import assert_same_run, losses, read_metrics, reference_runs
 from support.resume import EXACT, references, straight
 
 
@@ -306,7 +307,7 @@ def test_resume_time_limit_and_profile_are_for_that_invocation_only(make_recipe,
     resume without them does not inherit them."""
     import yaml
 
-    from conftest import invoke
+    from support.cli import invoke
 
     run = tmp_path / "run"
     assert invoke("train", make_recipe(training={"max_steps": 2}), "--output-dir", run).exit_code == 0

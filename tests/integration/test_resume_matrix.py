@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 from gpupoor.optimizers import OPTIMIZERS as OPTIMIZER_TABLE
 from support.methods import METHODS, final_tensors
 from support.mixtures import mixture_recipe

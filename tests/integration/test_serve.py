@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from conftest import invoke
+from support.cli import invoke
 
 from support.serve import free_port, tiny_alpaca_run
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from gpupoor.errors import UserError
 from gpupoor.recipe.loading import load_recipe
 
-from conftest import invoke
+from support.cli import invoke
 
 from support.starting_points import STARTS, STILL, assert_close, final_eval_loss, foreign_adapter, tensors, train
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 import yaml
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 from gpupoor.errors import EXIT_RESUMABLE
 from gpupoor.plan.time.facts import FACTS_FILE
 from gpupoor.plan.fit import TIME_FIT_SHARE

@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import invoke
+from support.cli import invoke
 
 from support.tokenize import _build_reads_tokenized_dirs, mixture_recipe
 

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 from support.trackers import _quiet_wandb, steps_and_losses, tensorboard_scalars
 
 

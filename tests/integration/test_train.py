@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import read_metrics
+from support.runs import read_metrics
 from gpupoor.cli import app
 
 runner = CliRunner()
@@ -207,7 +207,7 @@ def test_smoke_runs_in_the_recipes_own_precision(make_recipe, tmp_path, monkeypa
 
 
 def test_chat_and_text_formats_train(make_recipe, tmp_path):
-    from conftest import write_jsonl
+    from support.rows import write_jsonl
 
     chat = write_jsonl(tmp_path / "chat.jsonl", [
         {"messages": [{"role": "user", "content": "sort lists"}, {"role": "assistant", "content": "done quickly"}]}] * 8)

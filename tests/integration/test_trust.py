@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import invoke, read_metrics, reference_runs
+from support.cli import invoke
+from support.runs import read_metrics, reference_runs
 from gpupoor.train.optim import lr_factor
 from support.trust import full_disk_on
 

@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import invoke, shipped_recipes
+from support.cli import invoke
+from support.recipes import shipped_recipes
 
 from support.makefile import target_commands
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import invoke, shipped_recipes
+from support.cli import invoke
+from support.recipes import shipped_recipes
 from gpupoor.scripts import demo_real
 
 from support.makefile import target_commands

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_run, invoke, losses, read_metrics, signalled_once, write_jsonl, write_recipe
+from support.cli import invoke, signalled_once
+from support.recipes import write_recipe
+from support.rows import write_jsonl
+from support.runs import assert_same_run, losses, read_metrics
 
 DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"
 

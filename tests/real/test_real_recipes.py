@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from conftest import invoke, shipped_recipes
+from support.cli import invoke
+from support.recipes import shipped_recipes
 
 
 def test_the_real_demo_recipe_is_among_those_tested():

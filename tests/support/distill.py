@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import invoke
+from support.cli import invoke
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def teacher(tmp_path_factory, tokenizer):
     not. Its final/ is a plain model directory with the student's tokenizer."""
     import yaml
 
-    from conftest import alpaca_rows, write_jsonl
+    from support.rows import alpaca_rows, write_jsonl
     from gpupoor.model.tiny import build_tiny_llama
 
     root = tmp_path_factory.mktemp("teacher")

@@ -1,4 +1,4 @@
-"""Shared by the distill_loss tests (moved from unit/test_distill_loss.py, whose tests still use them)."""
+"""Shared by the distill_loss tests (moved from unit/objectives/test_distill_loss.py, whose tests still use them)."""
 
 from __future__ import annotations
 

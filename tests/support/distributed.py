@@ -10,7 +10,8 @@ import yaml
 
 import pytest
 
-from conftest import alpaca_rows, read_metrics, write_jsonl
+from support.rows import alpaca_rows, write_jsonl
+from support.runs import read_metrics
 
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

@@ -1,4 +1,4 @@
-"""Shared by the fused_layers tests (moved from unit/test_fused_layers.py, whose tests still use them)."""
+"""Shared by the fused_layers tests (moved from unit/model/test_fused_layers.py, whose tests still use them)."""
 
 from __future__ import annotations
 

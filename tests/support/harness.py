@@ -71,7 +71,9 @@ def build_world(root: Path, tiny_model: Path) -> World:
     import pytest
     import yaml
 
-    from conftest import alpaca_rows, invoke, write_jsonl, write_recipe
+    from support.cli import invoke
+    from support.recipes import write_recipe
+    from support.rows import alpaca_rows, write_jsonl
 
     data = write_jsonl(root / "rows.jsonl", alpaca_rows(24))
     recipe = write_recipe(root / "recipe.yaml", tiny_model, data, training={"max_steps": 2})

@@ -1,14 +1,13 @@
-"""Shared by the memory tests (moved from unit/test_memory.py, whose tests still use them)."""
+"""Shared by the memory tests (moved from unit/train/test_memory.py, whose tests still use them)."""
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 
-import torch
 from typer.testing import CliRunner
 
-from conftest import read_metrics
 from gpupoor.cli import app
+from support.runs import read_metrics
 
 
 runner = CliRunner()
@@ -63,3 +62,34 @@ block = libc.malloc(size)
 ctypes.memset(block, 2, size)
 print(int(pinned), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 """
+
+
+class _Saved:
+    """What the saved-tensors hook packs: alive exactly as long as autograd keeps the tensor for backward."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def saved_tensor_bytes(model, forward: Callable) -> int:
+    """Bytes of what autograd keeps for backward at the end of `forward()`: unique storages, `model`'s parameters
+    excluded, only tensors still held then (DoRA's B@A builds a graph it frees within the forward)."""
+    import weakref
+
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    packed = []
+
+    def keep(tensor):
+        box = _Saved(tensor)
+        packed.append((weakref.ref(box), tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda box: box.tensor):
+        out = forward()
+    held = {ptr: size for ref, ptr, size in packed if ref() is not None and ptr not in params}
+    del out
+    return sum(held.values())

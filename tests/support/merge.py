@@ -8,7 +8,7 @@ import yaml
 import pytest
 from typer.testing import CliRunner
 
-from conftest import alpaca_rows, write_jsonl
+from support.rows import alpaca_rows, write_jsonl
 from gpupoor.cli import app
 
 

@@ -1,4 +1,4 @@
-"""Shared by the merge_methods tests (moved from unit/test_merge_methods.py, whose tests still use them)."""
+"""Shared by the merge_methods tests (moved from unit/model/test_merge_methods.py, whose tests still use them)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import yaml
 
 from typer.testing import CliRunner
 
-from conftest import alpaca_rows, write_jsonl
+from support.rows import alpaca_rows, write_jsonl
 from gpupoor.cli import app
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from conftest import PEFT_METHODS
+from support.recipes import PEFT_METHODS
 
 
 # The methods trained end to end here (the plan's tests cover the others too).

@@ -1,10 +1,10 @@
-"""Shared by the mixtures tests (moved from unit/test_mixtures.py, whose tests still use them)."""
+"""Shared by the mixtures tests (moved from unit/data/test_mixtures.py, whose tests still use them)."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import alpaca_rows, write_jsonl
+from support.rows import alpaca_rows, write_jsonl
 
 
 @pytest.fixture()

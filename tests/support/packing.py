@@ -1,4 +1,4 @@
-"""Shared by the packing tests (moved from unit/test_packing.py, whose tests still use them)."""
+"""Shared by the packing tests (moved from unit/data/test_packing.py, whose tests still use them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the plan tests (moved from unit/test_plan.py, whose tests still use them)."""
+"""Shared by the plan tests (moved from unit/plan/test_plan.py, whose tests still use them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the preference tests (moved from unit/test_preference.py, whose tests still use them)."""
+"""Shared by the preference tests (moved from unit/objectives/test_preference.py, whose tests still use them)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-import gpupoor.objectives.preference as preference
-from conftest import WORDS, read_metrics, write_jsonl
+from support.rows import WORDS, write_jsonl
+from support.runs import read_metrics
 
 
 @pytest.fixture(autouse=True)

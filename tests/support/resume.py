@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import reference_runs
+from support.runs import reference_runs
 
 
 # 48 rows, micro batch 4, accumulation 2: 12 micro-batches and 6 optimizer steps per epoch, 9 steps in all.

@@ -15,7 +15,9 @@ def free_port() -> int:
 
 def tiny_alpaca_run(root: Path, tiny_model: Path, name: str = "run", rows: int = 16, steps: int = 2) -> Path:
     """A LoRA run of the tiny model on `rows` alpaca rows, trained for `steps` into root/name."""
-    from conftest import alpaca_rows, invoke, write_jsonl, write_recipe
+    from support.cli import invoke
+    from support.recipes import write_recipe
+    from support.rows import alpaca_rows, write_jsonl
 
     data = write_jsonl(root / "train.jsonl", alpaca_rows(rows))
     assert invoke("train", write_recipe(root / "r.yaml", tiny_model, data, training={"max_steps": steps}),

@@ -1,4 +1,4 @@
-"""Shared by the starting_points tests (moved from unit/test_starting_points.py, whose tests still use them)."""
+"""Shared by the starting_points tests (moved from unit/recipe/test_starting_points.py, whose tests still use them)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 
 
 def train(recipe: Path, run: Path, monkeypatch) -> Path:

@@ -1,13 +1,11 @@
-"""Shared by the tokenize tests (moved from unit/test_tokenize.py, whose tests still use them)."""
+"""Shared by the tokenize tests (moved from unit/data/test_tokenize.py, whose tests still use them)."""
 
 from __future__ import annotations
 
-import yaml
 
 import pytest
 
-from conftest import alpaca_rows, write_jsonl
-from gpupoor.data.tokenize import load_tokenized_dir
+from support.rows import alpaca_rows, write_jsonl
 
 
 @pytest.fixture()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import read_metrics
+from support.runs import read_metrics
 
 
 REPORT_ALL = {"report_to": ["tensorboard", "mlflow", "wandb"], "offline": True, "progress": "none"}

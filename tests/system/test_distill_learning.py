@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conftest import invoke
+from support.cli import invoke
 
 from support.distill import teacher
 
@@ -40,7 +40,7 @@ def _kl_to_teacher(student_dir, adapter_dir, teacher_dir, rows) -> float:
 
 
 def test_a_distilled_student_moves_toward_its_teacher(make_recipe, teacher, tiny_model, tmp_path):
-    from conftest import alpaca_rows
+    from support.rows import alpaca_rows
 
     common = {"training": {"max_steps": 24, "learning_rate": 3e-3}, "peft": {"method": "full"}}
     distilled = make_recipe("kd.yaml", distill={"teacher": str(teacher), "weight": 1.0, "temperature": 1.0}, **common)

@@ -19,7 +19,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import alpaca_rows, has_a_step, invoke, read_metrics, signalled_once, write_jsonl
+from support.cli import invoke, signalled_once
+from support.rows import alpaca_rows, write_jsonl
+from support.runs import has_a_step, read_metrics
 from support.distributed import RECIPE, TORCHRUN, exit_codes, losses, one_process, recipe, torchrun
 
 FSDP = ["--set", "distributed.strategy=fsdp"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 import signal
 
-from conftest import assert_same_run, invoke, read_metrics, run_cli
+from support.cli import invoke, run_cli
+from support.runs import assert_same_run, read_metrics
 
 GRPO = {"group_size": 4, "max_new_tokens": 6, "beta": 0.04, "iterations": 2,
         "rewards": [{"scorer": "length<=8"}, {"scorer": "exact", "weight": 2}]}

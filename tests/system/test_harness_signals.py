@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from conftest import run_cli
+from support.cli import run_cli
 from support.harness import VERBS, World, build_world, content_hashes, snapshot
 
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}
@@ -80,7 +80,7 @@ def test_sighup_from_a_terminal_that_closed_still_ends_in_a_checkpoint(world, tm
     import sys
     import time
 
-    from conftest import has_a_step
+    from support.runs import has_a_step
 
     master, terminal = os.openpty()
     run = tmp_path / "run"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from conftest import invoke, read_metrics, write_jsonl
+from support.cli import invoke
+from support.rows import write_jsonl
+from support.runs import read_metrics
 from gpupoor.data.encoder import Encoder
 
 from support.preference import _one_thread

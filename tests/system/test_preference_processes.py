@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 
 from support.preference import _one_thread, dpo_recipe, pairs_file
 

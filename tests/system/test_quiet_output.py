@@ -3,7 +3,7 @@ kineto `USDT:` lines (they are written to the process's stderr below Python, so 
 
 from __future__ import annotations
 
-from conftest import run_cli
+from support.cli import run_cli
 
 
 def test_a_profiled_run_prints_no_profiler_internals(make_recipe, tmp_path):

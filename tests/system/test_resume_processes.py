@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import adapter, assert_same_run, has_a_step, invoke, losses, read_metrics, run_cli, signalled_once
+from support.cli import invoke, run_cli, signalled_once
+from support.runs import adapter, assert_same_run, has_a_step, losses, read_metrics
 from gpupoor.storage.checkpoint import STAGES
 
 from support.resume import references, straight

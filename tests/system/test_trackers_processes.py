@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 
 from support.trackers import REPORT_ALL, _quiet_wandb, mlflow_history, steps_and_losses, tensorboard_scalars
 

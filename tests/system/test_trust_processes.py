@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from conftest import invoke, read_metrics
+from support.cli import invoke
+from support.runs import read_metrics
 
 from support.trust import _train_process
 

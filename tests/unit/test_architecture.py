@@ -185,3 +185,14 @@ def test_the_architecture_doc_has_a_row_per_module_with_its_imports():
     wrong = {name: sorted({t[len("gpupoor."):] for t in graph[name]} ^ rows[name])
              for name in modules if {t[len("gpupoor."):] for t in graph[name]} != rows[name]}
     assert not wrong, f"imports columns that differ from the code (names in one but not the other): {wrong}"
+
+
+def test_the_unit_tier_mirrors_the_packages_folders_and_test_names_are_unique():
+    """tests/unit/PART/ holds the tests of gpupoor/PART/ (docs/architecture.md, The tests); pytest imports every
+    test file by its name alone (no __init__.py), so two files of one name anywhere under tests/ would collide."""
+    tests = PACKAGE.parent / "tests"
+    unit = tests / "unit"
+    folders = {path.parent.relative_to(unit) for path in unit.rglob("test_*.py")} - {Path(".")}
+    assert folders and all((PACKAGE / folder).is_dir() for folder in folders), sorted(map(str, folders))
+    names = [path.name for path in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(name for name in names if names.count(name) > 1)

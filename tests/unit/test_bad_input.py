@@ -471,7 +471,7 @@ def test_a_mixtures_eval_path_that_is_another_sources_file_is_warned(make_recipe
 
 
 def test_a_separate_eval_file_is_not_warned(make_recipe, tmp_path):
-    from conftest import alpaca_rows, write_jsonl
+    from support.rows import alpaca_rows, write_jsonl
 
     code, output = validate(make_recipe(data={"eval_path": str(write_jsonl(tmp_path / "eval.jsonl", alpaca_rows(8, 1)))}))
     assert code == 0 and "also training data" not in output, output
@@ -480,7 +480,7 @@ def test_a_separate_eval_file_is_not_warned(make_recipe, tmp_path):
 def test_eval_split_that_is_the_training_split_is_warned(make_recipe, tmp_path):
     import datasets
 
-    from conftest import alpaca_rows
+    from support.rows import alpaca_rows
 
     saved = tmp_path / "saved"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(alpaca_rows(16)),
@@ -527,7 +527,7 @@ def test_a_yaml_merge_key_merges_and_its_overrides_are_no_duplicates(tmp_path):
 # 11. validate reads a small source whole; of a big one it says how much it read (#41) ------------------------------
 
 def rows_with_a_bad_one_after_the_preflight(tmp_path):
-    from conftest import alpaca_rows, write_jsonl
+    from support.rows import alpaca_rows, write_jsonl
 
     return write_jsonl(tmp_path / "rows.jsonl", alpaca_rows(PREFLIGHT_ROWS) + [{"instruction": "x", "output": 5}])
 

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from gpupoor import __version__
 from gpupoor.cli import app
 
-from conftest import invoke, shipped_recipes
+from support.cli import invoke
+from support.recipes import shipped_recipes
 from support.cli import runner
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import invoke
+from support.cli import invoke
 
 from support.trust import full_disk_on
 
