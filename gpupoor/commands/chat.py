@@ -74,6 +74,7 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
     import torch
     from transformers import TextStreamer
 
+    from gpupoor.model.decoding import decoder_for
     from gpupoor.model.generation import cap_new_tokens, load_generator
 
     generator = load_generator(source, checkpoint, base, None, force=force, warn=warn)
@@ -85,6 +86,8 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
     write(f"chatting with {source} ({how}{computing}); {'   '.join(COMMANDS[c] for c in allowed)}\n")
     system, turns, given_input = None, [], None
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    decoder = decoder_for(model)  # the weights do not change during a chat: read (and merged) once
+    draws = torch.Generator(next(model.parameters()).device).manual_seed(0) if temperature > 0 else None
     while True:
         try:
             line = read("you> ").strip()
@@ -133,19 +136,33 @@ def chat(source: Path, checkpoint: str, base: str | None, max_new_tokens: int, t
             turns = turns[:-1]
             continue
         write("model> ")
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        with torch.no_grad():
-            output = model.generate(input_ids=torch.tensor([ids], device=next(model.parameters()).device),
-                                    max_new_tokens=new_tokens, streamer=streamer,
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                    **sampling)
-        answer = tokenizer.decode(output[0, len(ids):], skip_special_tokens=True).strip()
+        answer = _streamed_answer(model, decoder, tokenizer, ids, new_tokens, temperature, draws, streamer)
         if not answer:
             write("(empty answer: the model ended its turn at once)\n")
         if capped:
             write(f"(note: {capped})\n")
         if fmt == "chat":
             turns.append({"role": "assistant", "content": answer})
+
+
+def _streamed_answer(model, decoder, tokenizer, ids: list[int], new_tokens: int, temperature: float, draws,
+                     streamer) -> str:
+    """The model's answer to prompt `ids`, streamed as it comes: by the decoding engine where it covers the model
+    (gpupoor.model.decoding), else by transformers' generate."""
+    import torch
+
+    prompt = torch.tensor([ids], device=next(model.parameters()).device)
+    if decoder is not None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        output = decoder.generate(prompt, torch.ones_like(prompt), new_tokens, tokenizer.eos_token_id, pad,
+                                  temperature, draws, streamer=streamer)
+    else:
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        with torch.no_grad():
+            output = model.generate(input_ids=prompt, max_new_tokens=new_tokens, streamer=streamer,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                    **sampling)[:, len(ids):]
+    return tokenizer.decode(output[0], skip_special_tokens=True).strip()
 
 
 def _how_turns_are_read(fmt: str, source: Path, checkpoint: str, history: bool | None,

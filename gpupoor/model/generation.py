@@ -167,9 +167,14 @@ def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 6
              batch_size: int = 16, seed: int = 0, reasons: list | None = None) -> list[str]:
     """Completions of tokenized prompts: greedy (deterministic) unless temperature > 0. `reasons`, when given, gets
     one entry per prompt: None, or why the answer is empty."""
+    from gpupoor.model.decoding import decoder_for
+
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(seed)
+    # the decoding engine where it covers the model (its weights, the adapter merged, read once here); else generate
+    decoder = decoder_for(model)
+    draws = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
     outputs = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
@@ -177,12 +182,17 @@ def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 6
         # Left padding: a decoder-only model continues from the last position of every row.
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                   pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **sampling)
-        decoded = tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
+        if decoder is not None:
+            new_tokens = decoder.generate(input_ids, attention_mask, max_new_tokens, tokenizer.eos_token_id, pad,
+                                          temperature, draws)
+        else:
+            sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+            new_tokens = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                        max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                        eos_token_id=tokenizer.eos_token_id, **sampling)[:, width:]
+        decoded = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
         outputs += decoded
         if reasons is not None:
             reasons += [None if text.strip() else _why_empty(row.tolist(), tokenizer.eos_token_id, pad, max_new_tokens)
-                        for row, text in zip(generated[:, width:], decoded)]
+                        for row, text in zip(new_tokens, decoded)]
     return [text.strip() for text in outputs]
