@@ -177,6 +177,8 @@ class Column:
     eval_loss: float
     general: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    answer_tokens: int = 0  # generated for the rows' answers (each up to its end of sequence)
+    answer_seconds: float = 0.0  # the time they took (the eval loss and the general questions apart)
 
     def mean(self, metric: str) -> float:
         values = self.scores[metric]
@@ -200,15 +202,20 @@ def score_model(name: str, generator, rows: list[HeldOut], metrics: list[Scorer]
     new_tokens, _ = cap_new_tokens(generator.model, prompts + general, max_new_tokens)
     progress = ProgressLine(len(prompts), say, name, "rows answered", every_s=0)
     answers: list[str] = []
+    counts: list[int] = []
+    answering = time.monotonic()
     for start in range(0, len(prompts), BATCH):
-        batch = complete(generator.model, generator.tokenizer, prompts[start:start + BATCH], new_tokens)
+        batch = complete(generator.model, generator.tokenizer, prompts[start:start + BATCH], new_tokens,
+                         counts=counts)
         answers += batch
         progress.tick(len(batch))
+    answer_seconds = time.monotonic() - answering
     scores = {m.name: [m(answer, row.expected, row.row, row.where) for answer, row in zip(answers, rows)]
               for m in metrics}
     loss, _ = mean_nll(generator.model, [row.example for row in rows])
     general_answers = complete(generator.model, generator.tokenizer, general, new_tokens) if general else []
-    return Column(name, answers, scores, loss, general_answers, time.monotonic() - started)
+    return Column(name, answers, scores, loss, general_answers, time.monotonic() - started, sum(counts),
+                  answer_seconds)
 
 
 def evaluate(source: Path, *, data: Path | None, metrics: list[str], checkpoint: str = "final",
@@ -371,6 +378,8 @@ def render(report: dict, columns: list[Column], metrics: list[Scorer], rows: lis
         lines.append(f"{m.name:{width}}" + "".join(
             f"{f'{sum(c.scores[m.name]):.0f}/{len(rows)} ({c.mean(m.name):.0%})':>16}" for c in columns))
     lines.append(f"{'eval loss':{width}}" + "".join(f"{c.eval_loss:>16.4f}" for c in columns))
+    lines.append(f"{'answer tokens/s':{width}}" + "".join(
+        f"{c.answer_tokens / max(c.answer_seconds, 1e-9):>16.1f}" for c in columns))
     if general:
         lines.append(f"{'general questions kept':{width}}" + "".join(
             f"{f'{c.general_kept}/{len(GENERAL)}':>16}" for c in columns))

@@ -153,6 +153,11 @@ def cap_new_tokens(model, prompts: list[list[int]], max_new_tokens: int) -> tupl
     return max_new_tokens, None
 
 
+def _generated(row: list[int], eos: int | None) -> int:
+    """The tokens an answer generated: up to and including its end of sequence (the rest is padding)."""
+    return row.index(eos) + 1 if eos is not None and eos in row else len(row)
+
+
 def _why_empty(new_ids: list[int], eos: int | None, pad: int | None, max_new_tokens: int) -> str:
     """Why a completion decodes to nothing: the model ended at once, or every token it wrote is special or blank."""
     if new_ids and new_ids[0] == eos:
@@ -164,9 +169,11 @@ def _why_empty(new_ids: list[int], eos: int | None, pad: int | None, max_new_tok
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-             batch_size: int = 16, seed: int = 0, reasons: list | None = None) -> list[str]:
+             batch_size: int = 16, seed: int = 0, reasons: list | None = None,
+             counts: list | None = None) -> list[str]:
     """Completions of tokenized prompts: greedy (deterministic) unless temperature > 0. `reasons`, when given, gets
-    one entry per prompt: None, or why the answer is empty."""
+    one entry per prompt: None, or why the answer is empty; `counts`: the tokens each answer generated (its end of
+    sequence included, the padding after it not)."""
     from gpupoor.model.decoding import decoder_for
 
     device = next(model.parameters()).device
@@ -192,6 +199,8 @@ def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 6
                                         eos_token_id=tokenizer.eos_token_id, **sampling)[:, width:]
         decoded = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
         outputs += decoded
+        if counts is not None:
+            counts += [_generated(row.tolist(), tokenizer.eos_token_id) for row in new_tokens]
         if reasons is not None:
             reasons += [None if text.strip() else _why_empty(row.tolist(), tokenizer.eos_token_id, pad, max_new_tokens)
                         for row, text in zip(new_tokens, decoded)]

@@ -35,7 +35,12 @@ def test_eval_scores_the_base_and_the_tuned_model_on_the_runs_rows(run, tmp_path
         assert column["scores"]["exact"] == [float(a == e.strip()) for a, e in zip(answers, expected)]
         assert column["scores"]["my_metric:short"] == [float(len(a) < 20) for a in answers]
         assert len(column["general"]) == 2
+        # each of the 8 answers generated 1 to 8 tokens (--max-new-tokens 8), in a measured time
+        assert 8 <= column["answer_tokens"] <= 64 and column["answer_seconds"] > 0
     assert "eval loss" in result.output and "general questions kept" in result.output
+    rate = next(line for line in result.output.splitlines() if line.startswith("answer tokens/s")).split()[-2:]
+    assert [round(float(value), 1) for value in rate] == [
+        round(c["answer_tokens"] / c["answer_seconds"], 1) for c in (base, tuned)]
 
 
 def test_eval_refuses_what_it_cannot_score(run, tmp_path, monkeypatch):
