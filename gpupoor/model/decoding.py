@@ -93,6 +93,12 @@ def decoder_for(model) -> "Decoder | None":
     body = getattr(inner, "model", None)
     if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
         return None
+    # Weights read as they are, so each must be the module's own: an embedding or a norm behind a peft wrapper
+    # (modules_to_save, a LoRA embedding) would be read without what was trained in it.
+    norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if type(body.embed_tokens) is not torch.nn.Embedding or any(not type(n).__name__.endswith("RMSNorm")
+                                                                     for n in norms):
+        return None
     layers = []
     for layer in body.layers:
         attention, mlp = layer.self_attn, layer.mlp

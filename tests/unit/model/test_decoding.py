@@ -119,4 +119,10 @@ def test_models_it_does_not_cover_are_left_to_generate():
                                             feedforward_modules=["down_proj"]))
     gelu = llama(hidden_act="gelu")
     assert decoder_for(dora) is None and decoder_for(ia3) is None and decoder_for(gelu) is None
+    # trained copies behind peft's wrappers: the engine would read the originals
+    for saved in (["lm_head"], ["norm"], ["embed_tokens"]):
+        wrapped = get_peft_model(llama(), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=saved))
+        assert decoder_for(wrapped) is None, saved
+    embedding = get_peft_model(llama(), LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]))
+    assert decoder_for(embedding) is None
     assert decoder_for(llama()) is not None
