@@ -1,6 +1,7 @@
 """The decoding engine for the verbs that answer prompts: continuations of left-padded prompts, greedy or sampled,
-for the Llama-family decoder (llama, mistral, qwen2: RMSNorm, rotary positions, grouped-query attention, a gated
-SiLU MLP). What it does differently from transformers' `generate`, and why (docs/benchmarks.md, Generation):
+for the Llama-family decoder (llama, qwen2, mistral without a sliding window: RMSNorm, rotary positions,
+grouped-query attention, a gated SiLU MLP). What it does differently from transformers' `generate`, and why
+(docs/benchmarks.md, Generation):
 
 - a static KV cache, allocated once for the prompt and every new token: no tensor grows by concatenation;
 - a LoRA adapter merged into the weights it reads (W + s B A, once, in the weights' dtype), so a token costs the
@@ -9,9 +10,9 @@ SiLU MLP). What it does differently from transformers' `generate`, and why (docs
 
 The numbers are transformers' own: the model's rotary embedding and `apply_rotary_pos_emb`, its RMSNorm formula,
 SDPA. `decoder_for(model)` says whether a model is one it covers (else None: the caller keeps `model.generate`):
-its architecture and activation, no quantized linear, no adapter but LoRA, no sliding window shorter than the
-sequence. It reads the model's current weights when built: a caller whose weights change (GRPO's policy after an
-optimizer step) builds it again."""
+its architecture and activation, no quantized linear, no adapter but LoRA, no sliding window, no embedding or norm
+behind a peft wrapper. It reads the model's current weights when built: a caller whose weights change (GRPO's
+policy after an optimizer step) builds it again."""
 
 from __future__ import annotations
 
@@ -49,8 +50,7 @@ class Layer:
 
 def _base_model(model):
     """The transformers model under a peft wrapper (or the model itself)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _effective_linear(module) -> Linear | None:
